@@ -1,0 +1,165 @@
+"""`AllReduceFusion`: the fused op for one TP group and one model, with its workspace and
+its cached dispatch decision.
+
+An engine makes one per TP group after the process groups exist, calls `setup()` (and
+`reserve()` to grow) before CUDA-graph capture, asks `should_fuse(layer_id, tokens)` at every
+reduction point and calls `all_reduce_add_rms_norm(..., fuse=...)`, which always performs the
+all-reduce: fused when asked and possible, otherwise through the unfused reference path.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from fusion.dispatch import FusionDispatcher, FusionEnvironment
+from fusion.group import TensorParallelGroup
+from fusion.ops import allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
+from fusion.platform import device_capability, flashinfer_import_error
+from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
+
+logger = logging.getLogger(__name__)
+
+FUSION_BACKENDS = ("flashinfer", "torch")
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """What the user asked for (from ServerArgs, passed down as plain values)."""
+
+    enabled: bool = False
+    backend: str = "flashinfer"  # "flashinfer" (trtllm kernel) or "torch" (same math, any device)
+    max_tokens: int = 2048  # largest batch (tokens) the fused path takes; sizes the workspace
+    cache_size: int = 64  # bound of the (layer_id, batch_size) decision cache
+    deterministic: bool = False  # keeps NCCL's summation order: disables fusion
+    oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
+
+    def __post_init__(self) -> None:
+        if self.backend not in FUSION_BACKENDS:
+            raise ValueError(f"fusion backend must be one of {FUSION_BACKENDS}, got {self.backend!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"fusion max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class AllReduceFusion:
+    """All-reduce + residual add + RMSNorm for one TP group, fused where it pays."""
+
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        config: FusionConfig,
+        hidden_size: int,
+        dtype: torch.dtype,
+        workspace_factory: Optional[WorkspaceFactory] = None,
+    ) -> None:
+        self.group = group
+        self.config = config
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.workspace = AllReduceFusionWorkspace(group, workspace_factory)
+        self._uses_workspace = config.backend == "flashinfer"
+        self.dispatcher = FusionDispatcher(config.cache_size, self._environment(workspace_ready=False))
+
+    def _environment(self, workspace_ready: bool) -> FusionEnvironment:
+        cfg = self.config
+        enabled = cfg.enabled and not cfg.deterministic
+        disabled = (
+            "deterministic mode keeps NCCL's summation order, so fusion is off"
+            if cfg.deterministic
+            else FusionEnvironment.disabled_reason
+        )
+        return FusionEnvironment(
+            enabled=enabled,
+            backend=cfg.backend,
+            world_size=self.group.world_size,
+            spans_nodes=self.group.spans_nodes,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+            max_tokens=cfg.max_tokens,
+            device_sm=device_capability(self.group.device),
+            flashinfer_error=flashinfer_import_error() if cfg.backend == "flashinfer" else None,
+            workspace_ready=workspace_ready,
+            disabled_reason=disabled,
+        )
+
+    def setup(self) -> None:
+        """Collective: agree on whether fusion can run, create the workspace if it needs one.
+        Logs once (rank 0) why fusion stays off when it was asked for."""
+        env = self._environment(workspace_ready=True)  # everything but the workspace
+        reasons = self.group.all_gather_object(env.static_reason())
+        reason = next((r for r in reasons if r), None)  # identical on every rank
+        if reason is None and self._uses_workspace:
+            if not self.workspace.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
+                reason = f"workspace creation failed ({self.workspace.failure})"
+        if reason:
+            env = replace(env, enabled=False, disabled_reason=reason)
+        self.dispatcher.update_environment(env)
+        if self.config.enabled and reason and self.group.rank == 0:
+            logger.warning("all-reduce fusion was requested but runs unfused: %s", reason)
+
+    def reserve(self, max_tokens: int) -> bool:
+        """Collective: grow the workspace (and the fusion limit) to ``max_tokens``. Call before
+        CUDA-graph capture. Returns whether the fused path can take that many tokens."""
+        if self.dispatcher.environment.static_reason() is not None:
+            return False
+        if self._uses_workspace and not self.workspace.ensure(max_tokens, self.hidden_size, self.dtype):
+            reason = f"workspace growth failed ({self.workspace.failure})"
+            self.dispatcher.update_environment(replace(self.dispatcher.environment, enabled=False, disabled_reason=reason))
+            return False
+        limit = max(max_tokens, self.dispatcher.environment.max_tokens)
+        self.dispatcher.update_environment(replace(self.dispatcher.environment, max_tokens=limit))
+        return True
+
+    @property
+    def active(self) -> bool:
+        """True when some batch size can take the fused path."""
+        return self.dispatcher.environment.static_reason() is None
+
+    def should_fuse(self, layer_id: int, num_tokens: int) -> bool:
+        return self.dispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, num_tokens)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A plain (owed) all-reduce, in place."""
+        return self.group.all_reduce(x)
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, fuse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(sum(x) + residual), sum(x) + residual)``; ``x``/``residual`` consumed.
+        Fused when ``fuse`` and the input fits; otherwise the unfused reference path.
+        Either way the all-reduce happens exactly once."""
+        if fuse and (not self._uses_workspace or self.workspace.fits(x.shape[0], x.shape[-1], x.dtype)):
+            return allreduce_residual_rmsnorm(
+                x, residual, weight, eps,
+                group=self.group,
+                backend=self.config.backend,  # type: ignore[arg-type]
+                workspace=self.workspace.handle,
+                oneshot_max_input_bytes=self.config.oneshot_max_input_bytes,
+            )
+        return unfused_allreduce_residual_rmsnorm(x, residual, weight, eps, self.group)
+
+    def status(self) -> dict[str, Any]:
+        """What /get_server_info shows: whether the fused path is active and why not."""
+        env = self.dispatcher.environment
+        info = self.dispatcher.cache_info()
+        ws = self.workspace.shape
+        return {
+            "requested": self.config.enabled,
+            "active": self.active,
+            "backend": self.config.backend,
+            "reason_inactive": env.static_reason(),
+            "max_tokens": env.max_tokens,
+            "workspace": None if ws is None else {"max_tokens": ws.max_tokens, "hidden": ws.hidden, "dtype": str(ws.dtype)},
+            "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
+            "reductions": {
+                "total": self.group.counters.total,
+                "fused": self.group.counters.fused,
+                "flashinfer": self.group.counters.flashinfer,
+            },
+        }
+
+    def destroy(self) -> None:
+        """Free the workspace (call on every rank before destroying the process groups)."""
+        self.workspace.destroy()

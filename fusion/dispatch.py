@@ -1,0 +1,118 @@
+"""The cached decision: does this (layer, batch) use the fused all-reduce + residual + RMSNorm?
+
+`FusionDispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` answers
+from a `FusionEnvironment` that is identical on every rank (its inputs are rank-independent,
+and per-rank failures such as a workspace allocation are voted before they reach it), so the
+answer is identical on every rank. Answers sit in a bounded LRU (functools.lru_cache: a C
+implementation, ~0.1 us a hit) keyed on (layer_id, batch_size); it is cleared whenever the
+environment (workspace, tuning table) changes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fusion.platform import FUSED_KERNEL_SM_MAJORS, hidden_alignment_error
+from fusion.thresholds import max_fused_tokens
+
+
+@dataclass(frozen=True)
+class FusionEnvironment:
+    """Everything the decision depends on. The defaults describe a process with no TP group:
+    fusion off."""
+
+    enabled: bool = False
+    backend: str = "flashinfer"
+    world_size: int = 1
+    spans_nodes: bool = False
+    hidden_size: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    max_tokens: int = 0  # tokens the workspace (or, for the torch backend, the config) allows
+    device_sm: Optional[tuple[int, int]] = None
+    flashinfer_error: Optional[str] = None
+    workspace_ready: bool = False  # the flashinfer backend's IPC workspace exists on all ranks
+    disabled_reason: str = "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
+
+    def static_reason(self) -> Optional[str]:
+        """Why fusion can never run in this environment, whatever the batch; None if it can."""
+        if not self.enabled:
+            return self.disabled_reason
+        if self.world_size == 1:
+            return "TP size is 1: there is nothing to all-reduce"
+        if self.backend == "torch":
+            return None
+        if self.flashinfer_error:
+            return self.flashinfer_error
+        if self.device_sm is None:
+            return "no CUDA device: the flashinfer fused kernel needs an sm90/sm100 GPU"
+        if self.device_sm[0] not in FUSED_KERNEL_SM_MAJORS:
+            return f"GPU is sm{self.device_sm[0]}{self.device_sm[1]}; the fused kernel needs sm90 or sm100"
+        if self.spans_nodes:
+            return "the TP group spans nodes; the trtllm IPC workspace is single-node"
+        if self.hidden_size:
+            aligned = hidden_alignment_error(self.hidden_size, self.dtype)
+            if aligned:
+                return aligned
+        if not self.workspace_ready:
+            return "no fusion workspace (not created yet)"
+        return None
+
+
+class FusionDispatcher:
+    """Bounded-LRU cached fusion decision for one model (one hidden size and dtype)."""
+
+    def __init__(self, cache_size: int = 64, environment: Optional[FusionEnvironment] = None) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+        self.cache_size = cache_size
+        self._environment = environment or FusionEnvironment()
+        self._static_reason = self._environment.static_reason()
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._decide)
+
+    @property
+    def environment(self) -> FusionEnvironment:
+        return self._environment
+
+    def update_environment(self, environment: FusionEnvironment) -> None:
+        """Swap in a new environment (a workspace grew, a table changed) and clear the cache."""
+        self._environment = environment
+        self._static_reason = environment.static_reason()
+        self.cache_clear()
+
+    def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
+        """True when layer ``layer_id`` with ``batch_size`` tokens should defer its MLP
+        all-reduce into the next norm (and fuse its attention all-reduce into its own)."""
+        return self._cached(layer_id, batch_size)
+
+    def cache_info(self) -> functools._CacheInfo:
+        """(hits, misses, maxsize, currsize), as functools.lru_cache reports them."""
+        return self._cached.cache_info()
+
+    def cache_clear(self) -> None:
+        self._cached.cache_clear()
+
+    def why_not(self, layer_id: int, batch_size: int) -> Optional[str]:
+        """None when the fused path applies, else the reason it does not (uncached)."""
+        if layer_id < 0:
+            raise ValueError(f"layer_id must be >= 0, got {layer_id}")
+        if self._static_reason:
+            return self._static_reason
+        env = self._environment
+        if batch_size <= 0:
+            return "empty batch"
+        if batch_size > env.max_tokens:
+            return f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
+        if env.backend == "flashinfer":
+            limit = max_fused_tokens(env.world_size, env.hidden_size)
+            if limit is not None and batch_size > limit:
+                return (
+                    f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
+                    f"TP{env.world_size}"
+                )
+        return None
+
+    def _decide(self, layer_id: int, batch_size: int) -> bool:
+        return self.why_not(layer_id, batch_size) is None

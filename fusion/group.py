@@ -1,0 +1,102 @@
+"""The tensor-parallel group that the fused op reduces over.
+
+A `TensorParallelGroup` bundles the two process groups a TP rank needs:
+
+* ``device_group``: reduces activations (NCCL on GPU, gloo on CPU);
+* ``cpu_group``: a gloo group for small control traffic (votes, broadcasts of Python
+  objects) that must work even while the device group is busy or broken.
+
+It counts the activation reductions it performs so that tests can check that deferring a
+reduction (and fusing it later) never adds or drops one.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ReductionCounters:
+    """How many activation all-reduces ran through this group (eager calls only:
+    replays of a captured CUDA graph do not pass through Python)."""
+
+    total: int = 0  # every reduction of activations, fused or not
+    fused: int = 0  # those that ran inside a fused all-reduce + residual + RMSNorm op
+    flashinfer: int = 0  # those that ran in flashinfer's fused kernel
+
+    def reset(self) -> None:
+        self.total = self.fused = self.flashinfer = 0
+
+
+class TensorParallelGroup:
+    """Ranks ``0..world_size-1`` of one tensor-parallel group.
+
+    With ``world_size == 1`` no process group is needed and every collective is the identity.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        device_group: Optional[dist.ProcessGroup] = None,
+        cpu_group: Optional[dist.ProcessGroup] = None,
+        node_ids: Optional[list[Any]] = None,
+    ) -> None:
+        if world_size > 1 and (device_group is None or cpu_group is None):
+            raise ValueError("a TP group of world_size > 1 needs a device group and a CPU group")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a TP group of world_size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.device_group = device_group
+        self.cpu_group = cpu_group
+        self.node_ids = list(node_ids) if node_ids is not None else [0] * world_size
+        self.counters = ReductionCounters()
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when the ranks live on more than one node (CUDA IPC cannot reach them all)."""
+        return len(set(self.node_ids)) > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns ``x``."""
+        if self.world_size == 1:
+            return x
+        self.counters.total += 1
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_agree(self, ok: bool) -> bool:
+        """Vote over the CPU group: True only if ``ok`` is True on every rank."""
+        if self.world_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return bool(flag.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, over the CPU group."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as held by rank ``src`` (a group rank), on every rank, over the CPU group."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_group, src), group=self.cpu_group)
+        return box[0]
+
+    @staticmethod
+    def node_identity(node_rank: int) -> tuple[str, int]:
+        """What identifies this process's node: host name and the launcher's node rank."""
+        return (socket.gethostname(), node_rank)

@@ -1,0 +1,37 @@
+"""Checks on the inputs of the fused op, shared by every backend."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusion.errors import FusionInputError
+from fusion.platform import SUPPORTED_DTYPES
+
+
+def check_fusion_inputs(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """Raise `FusionInputError` naming the problem unless ``x`` is a contiguous
+    [tokens, hidden] tensor of a supported dtype, ``residual`` (if given) matches it exactly,
+    and ``weight`` is [hidden] of the same dtype and device."""
+    if x.dim() != 2:
+        raise FusionInputError(f"input must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise FusionInputError(f"input dtype {x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not x.is_contiguous():
+        raise FusionInputError("input must be contiguous (call .contiguous() first)")
+    hidden = x.shape[1]
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise FusionInputError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise FusionInputError(f"residual dtype {residual.dtype} != input dtype {x.dtype}")
+        if residual.device != x.device:
+            raise FusionInputError(f"residual is on {residual.device}, input on {x.device}")
+        if not residual.is_contiguous():
+            raise FusionInputError("residual must be contiguous")
+    if weight.shape != (hidden,):
+        raise FusionInputError(f"norm weight shape {tuple(weight.shape)} != ({hidden},), the input's hidden size")
+    if weight.dtype != x.dtype:
+        raise FusionInputError(f"norm weight dtype {weight.dtype} != input dtype {x.dtype}")
+    if weight.device != x.device:
+        raise FusionInputError(f"norm weight is on {weight.device}, input on {x.device}")

@@ -1,0 +1,96 @@
+"""Tensor-parallel process groups: one TP group per process, reached through `get_tp_group()`.
+
+`init_tensor_parallel` creates the device group (NCCL on GPU, gloo on CPU) and a gloo CPU
+group for votes and broadcasts, and records which node each rank runs on. The group owns the
+model's `AllReduceFusion` (``group.fusion``) once `init_allreduce_fusion` made it.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
+from fusion.workspace import WorkspaceFactory
+
+
+class ModelParallelGroup(TensorParallelGroup):
+    """A `TensorParallelGroup` that also carries the model's fusion op."""
+
+    fusion: Optional[AllReduceFusion] = None
+
+
+_TP_GROUP: Optional[ModelParallelGroup] = None
+
+
+def init_tensor_parallel(
+    world_size: int,
+    rank: int,
+    init_method: str = "env://",
+    device: Optional[torch.device] = None,
+    node_rank: int = 0,
+    timeout_s: float = 120.0,
+) -> ModelParallelGroup:
+    """Join a TP group of ``world_size`` ranks (all ranks of the job). ``device`` defaults to
+    ``cuda:<rank % local GPUs>`` when CUDA is available, else the CPU. ``timeout_s`` bounds
+    every collective, so a lost peer surfaces as an error instead of a hang."""
+    global _TP_GROUP
+    if _TP_GROUP is not None:
+        raise RuntimeError("the tensor-parallel group is already initialised")
+    if device is None:
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        _TP_GROUP = ModelParallelGroup(0, 1, device)
+        return _TP_GROUP
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    ranks = list(range(world_size))
+    device_group = dist.group.WORLD if backend == "gloo" else dist.new_group(ranks, backend="nccl", timeout=timeout)
+    cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    node_ids: list[object] = [None] * world_size
+    dist.all_gather_object(node_ids, TensorParallelGroup.node_identity(node_rank), group=cpu_group)
+    _TP_GROUP = ModelParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids)
+    return _TP_GROUP
+
+
+def get_tp_group() -> ModelParallelGroup:
+    """The TP group of this process; raises if `init_tensor_parallel` has not run."""
+    if _TP_GROUP is None:
+        raise RuntimeError("the tensor-parallel group is not initialised: call init_tensor_parallel first")
+    return _TP_GROUP
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP group, in place; returns ``x``."""
+    return get_tp_group().all_reduce(x)
+
+
+def init_allreduce_fusion(
+    config: FusionConfig, hidden_size: int, dtype: torch.dtype, workspace_factory: Optional[WorkspaceFactory] = None
+) -> AllReduceFusion:
+    """Collective: make the TP group's fusion op for a model of ``hidden_size`` and ``dtype``."""
+    group = get_tp_group()
+    if group.fusion is not None:
+        group.fusion.destroy()
+    group.fusion = AllReduceFusion(group, config, hidden_size, dtype, workspace_factory)
+    group.fusion.setup()
+    return group.fusion
+
+
+def destroy_tensor_parallel() -> None:
+    """Free the fusion workspace, then the process groups (in that order: IPC state held past
+    the process group can hang the exit)."""
+    global _TP_GROUP
+    if _TP_GROUP is None:
+        return
+    if _TP_GROUP.fusion is not None:
+        _TP_GROUP.fusion.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_GROUP = None

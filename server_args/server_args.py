@@ -1,0 +1,116 @@
+"""`ServerArgs`: every engine and server option, validated in one place.
+
+The CLI is generated from the fields: ``--field-name`` for each field, the field's description
+as help text, ``choices`` from ``Literal`` types, ``--flag`` for booleans. Values are never
+rewritten; a value that cannot work raises an error naming the field.
+"""
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Literal, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ServerArgsError(ValueError):
+    """An invalid option; the message names the option."""
+
+
+class ServerArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    # Model
+    model_path: str = Field("tiny", description="HF model directory, a .gguf file, or a built-in config name (tiny, llama3-8b, qwen2.5-0.5b)")
+    tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory or tokenizer.json (default: from the model)")
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
+    context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence (default: the model's)")
+    served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")
+    seed: int = Field(0, description="Seed for dummy weights and sampling")
+
+    # Parallelism
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel size (one process per GPU)")
+    nnodes: int = Field(1, ge=1, description="Number of nodes the TP group spans")
+    node_rank: int = Field(0, ge=0, description="This node's rank among nnodes")
+    dist_init_addr: Optional[str] = Field(None, description="host:port of node 0 for the torch.distributed rendezvous")
+    dist_timeout: float = Field(120.0, gt=0, description="Seconds before a stuck collective fails instead of hanging")
+
+    # Fusion
+    enable_flashinfer_allreduce_fusion: bool = Field(False, description="Fuse each TP all-reduce with the residual add and RMSNorm that follow it")
+    allreduce_fusion_backend: Literal["flashinfer", "torch"] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
+    allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
+    allreduce_fusion_cache_size: int = Field(64, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache")
+    deterministic: bool = Field(False, description="Keep NCCL's summation order: disables all-reduce fusion")
+
+    # Memory and scheduling
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="Fraction of GPU memory for weights and KV cache")
+    max_running_requests: int = Field(256, ge=1, description="Most requests decoded together")
+    max_prefill_tokens: int = Field(8192, ge=16, description="Most tokens one prefill step takes")
+    cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
+    disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
+
+    # Server
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(30000, ge=1, le=65535, description="HTTP port")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "ServerArgs":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (host:port of node 0) is required when nnodes > 1")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be divisible by nnodes {self.nnodes}")
+        if self.dist_init_addr is not None and self.dist_init_addr.rpartition(":")[2].isdigit() is False:
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.device == "cpu" and self.allreduce_fusion_backend == "flashinfer" and self.enable_flashinfer_allreduce_fusion:
+            raise ValueError("allreduce_fusion_backend 'flashinfer' needs a GPU; with device cpu use 'torch'")
+        return self
+
+    @property
+    def tp_size_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @classmethod
+    def from_cli(cls, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> "ServerArgs":
+        """Parse ``argv`` (default: sys.argv[1:]); raises `ServerArgsError` naming the option."""
+        parser = cls.build_parser(prog)
+        namespace = parser.parse_args(argv)
+        given = {k: v for k, v in vars(namespace).items() if v is not None}
+        return cls.validated(**given)
+
+    @classmethod
+    def validated(cls, **values: Any) -> "ServerArgs":
+        """``ServerArgs(**values)`` with errors as `ServerArgsError` naming each bad option."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                loc = ".".join(str(p) for p in err["loc"])
+                name = "--" + loc.replace("_", "-") if loc else "options"
+                problems.append(f"{name}: {err['msg']}")
+            raise ServerArgsError("invalid server arguments: " + "; ".join(problems)) from None
+
+    @classmethod
+    def build_parser(cls, prog: Optional[str] = None) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog, description="arfusion engine server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        for name, field in cls.model_fields.items():
+            flag = "--" + name.replace("_", "-")
+            help_text = field.description or ""
+            annotation = field.annotation
+            if annotation is bool:
+                parser.add_argument(flag, action="store_true", default=None, help=f"{help_text} (default: {field.default})")
+                continue
+            kwargs: dict[str, Any] = {"default": None, "help": f"{help_text} (default: {field.default})"}
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            inner = args[0] if typing.get_origin(annotation) is typing.Union else annotation
+            if typing.get_origin(inner) is Literal:
+                kwargs["choices"] = list(typing.get_args(inner))
+            elif inner in (int, float):
+                kwargs["type"] = inner
+            parser.add_argument(flag, **kwargs)
+        return parser

@@ -1,0 +1,83 @@
+"""Run one worker function per rank in spawned processes, with a hard timeout.
+
+Each rank joins a TP group over gloo (CPU) or NCCL (GPU) on a free localhost port, runs
+``worker(rank, world_size, *args)`` and reports its return value or its traceback. A rank
+that does not report within ``timeout_s`` fails the test in seconds, and every rank is killed.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: int, device_kind: str,
+                results: Any, args: tuple, node_ranks: Optional[list[int]]) -> None:
+    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    try:
+        device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+        node_rank = node_ranks[rank] if node_ranks else 0
+        init_tensor_parallel(world_size, rank, f"tcp://127.0.0.1:{port}", device=device, node_rank=node_rank, timeout_s=60)
+        results.put((rank, True, worker(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_tensor_parallel()
+        except Exception:
+            pass
+        results.close()
+        results.join_thread()
+        os._exit(0)  # skip interpreter teardown: a wedged NCCL/IPC destructor must not hang the test
+
+
+def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 90.0,
+                    device_kind: str = "cpu", node_ranks: Optional[list[int]] = None) -> list[Any]:
+    """``[worker's return value for rank r]``; raises AssertionError with a failing rank's traceback,
+    or TimeoutError naming the ranks that did not finish."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(worker, r, world_size, port, device_kind, results, args, node_ranks), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s (hang?)")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            outcome[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [outcome[r][1] for r in range(world_size)]
