@@ -34,7 +34,7 @@ def choose_oneshot(
     """True for one-shot. ``oneshot_max_input_bytes`` overrides the per-world-size threshold."""
     if num_tokens <= world_size:
         return True  # two-shot splits tokens across ranks and needs more tokens than ranks
-    itemsize = torch.tensor([], dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     input_bytes = num_tokens * hidden * itemsize
     lamport_bytes = num_tokens * hidden * world_size * (4 if dtype == torch.float32 else 2)
     if lamport_bytes > MAX_LAMPORT_COMM_BYTES:

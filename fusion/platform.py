@@ -38,7 +38,7 @@ def is_capturing_cuda_graph() -> bool:
 
 def hidden_alignment_error(hidden: int, dtype: torch.dtype) -> Optional[str]:
     """None when ``hidden`` elements of ``dtype`` are a whole number of 16-byte accesses."""
-    row_bytes = hidden * torch.tensor([], dtype=dtype).element_size()
+    row_bytes = hidden * dtype.itemsize
     if row_bytes % KERNEL_ACCESS_BYTES:
         return (
             f"hidden size {hidden} x {dtype} is {row_bytes} bytes per token, not a multiple of "

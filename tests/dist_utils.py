@@ -7,6 +7,7 @@ that does not report within ``timeout_s`` fails the test in seconds, and every r
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -31,7 +32,9 @@ def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: in
         device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
         node_rank = node_ranks[rank] if node_ranks else 0
         init_tensor_parallel(world_size, rank, f"tcp://127.0.0.1:{port}", device=device, node_rank=node_rank, timeout_s=60)
-        results.put((rank, True, worker(rank, world_size, *args)))
+        # Plain pickle (tensor data copied, not shared through fds that die with this process);
+        # a value that cannot be pickled fails here, visibly, not in the queue's feeder thread.
+        results.put((rank, True, pickle.dumps(worker(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -80,4 +83,4 @@ def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple
     failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcome.items()) if not ok]
     if failures:
         raise AssertionError("\n".join(failures))
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

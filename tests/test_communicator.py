@@ -1,0 +1,108 @@
+"""A toy 4-layer TP decoder on LayerCommunicator: fusion on (torch backend) vs off."""
+import pytest
+import torch
+
+from fusion import FusionConfig, reference
+from layers.communicator import LayerCommunicator
+from layers.layernorm import RMSNorm
+from layers.parallel_state import get_tp_group, init_allreduce_fusion
+from tests.tolerances import assert_close
+from tests.dist_utils import run_distributed
+
+HIDDEN, LAYERS, EPS = 64, 4, 1e-6
+
+
+def toy_weights(rank: int):
+    """Per layer: this rank's attention and MLP shards (its partial sums), and shared norm weights."""
+    g = torch.Generator().manual_seed(100 + rank)
+    shared = torch.Generator().manual_seed(7)
+    layers = []
+    for _ in range(LAYERS):
+        layers.append({
+            "attn": torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5,
+            "mlp": torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5,
+            "ln1": 1 + 0.1 * torch.randn(HIDDEN, generator=shared),
+            "ln2": 1 + 0.1 * torch.randn(HIDDEN, generator=shared),
+        })
+    final = 1 + 0.1 * torch.randn(HIDDEN, generator=shared)
+    return layers, final
+
+
+def toy_input(tokens: int) -> torch.Tensor:
+    return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+
+
+class ToyDecoder(torch.nn.Module):
+    """Each layer: attention = normed @ W_attn[rank] (partial), MLP = normed @ W_mlp[rank] (partial)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.weights, final = toy_weights(rank)
+        self.norms = []
+        self.comms = []
+        for i, w in enumerate(self.weights):
+            ln1, ln2 = RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS)
+            ln1.weight.data.copy_(w["ln1"])
+            ln2.weight.data.copy_(w["ln2"])
+            self.comms.append(LayerCommunicator(i, LAYERS, ln1, ln2))
+        self.final_norm = RMSNorm(HIDDEN, EPS)
+        self.final_norm.weight.data.copy_(final)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        residual = None
+        for w, comm in zip(self.weights, self.comms):
+            h, residual = comm.prepare_attn(h, residual)
+            h = h @ w["attn"]
+            h, residual = comm.prepare_mlp(h, residual)
+            h = h @ w["mlp"]
+            h, residual = comm.postprocess_layer(h, residual)
+        return self.comms[-1].prepare_final_norm(h, residual, self.final_norm)
+
+
+def reference_decoder(tokens: int, world_size: int) -> torch.Tensor:
+    """Single-process ground truth: the sums over ranks written out."""
+    per_rank = [toy_weights(r)[0] for r in range(world_size)]
+    final = toy_weights(0)[1]
+    h, residual = toy_input(tokens), None
+    for i in range(LAYERS):
+        if residual is None:
+            residual, h = h, reference.rms_norm(h, per_rank[0][i]["ln1"], EPS)
+        else:
+            h, residual = reference.add_rms_norm(h, residual, per_rank[0][i]["ln1"], EPS)
+        attn = sum(h @ per_rank[r][i]["attn"] for r in range(world_size))
+        h, residual = reference.add_rms_norm(attn, residual, per_rank[0][i]["ln2"], EPS)
+        h = sum(h @ per_rank[r][i]["mlp"] for r in range(world_size))
+    return reference.add_rms_norm(h, residual, final, EPS)[0]
+
+
+@torch.inference_mode()
+def _run_toy(rank, world_size, fusion_enabled, max_tokens):
+    group = get_tp_group()
+    fusion = init_allreduce_fusion(
+        FusionConfig(enabled=fusion_enabled, backend="torch", max_tokens=max_tokens), HIDDEN, torch.float32
+    )
+    model = ToyDecoder(rank)
+    out = {}
+    for tokens in (3, 24):
+        before = group.counters.total, group.counters.fused
+        out[tokens] = model(toy_input(tokens).clone())
+        out[(tokens, "reductions")] = group.counters.total - before[0]
+        out[(tokens, "fused")] = group.counters.fused - before[1]
+        assert_close(out[tokens], reference_decoder(tokens, world_size))
+    out["status"] = fusion.status()
+    return out
+
+
+@pytest.mark.parametrize("max_tokens", [2048, 16])  # 16: 3 tokens fuse, 24 tokens fall back
+def test_fusion_on_equals_off_with_the_same_reductions(max_tokens):
+    on = run_distributed(_run_toy, args=(True, max_tokens))
+    off = run_distributed(_run_toy, args=(False, max_tokens))
+    for tokens in (3, 24):
+        for rank in range(2):
+            assert_close(on[rank][tokens], off[rank][tokens])
+            assert on[rank][(tokens, "reductions")] == off[rank][(tokens, "reductions")] == 2 * LAYERS
+            assert off[rank][(tokens, "fused")] == 0
+    assert on[0][(3, "fused")] == 2 * LAYERS, "every reduction point fuses when the decision says so"
+    expected_fused_24 = 2 * LAYERS if max_tokens >= 24 else 0
+    assert on[0][(24, "fused")] == expected_fused_24
+    assert on[0]["status"]["active"] and not off[0]["status"]["active"]

@@ -1,0 +1,82 @@
+"""Workspace lifecycle: votes over the CPU group, failure on one rank, growth, destroy."""
+import torch
+
+from fusion import AllReduceFusionWorkspace, FusionConfig
+from layers.parallel_state import get_tp_group, init_allreduce_fusion
+from tests.dist_utils import run_distributed
+from tests.tolerances import assert_close
+
+
+class FakeHandle:
+    destroyed: list = []
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    def destroy(self) -> None:
+        FakeHandle.destroyed.append(self.max_tokens)
+
+
+def fail_on_rank(bad_rank: int):
+    def factory(group, max_tokens, hidden, dtype):
+        if group.rank == bad_rank:
+            raise RuntimeError("injected allocation failure")
+        return FakeHandle(max_tokens)
+    return factory
+
+
+def _lifecycle(rank, world_size):
+    group = get_tp_group()
+    ws = AllReduceFusionWorkspace(group, fail_on_rank(bad_rank=-1))
+    assert ws.ensure(64, 128, torch.bfloat16)
+    assert ws.fits(64, 128, torch.bfloat16) and not ws.fits(65, 128, torch.bfloat16)
+    assert ws.ensure(32, 128, torch.bfloat16) and ws.shape.max_tokens == 64, "never shrinks"
+    assert ws.ensure(256, 128, torch.bfloat16) and ws.shape.max_tokens == 256, "grows"
+    assert FakeHandle.destroyed == [64], "the old workspace is destroyed when it grows"
+    ws.destroy()
+    ws.destroy()
+    assert FakeHandle.destroyed == [64, 256] and not ws.ready
+    return True
+
+
+def test_workspace_grows_never_shrinks_and_destroys_once():
+    assert run_distributed(_lifecycle) == [True, True]
+
+
+def _one_rank_fails(rank, world_size):
+    group = get_tp_group()
+    ws = AllReduceFusionWorkspace(group, fail_on_rank(bad_rank=1))
+    ok = ws.ensure(64, 128, torch.bfloat16)
+    return ok, ws.ready, ws.failure
+
+
+def test_failure_on_one_rank_makes_all_fall_back_without_hang():
+    results = run_distributed(_one_rank_fails, timeout_s=60)
+    for ok, ready, failure in results:
+        assert ok is False and ready is False
+        assert "rank 1" in failure and "injected allocation failure" in failure
+
+
+def _fusion_falls_back_together(rank, world_size):
+    import fusion.allreduce_fusion as af
+
+    # Pretend this CPU rank had flashinfer and an sm90 GPU, so setup reaches the workspace.
+    af.flashinfer_import_error = lambda: None
+    af.device_capability = lambda device: (9, 0)
+    group = get_tp_group()
+    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer"), 64, torch.float32, fail_on_rank(0))
+    assert not fusion.active and "workspace creation failed" in fusion.status()["reason_inactive"]
+    assert not fusion.should_fuse(0, 4)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank)) + 1
+    residual = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5
+    expected_sum = sum(torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) + 1 for r in range(world_size))
+    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, fuse=False)
+    assert_close(res, expected_sum + residual)
+    assert group.counters.total == 1
+    return fusion.status()["reason_inactive"]
+
+
+def test_fusion_setup_failure_falls_back_on_every_rank():
+    reasons = run_distributed(_fusion_falls_back_together, timeout_s=60)
+    assert reasons[0] == reasons[1]
