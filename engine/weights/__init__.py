@@ -1,0 +1,23 @@
+"""Weight loading: a model path -> (`ModelConfig`, iterator of full HF-named tensors).
+
+`load_model_weights` dispatches on the format (safetensors directory, GGUF file, dummy);
+`load_gguf_tokenizer` builds the tokenizer stored in a GGUF file.
+"""
+from engine.weights.gguf_loader import UnsupportedTensorTypeError, load_gguf, unpermute_qk
+from engine.weights.gguf_names import MissingMetadataError
+from engine.weights.gguf_tokenizer import GGUFTokenizer, load_gguf_tokenizer
+from engine.weights.loader import load_model_weights, resolve_load_format
+from engine.weights.safetensors_loader import load_safetensors, read_hf_config
+
+__all__ = [
+    "GGUFTokenizer",
+    "MissingMetadataError",
+    "UnsupportedTensorTypeError",
+    "load_gguf",
+    "load_gguf_tokenizer",
+    "load_model_weights",
+    "load_safetensors",
+    "read_hf_config",
+    "resolve_load_format",
+    "unpermute_qk",
+]
