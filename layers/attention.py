@@ -1,0 +1,93 @@
+"""Causal attention over a token-slot KV cache, in torch (scaled_dot_product_attention).
+
+For new token t of sequence i at position p (p = seq_lens[i] - extend_lens[i] + j for its j-th
+new token), with the sequence's keys K_i = k_cache[req_to_token[i, :seq_lens[i]]]:
+
+    out_t = softmax(q_t . K_i[:p+1]^T * scale) @ V_i[:p+1]
+
+per query head, query head h reading KV head h // (num_heads / num_kv_heads) (GQA).
+First the new keys and values are written to their slots (``slot_mapping``), in place.
+
+Decode runs batched with static shapes: all sequences' keys gathered to
+``[B, max_context, ...]`` and masked by ``seq_lens`` (CUDA-graph capturable). Extend (prefill)
+loops over the sequences, each with a bottom-right-aligned causal mask.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AttentionBatch(Protocol):
+    """The batch fields attention reads (engine.forward_batch.ForwardBatch has them)."""
+
+    @property
+    def is_decode(self) -> bool: ...
+
+    seq_lens: torch.Tensor  # [B]
+    extend_lens: torch.Tensor  # [B]
+    slot_mapping: torch.Tensor  # [T]
+    req_to_token: torch.Tensor  # [B, max_context]
+
+
+class Attention(nn.Module):
+    """Attention of this rank's ``num_heads`` query heads over its ``num_kv_heads`` KV heads."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """``q [T, num_heads*head_dim]``, ``k, v [T, num_kv_heads*head_dim]`` -> ``[T, num_heads*head_dim]``.
+        Writes k and v into ``k_cache``/``v_cache`` ``[num_slots, num_kv_heads, head_dim]`` at
+        ``batch.slot_mapping``."""
+        tokens = q.shape[0]
+        k_cache.index_copy_(0, batch.slot_mapping, k.reshape(tokens, self.num_kv_heads, self.head_dim))
+        v_cache.index_copy_(0, batch.slot_mapping, v.reshape(tokens, self.num_kv_heads, self.head_dim))
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        if batch.is_decode:
+            out = self._decode(q, k_cache, v_cache, batch)
+        else:
+            out = self._extend(q, k_cache, v_cache, batch)
+        return out.reshape(tokens, self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """One query per sequence; keys ``[B, kv_heads, max_context, head_dim]`` masked to ``seq_lens``."""
+        context = batch.req_to_token.shape[1]
+        keys = k_cache[batch.req_to_token].transpose(1, 2)
+        values = v_cache[batch.req_to_token].transpose(1, 2)
+        valid = torch.arange(context, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, C]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale, enable_gqa=True
+        )  # [B, heads, 1, head_dim]
+        return out.squeeze(2)
+
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """Per sequence: its new queries against all its keys, causal with the cached prefix visible."""
+        out = torch.empty_like(q)
+        start = 0
+        for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
+            slots = batch.req_to_token[i, :seq_len]
+            qi = q[start:start + new].transpose(0, 1)  # [heads, new, head_dim]
+            ki = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            vi = v_cache[slots].transpose(0, 1)
+            if new == seq_len:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                query_pos = torch.arange(seq_len - new, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [new, seq_len]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start:start + new] = oi.transpose(0, 1)
+            start += new
+        return out

@@ -1,0 +1,91 @@
+"""Rotary position embedding, NeoX (half-split) style, as Llama, Qwen2 and Mistral use.
+
+For a head vector x of size d (the rotary dim) at position p, with x1 = x[:d/2], x2 = x[d/2:]
+and angle_i = p * inv_freq_i, inv_freq_i = theta ** (-2i / d):
+
+    out[:d/2] = x1 * cos(angle) - x2 * sin(angle)
+    out[d/2:] = x2 * cos(angle) + x1 * sin(angle)
+
+Llama-3 scaling (``rope_scaling = {"rope_type": "llama3", "factor", "low_freq_factor",
+"high_freq_factor", "original_max_position_embeddings"}``) rescales inv_freq by wavelength
+(wavelen = 2*pi / inv_freq, L = original_max_position_embeddings):
+
+    wavelen < L / high_freq_factor   keep inv_freq
+    wavelen > L / low_freq_factor    inv_freq / factor
+    otherwise                        (1 - s) * inv_freq / factor + s * inv_freq,
+                                     s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+Angles are computed from the positions at every call (fp32), so no position table bounds the
+context and the op has static shapes for CUDA graphs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """``theta ** (-2i / head_dim)`` for i in 0..head_dim/2-1, fp32."""
+    if head_dim % 2:
+        raise ValueError(f"rotary dim must be even, got {head_dim}")
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def llama3_scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama-3's wavelength-dependent rescaling of ``inv_freq`` (see the module docstring)."""
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    if high <= low:
+        raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got {high} <= {low}")
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
+
+
+def scaled_inv_freq(head_dim: int, theta: float, rope_scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    """inv_freq for a model's config; ValueError for a scaling type this module does not implement."""
+    inv_freq = rope_inv_freq(head_dim, theta)
+    if not rope_scaling:
+        return inv_freq
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "llama3":
+        return llama3_scale_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies NeoX-style rotary embedding to the query and key heads."""
+
+    def __init__(self, head_dim: int, rope_theta: float = 10000.0, rope_scaling: Optional[dict[str, Any]] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", scaled_inv_freq(head_dim, rope_theta, rope_scaling).to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``positions[:, None] * inv_freq``: ``[T, head_dim/2]`` each, fp32."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return angles.cos(), angles.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, heads*head_dim]``, ``k [T, kv_heads*head_dim]`` -> rotated copies (same
+        shapes and dtype); the rotation runs in fp32."""
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        heads = x.view(tokens, -1, self.head_dim).float()
+        x1, x2 = heads.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype).view(tokens, -1)
