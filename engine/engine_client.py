@@ -1,0 +1,54 @@
+"""The interface between the HTTP server and the engine (the scheduler thread on TP rank 0).
+
+The server only sees `EngineClient`: it submits token ids with `SamplingParams` and iterates
+`GenerationChunk`s; it never touches the model, the KV cache or torch.distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Protocol
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationChunk:
+    """New output since the previous chunk of the same request."""
+
+    text: str  # detokenized text delta (stop strings already cut)
+    token_ids: list[int]  # new output token ids
+    prompt_tokens: int
+    completion_tokens: int  # output tokens so far
+    finish_reason: Optional[str] = None  # None while running; "stop" or "length" or "abort" at the end
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class EngineClient(Protocol):
+    model_name: str
+    context_length: int  # prompt + output tokens one request may hold
+    tokenizer: TokenizerLike
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Submit a request; chunks until one with ``finish_reason`` set. Cancelling the
+        iteration (client disconnect) aborts the request and frees its KV slots."""
+        ...
+
+    async def flush_cache(self) -> bool:
+        """Drop cached state (prefix reuse); False while requests are running."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """Server args, fusion status (active, why not, dispatch cache stats), memory, load."""
+        ...
+
+    def is_healthy(self) -> bool:
+        """False once a TP worker died or the scheduler stopped."""
+        ...
