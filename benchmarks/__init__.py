@@ -1,0 +1,1 @@
+"""Benchmarks of arfusion: kernels, one batch, serving, accuracy."""
