@@ -1,0 +1,1 @@
+"""MMLU few-shot multiple-choice evaluation over the OpenAI completions API."""

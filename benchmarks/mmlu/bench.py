@@ -1,0 +1,180 @@
+"""MMLU few-shot multiple-choice accuracy against an OpenAI-compatible server.
+
+    python -m benchmarks.mmlu --data-dir /work/shared/data/mmlu --port 30000
+
+``--data-dir`` holds ``test/<subject>_test.csv`` and ``dev/<subject>_dev.csv`` (the Hendrycks
+release; this project's copy is ``/work/shared/data/mmlu``, see ``/work/shared/data/SOURCES.md``).
+The shots are the first ``--num-shots`` dev rows of the same subject (5, or 0 for zero-shot);
+``--examples`` caps the test rows per subject; ``--subjects`` keeps only the named subjects.
+Greedy decoding of ``--max-tokens`` tokens; the letter is parsed by `scoring.parse_letter`.
+Prints a per-subject table, the overall accuracy (all questions pooled) and the mean of the
+per-subject accuracies; ``--result-file`` appends one JSON line per run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from benchmarks.client import CompletionClient, ServerError, base_url, gather_with_progress
+from benchmarks.mmlu import scoring
+
+
+@dataclass
+class SubjectData:
+    """One subject's shots and test questions."""
+
+    name: str
+    shots: list[scoring.McQuestion]
+    questions: list[scoring.McQuestion]
+
+
+@dataclass
+class MmluResult:
+    """Pooled metrics (fractions), per-subject accuracy, and one record per question."""
+
+    accuracy: float
+    invalid: float
+    macro_accuracy: float
+    latency_s: float
+    num_questions: int
+    num_shots: int
+    subjects: dict[str, dict[str, float]]
+    records: list[dict[str, Any]] = field(repr=False)
+
+    def metrics(self) -> dict[str, Any]:
+        """Everything but the records."""
+        return {k: v for k, v in asdict(self).items() if k != "records"}
+
+
+def list_subjects(data_dir: Path) -> list[str]:
+    """Subjects with a ``test/<subject>_test.csv`` file, sorted."""
+    test_dir = data_dir / "test"
+    if not test_dir.is_dir():
+        raise SystemExit(f"{data_dir} has no test/ directory (expected test/<subject>_test.csv and dev/<subject>_dev.csv)")
+    return sorted(p.name[: -len("_test.csv")] for p in test_dir.glob("*_test.csv"))
+
+
+def load_subjects(data_dir: Path, subjects: Optional[Sequence[str]], num_shots: int, examples: Optional[int]) -> list[SubjectData]:
+    """Read the chosen subjects; unknown subjects and too few dev rows are errors."""
+    available = list_subjects(data_dir)
+    chosen = list(subjects) if subjects else available
+    unknown = sorted(set(chosen) - set(available))
+    if unknown:
+        raise SystemExit(f"unknown subjects {unknown}; {data_dir / 'test'} has {len(available)} subjects")
+    if not chosen:
+        raise SystemExit(f"no *_test.csv files in {data_dir / 'test'}")
+    loaded = []
+    for name in chosen:
+        questions = scoring.read_csv(data_dir / "test" / f"{name}_test.csv")[:examples]
+        shots: list[scoring.McQuestion] = []
+        if num_shots > 0:
+            dev_path = data_dir / "dev" / f"{name}_dev.csv"
+            if not dev_path.exists():
+                raise SystemExit(f"--num-shots {num_shots} needs {dev_path}")
+            shots = scoring.read_csv(dev_path)[:num_shots]
+            if len(shots) < num_shots:
+                raise SystemExit(f"--num-shots {num_shots} but {dev_path} has only {len(shots)} rows")
+        loaded.append(SubjectData(name, shots, questions))
+    return loaded
+
+
+async def evaluate(
+    url: str, subjects: Sequence[SubjectData], parallel: int, max_tokens: int, temperature: float,
+    seed: Optional[int] = None, progress: bool = True,
+) -> MmluResult:
+    """Ask every question of every subject; a question is correct when the parsed letter matches."""
+    items = [(s, i, q) for s in subjects for i, q in enumerate(s.questions)]
+    if not items:
+        raise SystemExit("no MMLU questions selected")
+    async with CompletionClient(url, max_concurrency=parallel) as client:
+        start = time.perf_counter()
+        completions = await gather_with_progress(
+            (client.complete(scoring.build_prompt(s.name, s.shots, q), max_tokens=max_tokens,
+                             temperature=temperature, seed=seed) for s, _, q in items),
+            desc="mmlu", disable=not progress,
+        )
+        latency = time.perf_counter() - start
+    records = []
+    for (s, i, q), c in zip(items, completions):
+        letter = scoring.parse_letter(c.text)
+        records.append({"id": f"{s.name}/{i}", "subject": s.name, "generation": c.text,
+                        "prediction": letter, "label": q.answer, "correct": letter == q.answer})
+    per_subject: dict[str, dict[str, float]] = {}
+    for s in subjects:
+        mine = [r for r in records if r["subject"] == s.name]
+        if mine:
+            per_subject[s.name] = {
+                "questions": len(mine),
+                "accuracy": sum(r["correct"] for r in mine) / len(mine),
+                "invalid": sum(r["prediction"] is None for r in mine) / len(mine),
+            }
+    n = len(records)
+    return MmluResult(
+        accuracy=sum(r["correct"] for r in records) / n,
+        invalid=sum(r["prediction"] is None for r in records) / n,
+        macro_accuracy=sum(v["accuracy"] for v in per_subject.values()) / len(per_subject),
+        latency_s=latency, num_questions=n, num_shots=max(len(s.shots) for s in subjects),
+        subjects=per_subject, records=records,
+    )
+
+
+def format_table(result: MmluResult) -> str:
+    """Per-subject rows, then the pooled and the mean-of-subjects accuracy."""
+    width = max([len("overall (pooled)")] + [len(s) for s in result.subjects])
+    lines = [f"{'subject':<{width}}  {'questions':>9}  {'accuracy':>8}  {'invalid':>7}"]
+    for name, row in result.subjects.items():
+        lines.append(f"{name:<{width}}  {row['questions']:>9}  {row['accuracy']:>8.3f}  {row['invalid']:>7.3f}")
+    lines.append("-" * len(lines[0]))
+    lines.append(f"{'overall (pooled)':<{width}}  {result.num_questions:>9}  {result.accuracy:>8.3f}  {result.invalid:>7.3f}")
+    lines.append(f"{'mean of subjects':<{width}}  {len(result.subjects):>9}  {result.macro_accuracy:>8.3f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> MmluResult:
+    """Load the data named by ``args`` (from `build_parser`), evaluate, print, append the result."""
+    subjects = args.subjects.replace(",", " ").split() if args.subjects else None
+    data = load_subjects(Path(args.data_dir), subjects, args.num_shots, args.examples)
+    result = asyncio.run(evaluate(base_url(args.host, args.port), data, args.parallel, args.max_tokens,
+                                  args.temperature, args.seed, progress=not args.no_progress))
+    print(format_table(result))
+    print(f"Accuracy: {result.accuracy:.3f}")
+    print(f"Invalid: {result.invalid:.3f}")
+    print(f"Latency: {result.latency_s:.3f} s")
+    if args.result_file:
+        with open(args.result_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"task": "mmlu", "data_dir": str(args.data_dir), **result.metrics()}) + "\n")
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mmlu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="directory with test/ and dev/ subdirectories of <subject>_{test,dev}.csv")
+    p.add_argument("--num-shots", type=int, default=5, help="dev examples per prompt (0-5)")
+    p.add_argument("--examples", type=int, default=None, help="at most N test questions per subject (default: all)")
+    p.add_argument("--subjects", default=None, help="comma- or space-separated subjects (default: all)")
+    p.add_argument("--parallel", type=int, default=64, help="concurrent requests")
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--result-file", help="append the metrics as one JSON line")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_shots < 0 or args.parallel < 1 or (args.examples is not None and args.examples < 1):
+        raise SystemExit("--num-shots must be >= 0, --parallel and --examples >= 1")
+    try:
+        run(args)
+    except ServerError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return 0
