@@ -103,8 +103,9 @@ def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tup
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     first = GGUFReader(path)
+    shard_paths = gguf_shard_paths(path, first)  # before reading metadata: only the first shard has it
     arch = gguf_architecture(first, str(path))
-    readers = [first] + [GGUFReader(p) for p in gguf_shard_paths(path, first)[1:]]
+    readers = [first] + [GGUFReader(p) for p in shard_paths[1:]]
     for reader in readers:
         for t in reader.tensors:
             hf_tensor_name(t.name)  # raises for unknown names before any tensor is loaded

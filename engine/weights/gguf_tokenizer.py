@@ -109,19 +109,15 @@ def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], types: list[int], 
 
 
 def _post_processor(tokens: list[str], bos: Optional[int], eos: Optional[int], add_bos: bool, add_eos: bool):
-    """HF-style TemplateProcessing that prepends BOS / appends EOS; None when neither is added."""
-    pieces: list[tuple[str, int]] = []
-    if add_bos and bos is not None:
-        pieces.append((tokens[bos], bos))
-    if add_eos and eos is not None:
-        pieces.append((tokens[eos], eos))
-    if not pieces:
+    """HF-style TemplateProcessing: ``[BOS] $A [EOS]`` (pairs: ``... [BOS] $B [EOS]``); None when nothing is added."""
+    head = [bos] if add_bos and bos is not None else []
+    tail = [eos] if add_eos and eos is not None else []
+    if not head and not tail:
         return None
-    head = f"{tokens[bos]} " if add_bos and bos is not None else ""
-    tail = f" {tokens[eos]}" if add_eos and eos is not None else ""
-    return processors.TemplateProcessing(
-        single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B:1{tail}:1", special_tokens=pieces
-    )
+    single = [tokens[i] for i in head] + ["$A"] + [tokens[i] for i in tail]
+    pair = single + [f"{tokens[i]}:1" for i in head] + ["$B:1"] + [f"{tokens[i]}:1" for i in tail]
+    specials = [(tokens[i], i) for i in dict.fromkeys(head + tail)]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def load_gguf_tokenizer(path: Union[str, Path]) -> GGUFTokenizer:
