@@ -1,0 +1,34 @@
+"""Seeded random weights for a `ModelConfig` (``--load-format dummy``), in HF names.
+
+Tensor k (in `hf_weight_shapes` order) is drawn from its own generator seeded with
+``seed * 1_000_003 + k``, in full (unsharded) shape, so every rank draws the same tensor and
+TP1 and TPn models built from the same seed are the same model (for a given device type:
+CPU and CUDA generators differ). Values:
+
+    norm weights   1 + 0.1 * N(0, 1)          (around 1, never exactly 1)
+    everything else  std * N(0, 1)            (std 0.02: activations stay small and finite)
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.llama import hf_weight_shapes
+
+DUMMY_STD = 0.02
+
+
+def dummy_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  device: Optional[torch.device] = None, std: float = DUMMY_STD) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every weight of ``config``, one tensor at a time."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    for k, (name, shape) in enumerate(hf_weight_shapes(config).items()):
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + k)
+        values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * values
+        else:
+            values = values * std
+        yield name, values.to(dtype)

@@ -1,0 +1,191 @@
+"""The tensor-parallel Llama-family model: TP1 and TP2 against a dense float64 reference and
+against each other, fused against unfused all-reduces, and weight-loading errors.
+
+Two small models (fp32, dummy weights): a Llama with Llama-3 rope scaling (which matters at
+these positions) and a Qwen2-style one (q/k/v bias, tied embeddings, one KV head replicated at
+TP2). Each runs a batch of three sequences of different lengths: a prefill (one prompt
+chunked), a mixed step (a chunk after a cached prefix plus two decodes), then greedy decode.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from engine.models.config import ModelConfig
+from engine.models.registry import build_model
+from engine.weights.dummy import dummy_weights
+from fusion import FusionConfig
+from layers.parallel_state import get_tp_group, init_allreduce_fusion
+from layers.rotary_embedding import scaled_inv_freq
+from tests.dist_utils import run_distributed
+
+DECODE_STEPS = 32
+NUM_SLOTS = 256
+PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]
+
+LLAMA = ModelConfig(
+    architecture="LlamaForCausalLM", hidden_size=128, num_hidden_layers=3, num_attention_heads=8,
+    num_key_value_heads=4, intermediate_size=256, vocab_size=264, rope_theta=10000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16},
+)
+QWEN = ModelConfig(
+    architecture="Qwen2ForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=1, intermediate_size=128, vocab_size=264, rms_norm_eps=1e-6, rope_theta=1e6,
+    tie_word_embeddings=True, attention_bias=True,
+)
+CONFIGS = {"llama": LLAMA, "qwen": QWEN}
+
+
+def _run(model, steps: int) -> dict:
+    """The scenario of the module docstring; every logits row with its (sequence, position)."""
+    group = get_tp_group()
+    cache = model.allocate_kv_cache(NUM_SLOTS)
+    free = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(7)).tolist()
+    seqs = [list(p) for p in PROMPTS]
+    slots: list[list[int]] = [[] for _ in PROMPTS]
+    rows, logits = [], []
+    group.counters.reset()
+
+    def step(chunks: list[tuple[int, list[int]]]) -> list[int]:
+        for s, new in chunks:
+            slots[s].extend(free.pop() for _ in new)
+        batch = ForwardBatch.from_lists([new for _, new in chunks], [slots[s] for s, _ in chunks])
+        out = model(batch, cache)
+        assert out.dtype == torch.float32 and out.shape == (len(chunks), model.config.vocab_size)
+        rows.extend((s, len(slots[s]) - 1) for s, _ in chunks)
+        logits.append(out)
+        return out.argmax(dim=-1).tolist()
+
+    first = step([(0, seqs[0]), (1, seqs[1]), (2, seqs[2][:4])])
+    for s in (0, 1):
+        seqs[s].append(first[s])
+    mixed = step([(0, seqs[0][-1:]), (1, seqs[1][-1:]), (2, seqs[2][4:])])
+    for s, token in enumerate(mixed):
+        seqs[s].append(token)
+    for _ in range(steps):
+        tokens = step([(s, seqs[s][-1:]) for s in range(3)])
+        for s, token in enumerate(tokens):
+            seqs[s].append(token)
+    return {"logits": torch.cat(logits), "rows": rows, "tokens": seqs, "forwards": len(logits),
+            "all_reduces": group.counters.total, "fused": group.counters.fused}
+
+
+def _build(config: ModelConfig):
+    model = build_model(config)
+    model.load_weights(dummy_weights(config, seed=3))
+    return model
+
+
+def _tp_worker(rank: int, world: int) -> dict:
+    unfused = {name: _run(_build(cfg), DECODE_STEPS) for name, cfg in CONFIGS.items()}
+    if world == 1:
+        return {"unfused": unfused}
+    fused = {}
+    for name, cfg in CONFIGS.items():
+        init_allreduce_fusion(FusionConfig(enabled=True, backend="torch"), cfg.hidden_size, torch.float32)
+        fused[name] = _run(_build(cfg), DECODE_STEPS)
+    return {"unfused": unfused, "fused": fused, "load_errors": _load_errors()}
+
+
+def _load_errors() -> dict[str, str]:
+    weights = dict(dummy_weights(LLAMA, seed=3))
+    bad = {
+        "missing": {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
+        "extra": {**weights, "model.layers.0.mlp.extra_proj.weight": torch.ones(2, 2)},
+        "shape": {**weights, "model.layers.2.self_attn.k_proj.weight": torch.ones(64, 129)},
+    }
+    messages = {}
+    for case, tensors in bad.items():
+        with pytest.raises(ValueError) as err:
+            build_model(LLAMA).load_weights(tensors.items())
+        messages[case] = str(err.value)
+    skipped = {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    build_model(LLAMA).load_weights(skipped.items())
+    qwen = dict(dummy_weights(QWEN, seed=3))
+    build_model(QWEN).load_weights({**qwen, "lm_head.weight": qwen["model.embed_tokens.weight"]}.items())
+    return messages
+
+
+@pytest.fixture(scope="module")
+def tp1() -> dict:
+    return run_distributed(_tp_worker, world_size=1, timeout_s=60)[0]
+
+
+@pytest.fixture(scope="module")
+def tp2() -> list[dict]:
+    return run_distributed(_tp_worker, world_size=2, timeout_s=90)
+
+
+def _reference_logits(config: ModelConfig, ids: list[int]) -> torch.Tensor:
+    """Dense float64 forward over a whole sequence, from the HF-named weights: ``[len, vocab]``."""
+    w = {k: v.double() for k, v in dummy_weights(config, seed=3)}
+    n, d = len(ids), config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * weight
+
+    def proj(x, name):
+        return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * scaled_inv_freq(d, config.rope_theta, config.rope_scaling).double()
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+
+    def rope(x):  # HF's rotate_half form
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = rope(proj(h, p + "self_attn.q_proj").view(n, heads, d))
+        k = rope(proj(h, p + "self_attn.k_proj").view(n, kv_heads, d)).repeat_interleave(heads // kv_heads, 1)
+        v = proj(h, p + "self_attn.v_proj").view(n, kv_heads, d).repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+        attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+        x = x + proj(attn.reshape(n, heads * d), p + "self_attn.o_proj")
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        x = x + proj(F.silu(proj(h, p + "mlp.gate_proj")) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
+    return rms(x, w["model.norm.weight"]) @ head.T
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp1_matches_dense_reference(tp1, name):
+    run = tp1["unfused"][name]
+    reference = {s: _reference_logits(CONFIGS[name], seq[:-1]) for s, seq in enumerate(run["tokens"])}
+    expected = torch.stack([reference[s][pos] for s, pos in run["rows"]]).float()
+    torch.testing.assert_close(run["logits"], expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp2_equals_tp1(tp1, tp2, name):
+    single, (rank0, rank1) = tp1["unfused"][name], [r["unfused"][name] for r in tp2]
+    assert rank0["tokens"] == single["tokens"]
+    torch.testing.assert_close(rank0["logits"], single["logits"], rtol=1e-5, atol=2e-6)
+    assert torch.equal(rank0["logits"], rank1["logits"]), "gathered logits are identical on every rank"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fusion_changes_nothing_but_where_reductions_run(tp2, name):
+    unfused, fused = tp2[0]["unfused"][name], tp2[0]["fused"][name]
+    layers = CONFIGS[name].num_hidden_layers
+    assert fused["tokens"] == unfused["tokens"], "greedy tokens over 32 decode steps"
+    torch.testing.assert_close(fused["logits"], unfused["logits"], rtol=1e-6, atol=1e-6)
+    expected_reductions = unfused["forwards"] * (1 + 2 * layers)  # embedding + o_proj and down_proj per layer
+    assert unfused["all_reduces"] == expected_reductions and unfused["fused"] == 0
+    assert fused["all_reduces"] == expected_reductions
+    assert fused["fused"] == unfused["forwards"] * 2 * layers, "every layer reduction went through the fused op"
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("missing", ["missing 1 tensor", "model.layers.1.mlp.up_proj.weight"]),
+    ("extra", ["unexpected", "model.layers.0.mlp.extra_proj.weight"]),
+    ("shape", ["model.layers.2.self_attn.k_proj.weight", "(64, 129)", "(64, 128)"]),
+])
+def test_load_weights_errors_name_the_tensor(tp2, case, needles):
+    message = tp2[0]["load_errors"][case]
+    for needle in needles:
+        assert needle in message, message
