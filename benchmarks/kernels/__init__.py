@@ -1,0 +1,1 @@
+"""Kernel-level benchmarks (torchrun scripts) and their report/plot helpers."""
