@@ -158,7 +158,7 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
 
 def shapes(vocab: int) -> dict[str, tuple[int, ...]]:
     """GGUF base name -> HF-layout shape of every weight of the test model."""
-    out: dict[str, tuple[int, ...]] = {"token_embd": (vocab, HIDDEN), "output_norm": (HIDDEN,), "output": (vocab, HIDDEN)}
+    out: dict[str, tuple[int, ...]] = {"token_embd": (vocab, HIDDEN)}
     for i in range(LAYERS):
         out |= {
             f"blk.{i}.attn_norm": (HIDDEN,), f"blk.{i}.ffn_norm": (HIDDEN,),
@@ -166,7 +166,7 @@ def shapes(vocab: int) -> dict[str, tuple[int, ...]]:
             f"blk.{i}.attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), f"blk.{i}.attn_output": (HIDDEN, HIDDEN),
             f"blk.{i}.ffn_gate": (INTER, HIDDEN), f"blk.{i}.ffn_up": (INTER, HIDDEN), f"blk.{i}.ffn_down": (HIDDEN, INTER),
         }
-    return out
+    return out | {"output_norm": (HIDDEN,), "output": (vocab, HIDDEN)}  # last, as in converted files
 
 
 class LlamaFile:

@@ -114,8 +114,9 @@ def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tup
                     f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which gguf.quants.dequantize does not support"
                 )
     rope_freqs = _find(readers, ROPE_FREQS_NAME)
+    names = {t.name for r in readers for t in r.tensors}
     config = config_from_gguf(
-        first, str(path), None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type)
+        first, names, str(path), None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type)
     )
     embedding = _find(readers, TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
     if embedding is None:

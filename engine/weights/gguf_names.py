@@ -180,8 +180,11 @@ def eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def config_from_gguf(reader: GGUFReader, path: str = "", rope_freqs: Optional[np.ndarray] = None) -> ModelConfig:
-    """The `ModelConfig` of a GGUF file from its metadata and tensor names.
+def config_from_gguf(
+    reader: GGUFReader, tensor_names: set[str], path: str = "", rope_freqs: Optional[np.ndarray] = None
+) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file from its metadata (``reader``: the first shard) and the
+    names of all its tensors (every shard).
 
     ``rope_freqs``: the dequantized ``rope_freqs.weight`` tensor when the file has one.
     Tied embeddings when there is no ``output.weight``; attention bias when ``blk.0.attn_q.bias`` exists.
@@ -212,7 +215,6 @@ def config_from_gguf(reader: GGUFReader, path: str = "", rope_freqs: Optional[np
             raise ValueError(f"{path}: both rope_freqs and rope.scaling metadata; ambiguous rope scaling")
         original = int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, 8192))
         rope_scaling = rope_scaling_from_freq_factors(rope_freqs, rope_theta, head_dim, original)
-    names = {t.name for t in reader.tensors}
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         hidden_size=hidden,
@@ -225,8 +227,8 @@ def config_from_gguf(reader: GGUFReader, path: str = "", rope_freqs: Optional[np
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(get(Keys.LLM.CONTEXT_LENGTH)),
-        tie_word_embeddings=TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" not in names,
-        attention_bias=TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias" in names,
+        tie_word_embeddings=TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" not in tensor_names,
+        attention_bias=TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias" in tensor_names,
         head_dim=head_dim,
         bos_token_id=get(Keys.Tokenizer.BOS_ID, None),
         eos_token_ids=eos_token_ids(reader),
