@@ -135,4 +135,4 @@ class KVCache:
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Memory one token slot takes over all layers (K and V): for sizing the cache."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -130,7 +130,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, group.world_size, "num_attention_heads")
         self.kv_head_start, self.num_kv_heads = kv_head_range(total_num_kv_heads, group.rank, group.world_size)
-        # the per-rank output is num_heads + 2 * num_kv_heads heads; report the full size as tp times that
+        # output_size = tp * the per-rank size: with replicated KV heads that exceeds the checkpoint's
+        # q + k + v rows, so the q/k/v loader below checks each checkpoint tensor's own shape
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, local * group.world_size, bias, dtype, device)
         self.q_size = self.num_heads * head_dim
