@@ -14,6 +14,7 @@ from typing import Any
 
 PanelKey = tuple[str, str, bool]  # (dtype, quant_mode, residual)
 LineKey = tuple[int, str]  # (hidden_dim, path)
+STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
 
 
 def speedup_series(doc: dict[str, Any]) -> dict[PanelKey, dict[LineKey, list[tuple[int, float]]]]:
@@ -38,13 +39,19 @@ def plot(doc: dict[str, Any], out: Path) -> None:
     series = speedup_series(doc)
     if not series:
         raise SystemExit("no speedups in the JSON: did every path fail?")
+    names = sorted({name for lines in series.values() for _, name in lines})
+    hiddens = sorted({hidden for lines in series.values() for hidden, _ in lines})
+    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}  # colour: path
+    styles = {h: STYLES[i % len(STYLES)] for i, h in enumerate(hiddens)}  # line style + marker: hidden
     cols = min(2, len(series))
     rows = math.ceil(len(series) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
     for ax, ((dtype, quant, residual), lines) in zip(axes.flat, series.items()):
         for (hidden, name), points in lines.items():
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", markersize=3, label=f"{name} (h={hidden})")
+            linestyle, marker = styles[hidden]
+            ax.plot(xs, ys, color=colors[name], linestyle=linestyle, marker=marker, markersize=3,
+                    label=f"{name} (h={hidden})")
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
