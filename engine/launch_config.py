@@ -1,0 +1,75 @@
+"""What every TP process of a launch needs, derived once from `ServerArgs` (plain values)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_runner import RunnerSettings
+from fusion import FusionConfig
+from server_args import ServerArgs
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    init_method: str
+    device_type: str  # "cuda" or "cpu"
+    dist_timeout: float
+    log_level: str
+    runner: RunnerSettings
+    threads_per_rank: int
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
+
+    def device_for(self, rank: int) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", rank % self.ranks_per_node)
+        return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_config(args: ServerArgs) -> LaunchConfig:
+    """Resolve devices and the rendezvous address; ValueError for a setup that cannot run."""
+    device_type = args.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but no CUDA GPU is visible")
+        if torch.cuda.device_count() < args.tp_size_per_node:
+            raise ValueError(f"--tp-size {args.tp_size} needs {args.tp_size_per_node} GPUs per node; "
+                             f"{torch.cuda.device_count()} visible")
+    addr = args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    fusion = FusionConfig(
+        enabled=args.enable_flashinfer_allreduce_fusion,
+        backend=args.allreduce_fusion_backend,
+        max_tokens=args.allreduce_fusion_max_tokens,
+        cache_size=args.allreduce_fusion_cache_size,
+        deterministic=args.deterministic,
+    )
+    runner = RunnerSettings(
+        model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
+        context_length=args.context_length, mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph, fusion=fusion,
+    )
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.tp_size_per_node))
+    return LaunchConfig(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}", device_type, args.dist_timeout,
+                        args.log_level, runner, threads)

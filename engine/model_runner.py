@@ -1,0 +1,129 @@
+"""`ModelRunner`: one TP rank's model, KV cache, fusion op and decode CUDA graphs.
+
+Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same logits.
+Start-up order matters: weights, then the fusion workspace (a collective, before any graph
+capture), then the KV cache from the memory left, then graphs (with the dispatch decisions
+already cached, since capture runs the forward once per batch size).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.cuda_graph_runner import CudaGraphRunner
+from engine.forward_batch import KVCache
+from engine.models.builtin import BUILTIN_MODELS, builtin_config
+from engine.models.config import ModelConfig
+from engine.models.registry import build_model
+from engine.step_plan import RequestTable, StepPlan
+from engine.weights.dummy import dummy_weights
+from fusion import FusionConfig
+from layers.parallel_state import ModelParallelGroup, init_allreduce_fusion
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CPU_KV_SLOTS = 65536
+DEFAULT_CONTEXT_CAP = 8192  # default context when none is given: min(model's, this)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Plain values the runner needs (taken from ServerArgs by the launcher)."""
+
+    model_path: str = "tiny"
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    context_length: Optional[int] = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 256
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
+    fusion: FusionConfig = FusionConfig()
+    kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device):
+    """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
+    generated on ``device`` (fast for 8B shapes on a GPU)."""
+    if settings.model_path in BUILTIN_MODELS:
+        if settings.load_format not in ("auto", "dummy"):
+            raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
+        config = builtin_config(settings.model_path)
+        return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
+    from engine.weights.loader import load_model_weights
+
+    return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed)
+
+
+class ModelRunner:
+    def __init__(self, settings: RunnerSettings, group: ModelParallelGroup) -> None:
+        self.settings = settings
+        self.group = group
+        self.device = group.device
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        config, weights = load_config_and_weights(settings, self.dtype, self.device)
+        self.config: ModelConfig = config
+        requested = settings.context_length or min(config.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+        if requested > config.max_position_embeddings:
+            raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
+        self.context_len = requested
+        self.model = build_model(config, self.dtype, self.device)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.fusion = init_allreduce_fusion(settings.fusion, config.hidden_size, self.dtype)
+        self.max_rows = settings.max_running_requests
+        self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
+        self.table = RequestTable(self.max_rows, self.context_len, self.device)
+        self.graphs: Optional[CudaGraphRunner] = None
+        if self.device.type == "cuda" and not settings.disable_cuda_graph:
+            self.graphs = CudaGraphRunner(self, min(settings.cuda_graph_max_bs, self.max_rows))
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.kv_cache.num_slots
+
+    def _kv_slots(self) -> int:
+        """Slots every rank can afford (the minimum over ranks, so all agree)."""
+        per_slot = KVCache.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads_local,
+                                          self.config.head_dim, self.dtype)
+        want = self.max_rows * self.context_len + 1
+        if self.settings.kv_slots is not None:
+            slots = self.settings.kv_slots
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.settings.mem_fraction_static - (total - free)
+            slots = int(budget // per_slot)
+            if slots < 2:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                    f"with mem_fraction_static {self.settings.mem_fraction_static}"
+                )
+        else:
+            slots = CPU_KV_SLOTS
+        slots = min(slots, want)
+        return min(self.group.all_gather_object(slots))
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots)."""
+        if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
+            return self.graphs.replay(plan)
+        batch = self.table.apply(plan)
+        return self.model(batch, self.kv_cache)
+
+    def destroy(self) -> None:
+        if self.graphs is not None:
+            self.graphs.destroy()
+            self.graphs = None
+        self.fusion.destroy()

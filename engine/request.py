@@ -1,0 +1,95 @@
+"""`Request`: one generation on TP rank 0: its tokens, KV slots, and the output text that has
+been released so far (stop strings cut, a possible stop-string prefix held back)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from engine.engine_client import GenerationChunk, TokenizerLike
+from engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[GenerationChunk], None]  # thread-safe delivery to the waiting client
+    rid: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV slots of all tokens so far
+    row: Optional[int] = None  # request-to-token table row while running
+    generator: Optional[torch.Generator] = None
+    finish_reason: Optional[str] = None
+    text: str = ""  # output decoded so far (complete characters)
+    released_text: str = ""  # the part of ``text`` already sent to the client
+    released_ids: int = 0  # output ids already sent
+    _prefix_offset: int = 0  # incremental detokenization window (see `_decode_new_text`)
+    _read_offset: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV slots this request may need in all: prompt plus every output token but the last
+        (whose K/V is never computed)."""
+        return len(self.prompt_ids) + self.params.max_tokens - 1
+
+    def check_finished(self, eos_ids: tuple[int, ...], context_len: int) -> None:
+        """Set ``finish_reason`` after a new token: stop token ("stop"), max_tokens or a full
+        context ("length"). Stop strings are found in `release`."""
+        last = self.output_ids[-1]
+        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= context_len:
+            self.finish_reason = "length"
+
+    def _visible_ids(self, eos_ids: tuple[int, ...]) -> list[int]:
+        ids = self.output_ids
+        if self.finish_reason == "stop" and ids and (ids[-1] in self.params.stop_token_ids or ids[-1] in eos_ids):
+            return ids[:-1]
+        return ids
+
+    def _decode_new_text(self, tokenizer: TokenizerLike, ids: list[int], final: bool) -> None:
+        """Append the text of new ids to ``text``, decoding only a short window: the text of
+        ``ids[prefix:]`` minus that of ``ids[prefix:read]``. A window that ends inside a
+        multi-byte character (U+FFFD) waits for more ids, unless ``final``."""
+        prefix_text = tokenizer.decode(ids[self._prefix_offset:self._read_offset])
+        full_text = tokenizer.decode(ids[self._prefix_offset:])
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            self.text += full_text[len(prefix_text):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+
+    def release(self, tokenizer: TokenizerLike) -> GenerationChunk:
+        """The chunk of new output to send now. A trailing stop token is not shown; the text
+        ends before the first stop string; text that could still grow into a stop string is
+        held back until it cannot."""
+        self._decode_new_text(tokenizer, self._visible_ids(tokenizer.eos_token_ids), self.finish_reason is not None)
+        longest_stop = max((len(s) for s in self.params.stop), default=0)
+        search_from = max(0, len(self.released_text) - longest_stop)
+        cut = min((at for at in (self.text.find(s, search_from) for s in self.params.stop) if at != -1), default=-1)
+        if cut != -1:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+            releasable = self.text
+        elif self.finish_reason is None:
+            releasable = self.text[: max(len(self.released_text), len(self.text) - max(longest_stop - 1, 0))]
+        else:
+            releasable = self.text
+        delta = releasable[len(self.released_text):]
+        new_ids = self.output_ids[self.released_ids:]
+        self.released_text = releasable
+        self.released_ids = len(self.output_ids)
+        return GenerationChunk(
+            text=delta,
+            token_ids=new_ids,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            finish_reason=self.finish_reason,
+        )

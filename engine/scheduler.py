@@ -1,0 +1,183 @@
+"""Continuous batching on TP rank 0 (a thread beside the HTTP server).
+
+Each step: admit waiting requests as one prefill (extend) step while they fit (free rows,
+``max_running_requests``, ``max_prefill_tokens`` new tokens per step, and KV slots for the
+prompt plus all of ``max_tokens``, reserved up front so a running request never runs out);
+otherwise run one decode step over every running request. Requests join and leave between
+steps. Rank 0 broadcasts each `StepPlan` to the other ranks, which run the same forward.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Optional
+
+import torch
+
+from engine.engine_client import GenerationChunk, TokenizerLike
+from engine.kv_pool import RowAllocator, SlotAllocator
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import sample
+from engine.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.group = runner.group
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.seed = seed
+        self.slots = SlotAllocator(runner.num_kv_slots)
+        self.rows = RowAllocator(runner.max_rows)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
+        self._stopped = threading.Event()
+        self.failure: Optional[str] = None
+        self.steps = 0
+
+    # ---- called from other threads ----
+    def submit(self, req: Request) -> None:
+        """Queue a request; ValueError (naming the numbers) if it can never fit."""
+        total = len(req.prompt_ids) + req.params.max_tokens
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if total > self.runner.context_len:
+            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} "
+                             f"exceeds the context length {self.runner.context_len}")
+        if req.reserved_tokens > self.slots.num_slots - 1:
+            raise ValueError(f"the request needs {req.reserved_tokens} KV slots; the cache has {self.slots.num_slots - 1}")
+        if self._stopped.is_set():
+            raise RuntimeError(f"the scheduler has stopped{': ' + self.failure if self.failure else ''}")
+        seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.rid
+        req.generator = torch.Generator().manual_seed(seed)
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: int) -> None:
+        self._inbox.put(("abort", rid))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("wake", None))
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped.is_set()
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting), "free_kv_slots": self.slots.available,
+                "steps": self.steps}
+
+    # ---- the scheduler thread ----
+    def run_forever(self) -> None:
+        """Step until `stop`; then tell the other ranks to shut down."""
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not (self.waiting or self.running))
+                if not self._stopped.is_set():
+                    self.step()
+        except Exception as exc:  # fail loudly: every waiting client gets an error, the server reports unhealthy
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.exception("scheduler failed; the server stops serving")
+            self._stopped.set()
+        finally:
+            for req in list(self.running) + list(self.waiting):
+                self._finish(req, "abort")
+            if self.group.world_size > 1 and self.failure is None:
+                self.group.broadcast_object(StepPlan("shutdown"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self.waiting.append(payload)  # type: ignore[arg-type]
+            elif kind == "abort":
+                self._abort(payload)  # type: ignore[arg-type]
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, rid: object) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+        for req in list(self.running):
+            if req.rid == rid:
+                self._release_resources(req)
+                self.running.remove(req)
+
+    def step(self) -> bool:
+        """One forward step; False when there was nothing to run."""
+        plan, reqs = self._plan_prefill()
+        if plan is None:
+            plan, reqs = self._plan_decode()
+        if plan is None:
+            return False
+        if self.group.world_size > 1:
+            self.group.broadcast_object(plan)
+        logits = self.runner.forward(plan)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self.steps += 1
+        for req, token in zip(reqs, tokens):
+            req.output_ids.append(token)
+            req.check_finished(self.eos_ids, self.runner.context_len)
+            chunk = req.release(self.tokenizer)
+            req.emit(chunk)
+            if req.finish_reason is not None:
+                self._release_resources(req)
+                self.running.remove(req)
+        return True
+
+    def _plan_prefill(self) -> tuple[Optional[StepPlan], list[Request]]:
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and self.rows.available:
+            req = self.waiting[0]
+            prompt = len(req.prompt_ids)
+            if admitted and prompt > budget:
+                break
+            slots = self.slots.allocate(req.reserved_tokens)
+            if slots is None:
+                break
+            self.waiting.popleft()
+            req.slots, req.row = slots, self.rows.allocate()
+            admitted.append(req)
+            self.running.append(req)
+            budget -= prompt
+        if not admitted:
+            return None, []
+        plan = StepPlan("extend", rows=[r.row for r in admitted], new_tokens=[list(r.prompt_ids) for r in admitted],
+                        new_slots=[r.slots[: len(r.prompt_ids)] for r in admitted],
+                        seq_lens=[len(r.prompt_ids) for r in admitted])
+        return plan, admitted
+
+    def _plan_decode(self) -> tuple[Optional[StepPlan], list[Request]]:
+        reqs = list(self.running)
+        if not reqs:
+            return None, []
+        plan = StepPlan("decode", rows=[r.row for r in reqs], new_tokens=[[r.output_ids[-1]] for r in reqs],
+                        new_slots=[[r.slots[r.seq_len - 1]] for r in reqs], seq_lens=[r.seq_len for r in reqs])
+        return plan, reqs
+
+    def _release_resources(self, req: Request) -> None:
+        if req.row is not None:
+            self.slots.free(req.slots)
+            self.rows.free(req.row)
+            req.row, req.slots = None, []
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._release_resources(req)
+        req.finish_reason = req.finish_reason or reason
+        req.emit(GenerationChunk("", [], len(req.prompt_ids), len(req.output_ids), req.finish_reason))
