@@ -1,0 +1,261 @@
+"""Decode attention over the token-slot KV cache in Triton: split-K ("flash-decoding").
+
+One query per sequence. For sequence b, query head h (kv head kh = h // G, G = H / KVH) and its
+keys and values K_b, V_b = k_cache / v_cache[req_to_token[b, :n_b], kh] (n_b = seq_lens[b]):
+
+    out[b, h] = softmax(scale * q[b, h] . K_b^T) @ V_b          (fp32 accumulation)
+
+Why split-K. At decode there is one query row per (b, h): a grid of (B, KVH) programs is only
+4 programs for B=1 at llama3-8b TP2 (KVH=4), on a GPU of 132 SMs, each walking up to 8192 keys
+alone. So the key range of each row is cut into NUM_SPLITS chunks and the grid is
+(B, KVH, NUM_SPLITS). Each program loads the G query heads that share its kv head (GQA: every
+K/V row is read from HBM once for all G heads), padded to GROUP_PAD = max(16, next_pow2(G)) rows
+so that q.K^T and p.V are ``tl.dot`` tensor-core products (tl.dot needs M >= 16). The padding
+costs tensor-core flops, not bytes: decode is memory-bound (about 16 flops per K/V byte with
+GROUP_PAD=16, against ~200 flop/byte where an H200 turns compute-bound), and the broadcast
+multiply + sum alternative would hold a [G, BLOCK_N, D] fp32 tile in registers.
+
+Split s of row b (all in-kernel, from seq_lens on the device, so no host sync):
+
+    chunk_b = max(BLOCK_N, round_up(ceil(n_b / NUM_SPLITS), BLOCK_N)),  keys [s*chunk_b, min((s+1)*chunk_b, n_b))
+
+A program whose chunk starts at or past n_b exits at once and writes nothing; the combine
+kernel reads only the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Within its chunk a
+program runs the online softmax over blocks of BLOCK_N keys (in base 2: x = scale*log2(e)*q.k,
+so exp2 replaces exp): running max m, running sum l = sum_j 2^(x_j - m), running
+acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max grows. It stores the
+normalised partial output o_s = acc_s / l_s and its log-sum-exp lse_s = m_s + log2(l_s).
+
+Combine (second kernel, grid (B, H)). Since 2^(lse_s) = sum_{j in s} 2^(x_j),
+
+    out = sum_j 2^(x_j) v_j / sum_j 2^(x_j) = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s)
+        = sum_s w_s o_s / sum_s w_s,      w_s = 2^(lse_s - M),  M = max_s lse_s
+
+(subtracting M keeps every w_s in (0, 1] with at least one w_s = 1: no overflow, no 0/0).
+
+NUM_SPLITS is a compile-time constant chosen on the host from shapes only (B, KVH, the width C
+of req_to_token, the SM count): enough programs for about WAVES waves over the SMs, at most
+one split per MIN_CHUNK keys of C, at most MAX_SPLITS. It never reads seq_lens, and the scratch
+buffers ([B, H, NUM_SPLITS, D] and [B, H, NUM_SPLITS] fp32) are sized from shapes only, so a
+call is CUDA-graph capturable; replays with other seq_lens re-split each row on the device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys per inner-loop step
+WAVES = 2  # target programs per call: WAVES * SM count
+MIN_CHUNK = 256  # never cut the width C into chunks shorter than this
+MAX_SPLITS = 64
+NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _split_kernel(Q, K, V, ReqToToken, SeqLens, PartOut, PartLse, qk_scale_log2,
+                  stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, context,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    start = split * chunk
+    if start < seq_len:
+        end = tl.minimum(start + chunk, seq_len)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK)
+        heads = kvh * GROUP + offs_g
+        g_mask = offs_g < GROUP
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK):
+            offs = n0 + offs_n
+            valid = offs < end
+            slots = tl.load(ReqToToken + b * stride_rb + offs, mask=valid, other=0).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+            x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK]
+            x = tl.where(valid[None, :], x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
+        tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
+        tl.store(PartLse + row, m + tl.log2(l), mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context,
+                    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    ran = tl.cdiv(seq_len, chunk)  # splits whose chunk started before seq_len
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < ran
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
+    o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
+    """Splits per row from shapes only: ~WAVES * num_sms programs over the (batch, kv head)
+    pairs, at most one per MIN_CHUNK keys of the width ``context``, between 1 and MAX_SPLITS."""
+    wanted = -(-WAVES * num_sms // (batch * num_kv_heads))
+    return max(1, min(wanted, -(-context // MIN_CHUNK), MAX_SPLITS))
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+           seq_lens: torch.Tensor) -> None:
+    """Shape, dtype, device and layout checks (host metadata only: no sync)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [B, H, D] and k/v caches [S, KVH, D] of one shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: need the same head_dim "
+                         f"and num_heads a multiple of num_kv_heads")
+    if dim < 16 or dim & (dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 (tl.arange and tl.dot), got {dim}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share one dtype of {_DTYPES}, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if req_to_token.dim() != 2 or req_to_token.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"need req_to_token [B, C] and seq_lens [B] with B={batch}, got "
+                         f"{tuple(req_to_token.shape)} and {tuple(seq_lens.shape)}")
+    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if len({t.device for t in (q, k_cache, v_cache, req_to_token, seq_lens)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
+        raise ValueError("the last dimension of q, k_cache, v_cache and req_to_token must be contiguous")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None) -> torch.Tensor:
+    """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
+    ``seq_lens[b]`` slots of ``req_to_token[b]`` (see the module docstring). Reads only; returns a
+    new tensor of q's dtype. ``num_splits`` overrides the shape-based choice (tests, tuning).
+    Requires 1 <= seq_lens[b] (not checked: that would sync); values above C are clamped to C."""
+    _check(q, k_cache, v_cache, req_to_token, seq_lens)
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    context = req_to_token.shape[1]
+    splits = num_splits or choose_num_splits(batch, kv_heads, context, _sm_count(q.device))
+    part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    _split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, req_to_token, seq_lens, part_out, part_lse, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), context,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
+        NUM_SPLITS=splits, BLOCK=BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    _combine_kernel[(batch, heads)](
+        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context,
+        HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        BLOCK=BLOCK_N, num_warps=4,
+    )
+    return out
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               req_to_token: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same function in plain torch, fp32: gather every row's C slots, mask past seq_lens,
+    softmax, weighted sum. Returns fp32 ``[B, H, D]``."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    context = req_to_token.shape[1]
+    slots = req_to_token.long()
+    valid = torch.arange(context, device=q.device)[None, :] < seq_lens[:, None]  # [B, C]
+    slots = torch.where(valid, slots, torch.zeros_like(slots))  # ignore whatever pads a row
+    keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=2)  # [B, C, H, D]
+    values = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bhd,bchd->bhc", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bhc,bchd->bhd", torch.softmax(scores, dim=-1), values)
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def time_decode_attention(batch: int, context: int, num_heads: int = 16, num_kv_heads: int = 4, head_dim: int = 128,
+                          dtype: torch.dtype = torch.bfloat16, attention_fn: AttentionFn = decode_attention,
+                          calls_per_graph: int = 32, repeats: int = 10, seed: int = 0) -> float:
+    """Microseconds per call of ``attention_fn`` (default: ``decode_attention``) at full context
+    (every row attends to ``context`` keys in scattered slots), on the current CUDA device.
+
+    One CUDA graph of ``calls_per_graph`` calls is captured and replayed ``repeats`` times, each
+    replay timed with CUDA events; returns the median / calls_per_graph. The calls cycle over
+    several K/V caches (like a model's layers) so that, together, they exceed the L2 cache."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    slots = batch * context
+    cache_bytes = 2 * slots * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    num_caches = max(1, min(calls_per_graph, -(-256 * 2**20 // cache_bytes)))
+    caches = [(torch.randn(slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype),
+               torch.randn(slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype))
+              for _ in range(num_caches)]
+    q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    req_to_token = torch.randperm(slots, generator=gen, device=device).view(batch, context)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+    scale = head_dim ** -0.5
+
+    def calls() -> None:
+        for i in range(calls_per_graph):
+            k, v = caches[i % num_caches]
+            attention_fn(q, k, v, req_to_token, seq_lens, scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # warm-up: compiles, fills the allocator outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
+    del graph
+    return statistics.median(times)

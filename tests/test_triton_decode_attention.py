@@ -1,0 +1,164 @@
+"""The Triton decode-attention kernels under Triton's CPU interpreter, against the fp32 torch
+reference (gather + masked softmax).
+
+Skipped when triton is not installed (CI installs only the base and test extras). The
+interpreter must be chosen before triton is imported (its own ``tl.sum``, ``tl.cdiv``... are
+``@triton.jit`` functions built at import), so the kernel cases run in one spawned process whose
+environment has TRITON_INTERPRET=1 (``run_distributed`` with one rank: a hard timeout and the
+child's traceback on failure); this process keeps compiled kernels for any GPU test beside it.
+Each parametrized test then checks its own case's result. Host-side checks run here directly.
+
+bf16 is checked on the GPU only (tests/gpu/test_triton_decode_attention.py): the interpreter
+stores bf16 as uint16 and its ``tl.dot`` multiplies those bit patterns (triton's debugging guide
+says the interpreter does not support bf16 operations; triton-lang/triton#11584).
+"""
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from layers.triton_decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+)
+from tests.dist_utils import run_distributed  # noqa: E402
+from tests.tolerances import TOLERANCES  # noqa: E402
+
+PAD_SLOT = 10**9  # what pads a row past seq_len: far outside any cache, so reading it would fail
+
+
+def make_case(batch: int, group: int, kv_heads: int, dim: int, context: int, dtype: torch.dtype,
+              index_dtype: torch.dtype, seed: int, strided_q: bool = False):
+    """Random q and caches, each row's slots a random subset of the cache, ragged seq_lens (the
+    last row at the full width, the first at 1 when there are two rows or more), rows padded
+    with PAD_SLOT past seq_len."""
+    g = torch.Generator().manual_seed(seed)
+    heads = group * kv_heads
+    num_slots = batch * context + 7
+    if strided_q:  # q as a view of a packed [B, (H + 2 KVH) * D] qkv projection
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+        q = qkv[:, :heads * dim].view(batch, heads, dim)
+    else:
+        q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype)
+    seq_lens = torch.randint(1, context + 1, (batch,), generator=g)
+    seq_lens[-1] = context
+    if batch > 1:
+        seq_lens[0] = 1
+    req_to_token = torch.full((batch, context), PAD_SLOT, dtype=torch.int64)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        req_to_token[b, :n] = torch.randperm(num_slots, generator=g)[:n]
+    return q, k_cache, v_cache, req_to_token.to(index_dtype), seq_lens.to(index_dtype)
+
+
+# (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits); None: the shape-based choice
+CASES = [
+    (1, 1, 4, 64, 200, torch.float32, torch.int64, None),
+    (1, 4, 4, 128, 700, torch.float16, torch.int64, None),
+    (3, 2, 4, 64, 300, torch.float16, torch.int64, 5),
+    (3, 4, 2, 128, 520, torch.float32, torch.int32, None),
+    (3, 8, 1, 128, 150, torch.float16, torch.int32, 1),
+    (8, 1, 2, 128, 90, torch.float32, torch.int64, 3),
+    (8, 4, 4, 128, 260, torch.float16, torch.int64, None),
+    (8, 8, 2, 64, 400, torch.float32, torch.int64, 7),
+    (3, 4, 4, 64, 1100, torch.float16, torch.int64, 64),
+]
+
+
+REPLAY_LENS = ([330, 1, 65, 64], [2, 330, 329, 128])
+
+
+def _interpreted_cases(rank: int, world_size: int) -> dict:
+    """In the TRITON_INTERPRET=1 child: every CASES entry, then the replay check. Returns per
+    key None when the kernel matched the reference, else the assertion message."""
+    import triton
+
+    assert triton.knobs.runtime.interpret, "the child must run the interpreter"
+    results = {}
+
+    def check(key, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
+        try:
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+            results[key] = None
+        except AssertionError as e:
+            results[key] = str(e)
+
+    for case in CASES:
+        batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits = case
+        q, k_cache, v_cache, req_to_token, seq_lens = make_case(
+            batch, group, kv_heads, dim, context, dtype, index_dtype, seed=batch * 100 + group * 10 + dim)
+        scale = dim ** -0.5
+        out = decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, scale, num_splits=num_splits)
+        assert out.shape == q.shape and out.dtype == dtype, (out.shape, out.dtype)
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, scale)
+        rtol, atol = TOLERANCES[dtype]
+        check(case, out.float(), expected, rtol, atol)
+        if batch > 1:  # seq_len 1: the softmax of one key is 1, so the output is that key's value row
+            v0 = v_cache[req_to_token[0, 0].long()].float().repeat_interleave(group, dim=0)
+            check((case, "seq_len 1"), out[0].float(), v0, rtol, atol)
+
+    # q as a view into a packed qkv projection; the same buffers and num_splits with other
+    # seq_lens (what a CUDA-graph replay does) must give the new rows' attention
+    q, k_cache, v_cache, req_to_token, seq_lens = make_case(4, 4, 2, 64, 330, torch.float32, torch.int64,
+                                                            seed=7, strided_q=True)
+    assert not q.is_contiguous()
+    req_to_token[req_to_token == PAD_SLOT] = 0  # fill the pads: any length up to the width is valid
+    for lens in REPLAY_LENS:
+        lens = torch.tensor(lens)
+        out = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=6)
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, lens, 0.3)
+        check(("replay", tuple(lens.tolist())), out, expected, 1e-5, 1e-5)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        return run_distributed(_interpreted_cases, world_size=1, timeout_s=240)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_matches_fp32_reference(interpreted, case):
+    assert interpreted[case] is None, interpreted[case]
+    if case[0] > 1:
+        assert interpreted[(case, "seq_len 1")] is None, interpreted[(case, "seq_len 1")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lens", REPLAY_LENS)
+def test_strided_q_and_new_seq_lens_with_fixed_splits(interpreted, lens):
+    key = ("replay", tuple(lens))
+    assert interpreted[key] is None, interpreted[key]
+
+
+@pytest.mark.parametrize("batch,kv_heads,context,expected", [
+    (1, 4, 8192, 32),  # 66 wanted for 2 waves over 132 SMs, capped at 8192 / 256
+    (1, 4, 128, 1),  # one chunk covers the whole width
+    (32, 4, 8192, 3),  # ceil(264 / 128)
+    (128, 4, 8192, 1),
+    (1, 1, 65536, 64),  # MAX_SPLITS
+])
+def test_choose_num_splits_from_shapes(batch, kv_heads, context, expected):
+    assert choose_num_splits(batch, kv_heads, context, num_sms=132) == expected
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k_cache, v_cache, req_to_token, seq_lens = make_case(2, 2, 2, 64, 40, torch.float32, torch.int64, seed=3)
+    bad = {
+        "power of two": (q[..., :48], k_cache[..., :48], v_cache[..., :48], req_to_token, seq_lens),
+        "multiple of num_kv_heads": (q[:, :3], k_cache, v_cache, req_to_token, seq_lens),
+        "share one dtype": (q, k_cache.half(), v_cache, req_to_token, seq_lens),
+        "int32 or int64": (q, k_cache, v_cache, req_to_token.float(), seq_lens),
+        "req_to_token [B, C]": (q, k_cache, v_cache, req_to_token[:1], seq_lens),
+        "contiguous": (q, k_cache.transpose(1, 2).contiguous().transpose(1, 2), v_cache, req_to_token, seq_lens),
+    }
+    for message, args in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            decode_attention(*args, scale=0.125)
