@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP layer: `build_app(engine, served_model_name)`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+POST /generate (SGLang style), POST /flush_cache, GET /get_server_info. Every request error is
+answered as ``{"error": {"message", "type", "code"}}`` (FastAPI's 422 becomes 400); an engine
+failure becomes 500 (or an error event inside a stream that already started). Streams close the
+engine's generator when they end, so a client disconnect aborts the request.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from engine.engine_client import EngineClient, GenerationChunk
+from engine.sampling_params import SamplingParams
+from engine.server.protocol import (
+    APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, GenerateRequest, SamplingFields,
+    Usage, error_body,
+)
+from engine.server.streaming import SSE_DONE, ClosingStreamingResponse, sse, until_finished
+
+Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
+Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """``field.path: reason`` for the first errors; malformed JSON says so."""
+    parts = []
+    for err in exc.errors()[:3]:
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if not loc:
+            return "the request body must be a JSON object (Content-Type: application/json)"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+class _Server:
+    """Request handling against one `EngineClient` (turns requests into token ids and params)."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
+        self.engine = engine
+        self.model = served_model_name
+
+    def check(self, fields: SamplingFields) -> None:
+        """Health, model name and unsupported fields, before any tokenization."""
+        if not self.engine.is_healthy():
+            raise APIError(503, "the engine is not healthy")
+        if fields.model is not None and fields.model != self.model:
+            raise APIError(404, f"The model `{fields.model}` does not exist; this server serves `{self.model}`")
+        unsupported = fields.unsupported_fields()
+        if unsupported:
+            raise APIError(400, f"not supported: {', '.join(unsupported)}")
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty")
+        vocab = self.engine.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:8]}")
+        return ids
+
+    def completion_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a completions ``prompt``: text, token ids, or a one-element batch of either."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "batch prompts are not supported")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "the prompt is empty")
+            return self.check_ids(self.engine.tokenizer.encode(prompt))
+        return self.check_ids(list(prompt))
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """Messages rendered by the tokenizer's chat template (with the generation prompt), encoded
+        without adding special tokens again (the template already holds them)."""
+        if not req.messages:
+            raise APIError(400, "messages must not be empty")
+        try:
+            text = self.engine.tokenizer.apply_chat_template([m.as_dict() for m in req.messages])
+        except Exception as exc:  # a template's raise_exception, or no template at all
+            raise APIError(400, f"cannot apply the chat template: {exc}") from exc
+        return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int]) -> SamplingParams:
+        """`SamplingParams` within the context: ``max_tokens`` None means all that is left."""
+        ctx = self.engine.context_length
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {ctx}")
+        max_tokens = ctx - prompt_len if max_tokens is None else max_tokens
+        if prompt_len + max_tokens > ctx:
+            raise APIError(400, f"prompt_tokens ({prompt_len}) + max_tokens ({max_tokens}) = "
+                                f"{prompt_len + max_tokens} exceeds the context length {ctx}")
+        try:
+            return fields.sampling_params(max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def start(self, ids: list[int], params: SamplingParams) -> Started:
+        """Submit and wait for the first chunk, so that an engine failure is still a 500."""
+        chunks = None
+        try:
+            chunks = self.engine.generate(ids, params)
+            return await chunks.__anext__(), chunks
+        except Exception as exc:
+            if chunks is not None:
+                await chunks.aclose()
+            raise APIError(500, f"engine error: {exc!r}") from exc
+
+    @staticmethod
+    async def collect(started: Started) -> tuple[str, list[int], GenerationChunk]:
+        """The whole output: text, token ids and the final chunk."""
+        text, ids = [], []
+        try:
+            async for chunk in until_finished(*started):
+                text.append(chunk.text)
+                ids += chunk.token_ids
+        except Exception as exc:
+            raise APIError(500, f"engine error: {exc!r}") from exc
+        return "".join(text), ids, chunk
+
+
+async def _sse_events(started: Started, events: Events) -> AsyncGenerator[str, None]:
+    """SSE text from ``events(chunks)`` (an async iterator of payloads), an error event if the
+    engine fails mid-stream, then ``[DONE]``. Closing this generator closes both inner ones (an
+    ``async for`` left at a ``yield`` does not), which aborts the engine request."""
+    async with aclosing(until_finished(*started)) as chunks, aclosing(events(chunks)) as payloads:
+        try:
+            async for payload in payloads:
+                yield sse(payload)
+        except Exception as exc:
+            yield sse(error_body(500, f"engine error: {exc!r}"))
+    yield SSE_DONE
+
+
+def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the model name ``served_model_name``."""
+    app = FastAPI(title="arfusion")
+    server = _Server(engine, served_model_name)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Any:
+        server.check(req)
+        ids = server.completion_ids(req.prompt)
+        params = server.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await server.start(ids, params)
+
+        def response(choices: list[CompletionChoice], usage: Optional[Usage] = None) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=served_model_name, choices=choices, usage=usage)
+
+        if not req.stream:
+            text, _, last = await server.collect(started)
+            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+            return response([CompletionChoice(text=text, finish_reason=last.finish_reason)], usage)
+
+        async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[CompletionResponse]:
+            async for chunk in chunks:
+                if chunk.text or chunk.finish_reason:
+                    yield response([CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)])
+            if req.include_usage():
+                yield response([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens))
+
+        return ClosingStreamingResponse(_sse_events(started, events), started[1])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        server.check(req)
+        ids = server.chat_ids(req)
+        params = server.params(req, len(ids), req.max_tokens if req.max_completion_tokens is None
+                               else req.max_completion_tokens)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await server.start(ids, params)
+
+        if not req.stream:
+            text, _, last = await server.collect(started)
+            choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=last.finish_reason)
+            return ChatCompletionResponse(id=rid, created=created, model=served_model_name, choices=[choice],
+                                          usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+
+        def chunk_of(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=served_model_name, choices=choices, usage=usage)
+
+        async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[ChatCompletionChunk]:
+            yield chunk_of([ChatChunkChoice(delta={"role": "assistant"})])
+            async for chunk in chunks:
+                if chunk.text or chunk.finish_reason:
+                    delta = {"content": chunk.text} if chunk.text else {}
+                    yield chunk_of([ChatChunkChoice(delta=delta, finish_reason=chunk.finish_reason)])
+            if req.include_usage():
+                yield chunk_of([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens))
+
+        return ClosingStreamingResponse(_sse_events(started, events), started[1])
+
+    @app.post("/generate", response_model=None)
+    async def generate(req: GenerateRequest) -> Any:
+        fields = req.sampling_params.as_fields()
+        server.check(fields)
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids")
+        ids = server.completion_ids(req.text if req.input_ids is None else req.input_ids)
+        params = server.params(fields, len(ids), 16 if fields.max_tokens is None else fields.max_tokens)
+        started = await server.start(ids, params)
+
+        def body(text: str, output_ids: list[int], chunk: GenerationChunk) -> dict[str, Any]:
+            meta = {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
+                    "finish_reason": chunk.finish_reason}
+            return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+        if not req.stream:
+            return body(*await server.collect(started))
+
+        async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
+            text, output_ids = "", []
+            async for chunk in chunks:  # SGLang streams the cumulative text and ids
+                text, output_ids = text + chunk.text, output_ids + chunk.token_ids
+                yield body(text, output_ids, chunk)
+
+        return ClosingStreamingResponse(_sse_events(started, events), started[1])
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "arfusion",
+                "max_model_len": engine.context_length}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = engine.is_healthy()
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, str]:
+        if not await engine.flush_cache():
+            raise APIError(400, "cannot flush the cache while requests are running")
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    return app

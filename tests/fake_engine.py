@@ -1,0 +1,118 @@
+"""A deterministic fake `EngineClient` for the HTTP-layer tests (no model, no torch).
+
+Tokenizer: one id per Latin-1 character (ids 0..255 = chr(id)), then BOS = 256 and EOS = 257.
+``encode`` prepends BOS unless ``add_special_tokens=False``; ``decode`` drops both. The chat
+template renders ``<role>content\\n`` per message and ends with ``<assistant>``.
+
+Generation: the reply to a prompt is its text (specials dropped) reversed, then EOS; with
+``ignore_eos`` the reversed text repeats until ``max_tokens``. One token per chunk; EOS and
+``stop_token_ids`` end with "stop" (their token counted, no text); a stop string ends with "stop"
+and cuts the text before it, text that may begin a stop string is held back until it cannot;
+``max_tokens`` ends with "length". Every submitted request is kept in ``requests``; a request that
+ends without a finish_reason (closed by a client disconnect, or failed) is listed in ``aborted``.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, AsyncGenerator, Iterator, Optional
+
+from engine.engine_client import GenerationChunk
+from engine.sampling_params import SamplingParams
+
+BOS, EOS = 256, 257
+
+
+class CharTokenizer:
+    """Latin-1 characters as token ids, plus BOS and EOS."""
+
+    vocab_size = 258
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + list(text.encode("latin-1"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("latin-1")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class FakeEngine:
+    """`EngineClient` with scripted output; ``fail_after=k`` raises after k tokens (0: at once)."""
+
+    def __init__(self, context_length: int = 64, token_delay_s: float = 0.0) -> None:
+        self.model_name = "fake-model"
+        self.context_length = context_length
+        self.tokenizer = CharTokenizer()
+        self.token_delay_s = token_delay_s
+        self.healthy = True
+        self.fail_after: Optional[int] = None
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.aborted: list[int] = []  # indices into requests
+        self.streams: list[AsyncGenerator[GenerationChunk, None]] = []
+        self.running = 0
+        self.max_running = 0  # most requests in flight at once
+        self.flushes = 0
+
+    @staticmethod
+    def reply_ids(prompt_ids: list[int], ignore_eos: bool) -> Iterator[int]:
+        reversed_ids = [i for i in reversed(prompt_ids) if i < 256]
+        return itertools.cycle(reversed_ids) if ignore_eos else iter(reversed_ids + [EOS])
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationChunk, None]:
+        """The request's chunks; the generator is also kept in ``streams`` (as a scheduler keeps
+        its requests), so garbage collection never closes it: only the server's explicit close."""
+        stream = self._stream(list(prompt_ids), params)
+        self.streams.append(stream)
+        return stream
+
+    async def _stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationChunk, None]:
+        index = len(self.requests)
+        self.requests.append((prompt_ids, params))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        finished, text, emitted = False, "", 0
+        try:
+            for step, token in zip(range(params.max_tokens), self.reply_ids(prompt_ids, params.ignore_eos)):
+                await asyncio.sleep(self.token_delay_s)
+                if self.fail_after == step:
+                    raise RuntimeError("fake engine failure")
+                done = step + 1
+                if token in params.stop_token_ids or (token in self.tokenizer.eos_token_ids and not params.ignore_eos):
+                    finished = True
+                    yield GenerationChunk(text[emitted:], [token], len(prompt_ids), done, "stop")
+                    return
+                text += self.tokenizer.decode([token])
+                hits = [text.find(s) for s in params.stop if s in text]
+                if hits:
+                    finished = True
+                    yield GenerationChunk(text[emitted:min(hits)], [token], len(prompt_ids), done, "stop")
+                    return
+                finished = done == params.max_tokens
+                end = len(text) if finished else len(text) - held_back(text, params.stop)
+                yield GenerationChunk(text[emitted:end], [token], len(prompt_ids), done,
+                                      "length" if finished else None)
+                emitted = end
+        finally:
+            self.running -= 1
+            if not finished:
+                self.aborted.append(index)
+
+    async def flush_cache(self) -> bool:
+        if self.running:
+            return False
+        self.flushes += 1
+        return True
+
+    def server_info(self) -> dict[str, Any]:
+        return {"model": self.model_name, "context_length": self.context_length, "fusion": {"active": False}}
+
+    def is_healthy(self) -> bool:
+        return self.healthy
