@@ -3,7 +3,7 @@ thread of TP rank 0."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from engine.engine_client import GenerationChunk, TokenizerLike
 from engine.request import Request
@@ -21,7 +21,7 @@ class Engine:
         self._info = info
         self._workers_alive = workers_alive
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationChunk, None]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk] = asyncio.Queue()
         req = Request(list(prompt_ids), params, emit=lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))

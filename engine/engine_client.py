@@ -6,7 +6,7 @@ The server only sees `EngineClient`: it submits token ids with `SamplingParams` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Protocol
+from typing import Any, AsyncGenerator, Optional, Protocol
 
 from engine.sampling_params import SamplingParams
 
@@ -26,9 +26,9 @@ class TokenizerLike(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
 
 class EngineClient(Protocol):
@@ -36,9 +36,9 @@ class EngineClient(Protocol):
     context_length: int  # prompt + output tokens one request may hold
     tokenizer: TokenizerLike
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationChunk, None]:
         """Submit a request; chunks until one with ``finish_reason`` set. Cancelling the
-        iteration (client disconnect) aborts the request and frees its KV slots."""
+        iteration or calling ``aclose()`` (client disconnect) aborts the request and frees its KV slots."""
         ...
 
     async def flush_cache(self) -> bool:

@@ -48,12 +48,15 @@ def fused_allreduce(
     weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
     scale: Optional[torch.Tensor] = None,
+    launch_with_pdl: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run one trtllm fused pattern through flashinfer's unified API; returns the outputs it
     wrote (``allreduce``, ``residual_out``, ``norm_out``, ``quant_out``, ``scale_out``).
 
-    Always ``trigger_completion_at_end=True`` and no PDL: the next kernel does not wait on
-    the grid dependency (an early completion signal produced NaNs in vLLM, #45448).
+    Always ``trigger_completion_at_end=True``: the next kernel may not wait on the grid
+    dependency (an early completion signal produced NaNs in vLLM, #45448). ``launch_with_pdl``
+    only lets this kernel launch early; it waits on its producers (cudaGridDependencySynchronize)
+    before it reads any input, so it is safe after any kernel.
     """
     import flashinfer.comm as fi_comm
 
@@ -93,7 +96,7 @@ def fused_allreduce(
         input=x,
         workspace=workspace,
         pattern=pattern,
-        launch_with_pdl=False,
+        launch_with_pdl=launch_with_pdl,
         trigger_completion_at_end=True,
         use_oneshot=use_oneshot,
         **kwargs,

@@ -79,6 +79,7 @@ def flashinfer_allreduce_residual_rmsnorm(
     workspace: Any,
     use_oneshot: Optional[bool] = None,
     oneshot_max_input_bytes: Optional[int] = None,
+    launch_with_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flashinfer's trtllm kernel. With a residual: one kernel (kARResidualRMSNorm).
     Without (first layer): the fused Lamport all-reduce, then flashinfer's rmsnorm."""
@@ -90,7 +91,8 @@ def flashinfer_allreduce_residual_rmsnorm(
     if not use_oneshot and tokens <= group.world_size:
         raise FusionInputError(f"two-shot needs more tokens ({tokens}) than ranks ({group.world_size})")
     if residual is None:
-        out = fo.fused_allreduce(x, workspace, group.world_size, use_oneshot, fo.PATTERN_ALLREDUCE)
+        out = fo.fused_allreduce(x, workspace, group.world_size, use_oneshot, fo.PATTERN_ALLREDUCE,
+                                 launch_with_pdl=launch_with_pdl)
         _count_flashinfer_reduction(group)
         summed = out["allreduce"]
         normed = torch.empty_like(summed)
@@ -99,7 +101,8 @@ def flashinfer_allreduce_residual_rmsnorm(
         fi_norm.rmsnorm(summed, weight, eps, out=normed)
         return normed, summed
     out = fo.fused_allreduce(
-        x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM, residual=residual, weight=weight, eps=eps
+        x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM, residual=residual, weight=weight, eps=eps,
+        launch_with_pdl=launch_with_pdl,
     )
     _count_flashinfer_reduction(group)
     return out["norm_out"], out["residual_out"]
@@ -116,18 +119,20 @@ def allreduce_residual_rmsnorm(
     workspace: Any = None,
     use_oneshot: Optional[bool] = None,
     oneshot_max_input_bytes: Optional[int] = None,
+    launch_with_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of all-reduce + residual add + RMSNorm over ``group``.
 
     ``workspace``: the flashinfer workspace handle (``AllReduceFusionWorkspace.handle``),
     needed by the ``"flashinfer"`` backend only. ``use_oneshot`` forces one-shot/two-shot;
-    None picks by message size (`fusion.oneshot.choose_oneshot`). Raises `FusionInputError`
+    None picks by message size (`fusion.oneshot.choose_oneshot`). ``launch_with_pdl``: launch
+    the flashinfer kernel with programmatic dependent launch (see `fused_allreduce`). Raises `FusionInputError`
     for inputs the chosen backend cannot take; it never silently changes the backend.
     """
     check_fusion_inputs(x, residual, weight)
     if backend == "flashinfer":
         return flashinfer_allreduce_residual_rmsnorm(
-            x, residual, weight, eps, group, workspace, use_oneshot, oneshot_max_input_bytes
+            x, residual, weight, eps, group, workspace, use_oneshot, oneshot_max_input_bytes, launch_with_pdl
         )
     if backend == "torch":
         return torch_fused_allreduce_residual_rmsnorm(x, residual, weight, eps, group)
@@ -147,6 +152,7 @@ def allreduce_residual_rmsnorm_fp8(
     backend: Backend = "flashinfer",
     workspace: Any = None,
     use_oneshot: Optional[bool] = None,
+    launch_with_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8(normed / scale), residual_out)``: the op above with static per-tensor FP8
     (e4m3) output (kARResidualRMSNormFP8Quant). ``scale`` is a one-element fp32 tensor on
@@ -162,7 +168,7 @@ def allreduce_residual_rmsnorm_fp8(
             use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size)
         out = fo.fused_allreduce(
             x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM_FP8,
-            residual=residual, weight=weight, eps=eps, scale=scale,
+            residual=residual, weight=weight, eps=eps, scale=scale, launch_with_pdl=launch_with_pdl,
         )
         _count_flashinfer_reduction(group)
         return out["quant_out"], out["residual_out"]
@@ -180,6 +186,7 @@ def allreduce_residual_rmsnorm_fp4(
     group: TensorParallelGroup,
     workspace: Any,
     use_oneshot: Optional[bool] = None,
+    launch_with_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(fp4 packed [tokens, hidden/2], swizzled 128x4 scale factors, residual_out)``
     (kARResidualRMSNormFP4Quant). Needs sm100+: raises `FusionUnsupportedError` below."""
@@ -194,7 +201,7 @@ def allreduce_residual_rmsnorm_fp4(
         use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size)
     out = fo.fused_allreduce(
         x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM_FP4,
-        residual=residual, weight=weight, eps=eps, scale=scale,
+        residual=residual, weight=weight, eps=eps, scale=scale, launch_with_pdl=launch_with_pdl,
     )
     _count_flashinfer_reduction(group)
     return out["quant_out"], out["scale_out"], out["residual_out"]

@@ -56,12 +56,15 @@ class FusedResources:
     """For one (hidden, dtype): the workspace of the direct fused paths and the dispatcher's
     own `AllReduceFusion`. Collective to create and to `destroy`."""
 
-    def __init__(self, group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype, enabled: bool):
+    def __init__(self, group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype, enabled: bool,
+                 launch_with_pdl: bool = False):
+        self.launch_with_pdl = launch_with_pdl
         self.workspace = fusion.AllReduceFusionWorkspace(group)
         self.fusion_op: Optional[fusion.AllReduceFusion] = None
         if enabled:
             self.workspace.ensure(max_tokens, hidden, dtype)
-            config = fusion.FusionConfig(enabled=True, backend="flashinfer", max_tokens=max_tokens)
+            config = fusion.FusionConfig(enabled=True, backend="flashinfer", max_tokens=max_tokens,
+                                         launch_with_pdl=launch_with_pdl)
             self.fusion_op = fusion.AllReduceFusion(group, config, hidden, dtype)
             self.fusion_op.setup()
 
@@ -159,10 +162,10 @@ def _native_compiled(group: TensorParallelGroup, quant: str, inputs: Inputs) -> 
     return op
 
 
-def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, oneshot: bool) -> Op:
+def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, oneshot: bool, pdl: bool) -> Op:
     """arfusion's fused op on the flashinfer backend over our workspace."""
     weight, scale = inputs.weight, inputs.scale
-    kw = dict(group=group, workspace=handle, use_oneshot=oneshot)
+    kw = dict(group=group, workspace=handle, use_oneshot=oneshot, launch_with_pdl=pdl)
     if quant == "fp8":
         return lambda x, r: fusion.allreduce_residual_rmsnorm_fp8(x, r, weight, EPS, scale, backend="flashinfer", **kw)[0]
     if quant == "fp4":
@@ -170,7 +173,7 @@ def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, 
     return lambda x, r: fusion.allreduce_residual_rmsnorm(x, r, weight, EPS, backend="flashinfer", **kw)[0]
 
 
-def _raw_oneshot(quant: str, inputs: Inputs, handle: Any) -> Op:
+def _raw_oneshot(quant: str, inputs: Inputs, handle: Any, pdl: bool) -> Op:
     """flashinfer.comm.allreduce_fusion called directly, one-shot, outputs preallocated once
     (the same calls arfusion makes, without its checks and per-call allocations)."""
     import flashinfer.comm as fi_comm
@@ -180,7 +183,7 @@ def _raw_oneshot(quant: str, inputs: Inputs, handle: Any) -> Op:
     weight = inputs.weight
     norm_out, residual_out = torch.empty_like(inputs.x), torch.empty_like(inputs.x)
     quant_out = torch.empty_like(inputs.x, dtype=torch.float8_e4m3fn) if quant == "fp8" else None
-    kw = dict(workspace=handle, launch_with_pdl=False, trigger_completion_at_end=True, use_oneshot=True)
+    kw = dict(workspace=handle, launch_with_pdl=pdl, trigger_completion_at_end=True, use_oneshot=True)
 
     def no_residual(x: torch.Tensor, _: Optional[torch.Tensor]) -> torch.Tensor:
         fi_comm.allreduce_fusion(input=x, pattern=pattern.kAllReduce, output=residual_out, **kw)
@@ -224,11 +227,11 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         return Path(name, None, missing) if missing else Path(name, make())
 
     if not disable_oneshot:
-        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_oneshot", lambda: _fused(group, quant, inputs, ws.handle, True)))
+        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_oneshot", lambda: _fused(group, quant, inputs, ws.handle, True, res.launch_with_pdl)))
     if tokens > group.world_size:
-        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_twoshot", lambda: _fused(group, quant, inputs, ws.handle, False)))
+        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_twoshot", lambda: _fused(group, quant, inputs, ws.handle, False, res.launch_with_pdl)))
     if not disable_oneshot and quant != "fp4":
-        paths.append(fused("flashinfer_raw_oneshot", lambda: _raw_oneshot(quant, inputs, ws.handle)))
+        paths.append(fused("flashinfer_raw_oneshot", lambda: _raw_oneshot(quant, inputs, ws.handle, res.launch_with_pdl)))
     notes = []
     if quant == "none":
         fuse = res.fusion_op.should_fuse(0, tokens)
