@@ -114,6 +114,15 @@ class ModelRunner:
         slots = min(slots, want)
         return min(self.group.all_gather_object(slots))
 
+    def reconfigure_fusion(self, config: FusionConfig) -> None:
+        """Collective: replace the fusion op (e.g. off -> on in one benchmark run) and
+        recapture the decode graphs, which baked the old decisions in."""
+        if self.graphs is not None:
+            self.graphs.destroy()
+        self.fusion = init_allreduce_fusion(config, self.config.hidden_size, self.dtype)
+        if self.graphs is not None:
+            self.graphs = CudaGraphRunner(self, self.graphs.sizes[-1])
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots)."""

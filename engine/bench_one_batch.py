@@ -1,0 +1,180 @@
+"""`python -m engine.bench_one_batch`: prefill latency and decode TPOT per batch size, with
+all-reduce fusion off and on, in one run (no server, no scheduler: every TP rank steps the
+same static batches).
+
+    python -m engine.bench_one_batch --model-path llama3-8b --tp-size 2 \\
+        --batch-size 1 8 32 128 256 --input-len 512 --output-len 32 --json-file out.json
+
+Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed), then
+``output_len`` greedy decode steps (CUDA-graph replays on GPU), each timed from the host
+(including the host-side batch building and the argmax). TPOT = median decode step.
+The run repeats each measurement ``--repeats`` times and reports the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("engine.bench_one_batch")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="tiny", help="built-in name, HF directory or .gguf file")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each (setting, batch size); median reported")
+    p.add_argument("--fusion", choices=["both", "on", "off"], default="both", help="settings to measure")
+    p.add_argument("--allreduce-fusion-backend", choices=["flashinfer", "torch"], default=None,
+                   help="default: flashinfer on GPU, torch on CPU")
+    p.add_argument("--allreduce-fusion-max-tokens", type=int, default=2048)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--json-file", help="append the results as one JSON object per line (rank 0)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict[str, float]:
+    from engine.static_batch import StaticBatch, random_prompts
+
+    batch = StaticBatch(runner, random_prompts(bs, input_len, vocab, seed), output_len)
+    _sync(runner.device)
+    start = time.perf_counter()
+    logits = batch.prefill()
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    prefill_s = time.perf_counter() - start
+    steps = []
+    for _ in range(output_len - 1):
+        start = time.perf_counter()
+        logits = batch.decode(tokens)
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        steps.append(time.perf_counter() - start)
+    return {"prefill_ms": prefill_s * 1e3, "tpot_ms": statistics.median(steps) * 1e3 if steps else float("nan")}
+
+
+def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
+    from engine.model_runner import ModelRunner, RunnerSettings
+    from fusion import FusionConfig
+    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    backend = args.allreduce_fusion_backend or ("flashinfer" if use_cuda else "torch")
+    group = init_tensor_parallel(args.tp_size, rank, init_method, device=device, timeout_s=300)
+    settings_order = {"both": [False, True], "on": [True], "off": [False]}[args.fusion]
+    fusion = FusionConfig(enabled=settings_order[0], backend=backend, max_tokens=args.allreduce_fusion_max_tokens)
+    settings = RunnerSettings(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
+                              context_length=args.input_len + args.output_len, mem_fraction_static=args.mem_fraction_static,
+                              max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
+                              disable_cuda_graph=args.disable_cuda_graph, fusion=fusion)
+    runner = ModelRunner(settings, group)
+    results = []
+    try:
+        for enabled in settings_order:
+            if enabled != runner.fusion.config.enabled:
+                runner.reconfigure_fusion(replace(fusion, enabled=enabled))
+            status = runner.fusion.status()
+            measure(runner, args.batch_size[0], args.input_len, 2, runner.config.vocab_size, args.seed)  # warm-up
+            for bs in args.batch_size:
+                runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, args.seed + r)
+                        for r in range(args.repeats)]
+                results.append({
+                    "fusion": "on" if enabled else "off", "fusion_active": status["active"],
+                    "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs,
+                    "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
+                    "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+                })
+    finally:
+        runner.destroy()
+        destroy_tensor_parallel()
+    return results
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    by = {(r["fusion"], r["batch_size"]): r for r in results}
+    print(f"model={args.model_path} tp={args.tp_size} input_len={args.input_len} output_len={args.output_len}")
+    print(f"{'batch':>5} {'prefill off (ms)':>16} {'prefill on (ms)':>15} {'TPOT off (ms)':>13} {'TPOT on (ms)':>12} {'TPOT gain':>9}")
+    for bs in args.batch_size:
+        off, on = by.get(("off", bs)), by.get(("on", bs))
+        cell = lambda r, k: f"{r[k]:.3f}" if r else "-"  # noqa: E731
+        gain = f"{(1 - on['tpot_ms'] / off['tpot_ms']) * 100:+.1f}%" if off and on else "-"
+        print(f"{bs:>5} {cell(off, 'prefill_ms'):>16} {cell(on, 'prefill_ms'):>15} {cell(off, 'tpot_ms'):>13} "
+              f"{cell(on, 'tpot_ms'):>12} {gain:>9}")
+    inactive = {r["fusion_reason_inactive"] for r in results if r["fusion"] == "on" and not r["fusion_active"]}
+    for reason in inactive:
+        print(f"note: fusion was requested but inactive: {reason}")
+    if args.json_file:
+        with open(args.json_file, "a") as f:
+            f.write(json.dumps({"args": vars(args), "results": results}) + "\n")
+
+
+def _worker(rank: int, args: argparse.Namespace, init_method: str, queue: Any) -> None:
+    try:
+        queue.put((rank, run_rank(args, rank, init_method), None))
+    except Exception as exc:
+        logger.exception("rank %d failed", rank)
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+    finally:
+        queue.close()
+        queue.join_thread()  # the result must leave this process before the hard exit
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter teardown: NCCL/IPC destructors can hang at exit
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import multiprocessing as mp
+
+    from engine.launch_config import _free_port
+
+    args = parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args, init_method, queue)) for r in range(args.tp_size)]
+    for p in procs:
+        p.start()
+    outcome = {}
+    while len(outcome) < args.tp_size:
+        try:
+            rank, res, err = queue.get(timeout=5)
+            outcome[rank] = (res, err)
+        except Exception:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome]
+            if dead:
+                print(f"error: rank(s) {dead} died without a result", file=sys.stderr)
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    errors = {r: e for r, (_, e) in outcome.items() if e}
+    if errors or 0 not in outcome:
+        print(f"error: {errors or 'rank 0 produced no result'}", file=sys.stderr)
+        return 1
+    report(args, outcome[0][0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
