@@ -76,7 +76,7 @@ def _die_with_workers(workers: WorkerSet, rank: int, exitcode: Optional[int]) ->
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    raise SystemExit(0)  # a requested shutdown is a clean exit
 
 
 def serve(args: ServerArgs) -> int:

@@ -44,14 +44,14 @@ class FusionEnvironment:
             return "TP size is 1: there is nothing to all-reduce"
         if self.backend == "torch":
             return None
+        if self.spans_nodes:
+            return "the TP group spans nodes; the trtllm IPC workspace is single-node"
         if self.flashinfer_error:
             return self.flashinfer_error
         if self.device_sm is None:
             return "no CUDA device: the flashinfer fused kernel needs an sm90/sm100 GPU"
         if self.device_sm[0] not in FUSED_KERNEL_SM_MAJORS:
             return f"GPU is sm{self.device_sm[0]}{self.device_sm[1]}; the fused kernel needs sm90 or sm100"
-        if self.spans_nodes:
-            return "the TP group spans nodes; the trtllm IPC workspace is single-node"
         if self.hidden_size:
             aligned = hidden_alignment_error(self.hidden_size, self.dtype)
             if aligned:

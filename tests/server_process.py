@@ -1,0 +1,107 @@
+"""Start `python -m engine.launch_server` in a subprocess for tests, wait until healthy, stop it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ServerProcess:
+    def __init__(self, *args: str, port: Optional[int] = None, wait_healthy: bool = True, timeout_s: float = 90) -> None:
+        self.port = port or free_port()
+        cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(self.port), *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"arfusion-server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        if wait_healthy:
+            self.wait_healthy(timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise TimeoutError(f"server not healthy within {timeout_s}s:\n{self.log_tail()}")
+
+    def request(self, path: str, body: Optional[dict] = None, raw: Optional[bytes] = None) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15) -> float:
+        """Signal the server; returns seconds until it exited."""
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        finally:
+            self.kill()
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.log.close()
