@@ -139,11 +139,12 @@ def test_strided_q_and_new_seq_lens_with_fixed_splits(interpreted, lens):
 
 
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
-    (1, 4, 8192, 32),  # 66 wanted for 2 waves over 132 SMs, capped at 8192 / 256
-    (1, 4, 128, 1),  # one chunk covers the whole width
-    (32, 4, 8192, 3),  # ceil(264 / 128)
+    (1, 4, 8192, 64),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
+    (1, 4, 128, 2),  # at most one split per 64-key block of the width
+    (8, 4, 2048, 16),
+    (32, 4, 8192, 4),  # floor(528 / 128)
     (128, 4, 8192, 1),
-    (1, 1, 65536, 64),  # MAX_SPLITS
+    (256, 4, 8192, 1),  # already more programs than wanted
 ])
 def test_choose_num_splits_from_shapes(batch, kv_heads, context, expected):
     assert choose_num_splits(batch, kv_heads, context, num_sms=132) == expected

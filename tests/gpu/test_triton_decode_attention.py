@@ -1,0 +1,103 @@
+"""The Triton decode attention on one GPU, bf16, llama3-8b TP2 shapes (16 query heads, 4 KV heads,
+head_dim 128): captured once in a CUDA graph and replayed with new inputs and new seq_lens,
+against the fp32 torch reference; then a timing table against the layer's torch decode path
+(run with ``-s`` to see it)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from layers.attention import Attention  # noqa: E402
+from layers.triton_decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+    time_decode_attention,
+)
+from tests.tolerances import TOLERANCES  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM ** -0.5
+
+
+def _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed: int) -> None:
+    """New random contents for the graph's static inputs, in place: q (scaled so the softmax is
+    peaked), both caches, a fresh slot permutation per row, ragged seq_lens with 1 and the full
+    width among them (when the batch has two rows or more)."""
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    batch, context = req_to_token.shape
+    q.copy_(2 * torch.randn(q.shape, generator=gen, device=q.device))
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen, device=q.device))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen, device=q.device))
+    req_to_token.copy_(torch.randperm(k_cache.shape[0], generator=gen, device=q.device)[:batch * context].view(batch, context))
+    lens = torch.randint(1, context + 1, (batch,), generator=gen, device=q.device)
+    lens[-1] = context
+    if batch > 1:
+        lens[0] = 1
+    seq_lens.copy_(lens)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch,context", [(1, 8192), (3, 300), (32, 4096), (128, 1024), (256, 512)])
+def test_graph_replay_matches_reference(batch, context):
+    dev = torch.device("cuda", 0)
+    q = torch.empty(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    k_cache = torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    v_cache = torch.empty_like(k_cache)
+    req_to_token = torch.empty(batch, context, dtype=torch.int64, device=dev)
+    seq_lens = torch.empty(batch, dtype=torch.int64, device=dev)
+    _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed=0)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
+
+    rtol, atol = TOLERANCES[DTYPE]
+    for seed in (1, 2, 3):
+        _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed)
+        out.fill_(float("nan"))  # every element must be written by the replay
+        graph.replay()
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
+        eager = decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        rel_l2 = ((out.float() - expected).norm() / expected.norm()).item()
+        assert rel_l2 < 1e-2, f"seed {seed}: relative L2 error {rel_l2:.2e}"
+        torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)  # the replay is the eager call, bit for bit
+
+
+def _torch_decode(q, k_cache, v_cache, req_to_token, seq_lens, scale):
+    """The layer's current torch decode path (gather + masked scaled_dot_product_attention)."""
+    attention = Attention(q.shape[1], k_cache.shape[1], q.shape[2], scale)
+    return attention._decode(q, k_cache, v_cache, SimpleNamespace(req_to_token=req_to_token, seq_lens=seq_lens))
+
+
+@pytest.mark.timeout(300)
+def test_print_timing_table():
+    """µs per call (median over replays of a 32-call CUDA graph, full context), K+V bandwidth; the
+    kernel must beat the layer's torch path at every size."""
+    lines = [f"decode attention, H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} bf16, {torch.cuda.get_device_name(0)}",
+             f"{'B':>4} {'context':>7} {'splits':>6} {'triton us':>10} {'GB/s':>6} {'torch us':>10} {'speedup':>7}"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    slower = []
+    for batch in (1, 32, 128):
+        for context in (128, 512, 2048, 8192):
+            triton_us = time_decode_attention(batch, context, HEADS, KV_HEADS, HEAD_DIM, DTYPE)
+            torch_us = time_decode_attention(batch, context, HEADS, KV_HEADS, HEAD_DIM, DTYPE, attention_fn=_torch_decode)
+            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+            splits = choose_num_splits(batch, KV_HEADS, context, sms)
+            lines.append(f"{batch:>4} {context:>7} {splits:>6} {triton_us:>10.1f} {kv_bytes / triton_us / 1e3:>6.0f} "
+                         f"{torch_us:>10.1f} {torch_us / triton_us:>6.1f}x")
+            if not 0 < triton_us < torch_us:
+                slower.append(lines[-1])
+    print("\n" + "\n".join(lines))
+    assert not slower, f"not faster than the torch path: {slower}"
