@@ -125,7 +125,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots)."""
+        """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots). A decode
+        step replayed from a CUDA graph returns the graph's static output buffer: the values
+        are valid until the next forward (copy them to keep them)."""
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             return self.graphs.replay(plan)
         batch = self.table.apply(plan)

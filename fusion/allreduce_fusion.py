@@ -35,7 +35,7 @@ class FusionConfig:
     cache_size: int = 64  # bound of the (layer_id, batch_size) decision cache
     deterministic: bool = False  # keeps NCCL's summation order: disables fusion
     oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
-    launch_with_pdl: bool = False  # launch the flashinfer kernel with programmatic dependent launch
+    launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:

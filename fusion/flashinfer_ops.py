@@ -48,7 +48,7 @@ def fused_allreduce(
     weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
     scale: Optional[torch.Tensor] = None,
-    launch_with_pdl: bool = False,
+    launch_with_pdl: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Run one trtllm fused pattern through flashinfer's unified API; returns the outputs it
     wrote (``allreduce``, ``residual_out``, ``norm_out``, ``quant_out``, ``scale_out``).

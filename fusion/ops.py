@@ -79,7 +79,7 @@ def flashinfer_allreduce_residual_rmsnorm(
     workspace: Any,
     use_oneshot: Optional[bool] = None,
     oneshot_max_input_bytes: Optional[int] = None,
-    launch_with_pdl: bool = False,
+    launch_with_pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flashinfer's trtllm kernel. With a residual: one kernel (kARResidualRMSNorm).
     Without (first layer): the fused Lamport all-reduce, then flashinfer's rmsnorm."""
@@ -119,7 +119,7 @@ def allreduce_residual_rmsnorm(
     workspace: Any = None,
     use_oneshot: Optional[bool] = None,
     oneshot_max_input_bytes: Optional[int] = None,
-    launch_with_pdl: bool = False,
+    launch_with_pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of all-reduce + residual add + RMSNorm over ``group``.
 
@@ -152,7 +152,7 @@ def allreduce_residual_rmsnorm_fp8(
     backend: Backend = "flashinfer",
     workspace: Any = None,
     use_oneshot: Optional[bool] = None,
-    launch_with_pdl: bool = False,
+    launch_with_pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8(normed / scale), residual_out)``: the op above with static per-tensor FP8
     (e4m3) output (kARResidualRMSNormFP8Quant). ``scale`` is a one-element fp32 tensor on
@@ -186,7 +186,7 @@ def allreduce_residual_rmsnorm_fp4(
     group: TensorParallelGroup,
     workspace: Any,
     use_oneshot: Optional[bool] = None,
-    launch_with_pdl: bool = False,
+    launch_with_pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(fp4 packed [tokens, hidden/2], swizzled 128x4 scale factors, residual_out)``
     (kARResidualRMSNormFP4Quant). Needs sm100+: raises `FusionUnsupportedError` below."""

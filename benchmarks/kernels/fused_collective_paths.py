@@ -57,7 +57,7 @@ class FusedResources:
     own `AllReduceFusion`. Collective to create and to `destroy`."""
 
     def __init__(self, group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype, enabled: bool,
-                 launch_with_pdl: bool = False):
+                 launch_with_pdl: bool = True):
         self.launch_with_pdl = launch_with_pdl
         self.workspace = fusion.AllReduceFusionWorkspace(group)
         self.fusion_op: Optional[fusion.AllReduceFusion] = None

@@ -94,7 +94,11 @@ def _lifecycle(rank, world_size):
     # e4m3 has 3 mantissa bits: one ulp at |v| is 2^(floor(log2 |v|) - 3) (subnormal spacing 2^-9).
     magnitude = torch.maximum(q.float().abs(), ref_q.float().abs())
     ulp = torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2**-6))) - 3)
-    out["fp8_max_ulps"] = ((q.float() - ref_q.float()).abs() / ulp).max().item()
+    ulps = (q.float() - ref_q.float()).abs() / ulp
+    worst = int(ulps.argmax())
+    out["fp8_max_ulps"] = ulps.max().item()
+    out["fp8_worst"] = (q.float().flatten()[worst].item(), ref_q.float().flatten()[worst].item(),
+                        (ref_n.flatten()[worst] / scale).item())
     _check(res_out, ref_r)
 
     # FP4 refused below sm100; unaligned hidden refused.
@@ -112,6 +116,7 @@ def _lifecycle(rank, world_size):
     ws.destroy()
 
     # The whole object: setup creates the workspace, decisions go through the cache, the kernel runs.
+    group.counters.reset()
     fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=512), hidden, torch.bfloat16)
     out["active"] = fusion.active
     x, res, w = _inputs(rank, 32, hidden, 8, dev)
