@@ -14,11 +14,21 @@ loops over the sequences, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class AttentionBatch(Protocol):
@@ -62,7 +72,13 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
-        """One query per sequence; keys ``[B, kv_heads, max_context, head_dim]`` masked to ``seq_lens``."""
+        """One query per sequence. On GPU: the Triton split-K kernel, which reads only each
+        sequence's own keys (timed against the gather below by tests/gpu/test_triton_decode_attention.py).
+        Elsewhere: keys ``[B, kv_heads, max_context, head_dim]`` gathered and masked to ``seq_lens``."""
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _triton_available():
+            from layers.triton_decode_attention import decode_attention
+
+            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale)
         context = batch.req_to_token.shape[1]
         keys = k_cache[batch.req_to_token].transpose(1, 2)
         values = v_cache[batch.req_to_token].transpose(1, 2)
