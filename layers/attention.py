@@ -72,13 +72,17 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
-        """One query per sequence. On GPU: the Triton split-K kernel, which reads only each
-        sequence's own keys (timed against the gather below by tests/gpu/test_triton_decode_attention.py).
-        Elsewhere: keys ``[B, kv_heads, max_context, head_dim]`` gathered and masked to ``seq_lens``."""
+        """One query per sequence. On GPU (fp16/bf16): the Triton split-K kernel, which reads
+        only each sequence's own keys; elsewhere `_decode_torch`."""
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _triton_available():
             from layers.triton_decode_attention import decode_attention
 
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale)
+        return self._decode_torch(q, k_cache, v_cache, batch)
+
+    def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: AttentionBatch) -> torch.Tensor:
+        """Keys ``[B, kv_heads, max_context, head_dim]`` gathered for every row and masked to ``seq_lens``."""
         context = batch.req_to_token.shape[1]
         keys = k_cache[batch.req_to_token].transpose(1, 2)
         values = v_cache[batch.req_to_token].transpose(1, 2)

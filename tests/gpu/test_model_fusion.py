@@ -1,9 +1,12 @@
-"""llama3-8b shapes, TP2, bf16, dummy weights: fusion on (flashinfer) vs off.
+"""llama3-8b shapes, TP2, dummy weights: fusion on (flashinfer) vs off, against an fp32 model.
 
-Greedy decode of 8 prompts for 256 steps with fusion off gives the reference tokens; the
-fusion-on model is fed the same tokens (teacher forcing) and must pick the same greedy token
-at >= 99% of the steps, with logits within 1e-2 relative error. One eager forward counts the
-reductions that ran in flashinfer's fused kernel: one per reduction point of every layer.
+Greedy decode of 8 prompts for 256 steps with the fp32 model gives the token stream; every
+other model (bf16 unfused, bf16 fused with flashinfer, bf16 fused with the torch backend) is
+fed the same tokens (teacher forcing) and compared step by step: greedy-token agreement and
+logits relative error. The fused model must be as close to fp32 as the unfused one (its error
+at most 1.5x); its agreement with the unfused bf16 model is reported against the issue's
+target (>= 99%, rel. err <= 1e-2). One eager forward counts the reductions that ran in
+flashinfer's fused kernel: one per reduction point of every layer.
 """
 import pytest
 import torch
@@ -11,6 +14,17 @@ import torch
 from tests.dist_utils import run_distributed
 
 PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
+
+
+def _logits_for(runner, prompts, tokens):
+    """Teacher-forced logits (copied: graph outputs are overwritten by the next replay)."""
+    from engine.static_batch import StaticBatch
+
+    batch = StaticBatch(runner, prompts, STEPS + 1)
+    out = [batch.prefill().clone()]
+    for step in range(STEPS):
+        out.append(batch.decode(tokens[step]).clone())
+    return torch.stack(out)  # [STEPS+1, B, vocab]
 
 
 def _run(rank, world_size):
@@ -22,48 +36,54 @@ def _run(rank, world_size):
     from layers.parallel_state import get_tp_group
 
     group = get_tp_group()
-    fusion = FusionConfig(enabled=False, backend="flashinfer", max_tokens=2048)
-    settings = RunnerSettings(model_path="llama3-8b", dtype="bfloat16", context_length=PROMPT_LEN + STEPS + 8,
-                              max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, fusion=fusion, kv_slots=8192)
-    runner = ModelRunner(settings, group)
-    prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=1)
+    off = FusionConfig(enabled=False, backend="flashinfer", max_tokens=2048)
+    base = RunnerSettings(model_path="llama3-8b", dtype="float32", context_length=PROMPT_LEN + STEPS + 8,
+                          max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, fusion=off, kv_slots=8192)
+    prompts = None
     out = {}
 
-    # Fusion off: free-running greedy reference.
-    batch = StaticBatch(runner, prompts, STEPS + 1)
-    # forward() returns the decode graph's static output buffer: keep a copy of each step.
-    logits_off = [batch.prefill().clone()]
-    tokens = [torch.argmax(logits_off[-1], -1).tolist()]
+    fp32 = ModelRunner(base, group)
+    prompts = random_prompts(PROMPTS, PROMPT_LEN, fp32.config.vocab_size, seed=1)
+    batch = StaticBatch(fp32, prompts, STEPS + 1)
+    step_logits = [batch.prefill().clone()]
+    tokens = [torch.argmax(step_logits[-1], -1).tolist()]
     for _ in range(STEPS):
-        logits_off.append(batch.decode(tokens[-1]).clone())
-        tokens.append(torch.argmax(logits_off[-1], -1).tolist())
+        step_logits.append(batch.decode(tokens[-1]).clone())
+        tokens.append(torch.argmax(step_logits[-1], -1).tolist())
+    reference = torch.stack(step_logits)
+    fp32.destroy()
+    del fp32, batch, step_logits
 
-    # Fusion on: same tokens fed in; count the fused reductions of one eager forward.
-    runner.reconfigure_fusion(replace(fusion, enabled=True))
+    runner = ModelRunner(replace(base, dtype="bfloat16"), group)
+    results = {"bf16_unfused": _logits_for(runner, prompts, tokens)}
+    runner.reconfigure_fusion(replace(off, enabled=True))
     out["status"] = runner.fusion.status()
-    batch = StaticBatch(runner, prompts, STEPS + 1)
     group.counters.reset()
-    logits_on = [batch.prefill().clone()]
+    StaticBatch(runner, prompts, 1).prefill()
     out["prefill_counters"] = (group.counters.total, group.counters.fused, group.counters.flashinfer)
-    agree, rel_errs = 0, []
-    for step in range(STEPS):
-        logits_on.append(batch.decode(tokens[step]).clone())
-    for step in range(STEPS + 1):
-        on, off = logits_on[step], logits_off[step]
-        agree += int((torch.argmax(on, -1) == torch.argmax(off, -1)).sum())
-        rel_errs.append(((on - off).norm() / off.norm()).item())
-    out["agreement"] = agree / ((STEPS + 1) * PROMPTS)
-    out["rel_err_by_step"] = [rel_errs[i] for i in (0, 1, 2, 8, 64, STEPS)]
-    out["max_rel_err"] = max(rel_errs)
+    results["bf16_fused_flashinfer"] = _logits_for(runner, prompts, tokens)
+    runner.reconfigure_fusion(replace(off, enabled=True, backend="torch"))
+    results["bf16_fused_torch"] = _logits_for(runner, prompts, tokens)
     out["num_layers"] = runner.config.num_hidden_layers
-    out["graph_sizes"] = runner.graphs.sizes if runner.graphs else []
     runner.destroy()
+
+    def compare(a, b):
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        rel = ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1))  # per step
+        return {"agreement": agree, "max_rel_err": rel.max().item(), "mean_rel_err": rel.mean().item()}
+
+    out["vs_fp32"] = {name: compare(v, reference) for name, v in results.items()}
+    out["fused_vs_unfused"] = compare(results["bf16_fused_flashinfer"], results["bf16_unfused"])
+    out["torch_vs_unfused"] = compare(results["bf16_fused_torch"], results["bf16_unfused"])
     return out
 
 
 @pytest.fixture(scope="module")
 def result():
-    return run_distributed(_run, device_kind="cuda", timeout_s=500)[0]
+    r = run_distributed(_run, device_kind="cuda", timeout_s=500)[0]
+    for key in ("vs_fp32", "fused_vs_unfused", "torch_vs_unfused"):
+        print(f"\n{key}: {r[key]}")
+    return r
 
 
 def test_fusion_is_active(result):
@@ -77,10 +97,13 @@ def test_every_layer_reduction_ran_fused(result):
     assert total == 1 + 2 * layers and fused == flashinfer == 2 * layers, result["prefill_counters"]
 
 
-def test_greedy_tokens_agree(result):
-    print(f"greedy agreement {result['agreement']:.4f}, max logits rel err {result['max_rel_err']:.2e}")
-    assert result["agreement"] >= 0.99
+def test_fused_is_as_close_to_fp32_as_unfused(result):
+    fused, unfused = result["vs_fp32"]["bf16_fused_flashinfer"], result["vs_fp32"]["bf16_unfused"]
+    assert fused["mean_rel_err"] <= 1.5 * unfused["mean_rel_err"], result["vs_fp32"]
+    assert fused["agreement"] >= unfused["agreement"] - 0.02, result["vs_fp32"]
 
 
-def test_logits_close(result):
-    assert result["max_rel_err"] <= 1e-2
+def test_issue_target_fused_vs_unfused(result):
+    """The issue's target (>= 99% greedy agreement, logits within 1e-2) for fused vs unfused bf16."""
+    r = result["fused_vs_unfused"]
+    assert r["agreement"] >= 0.99 and r["max_rel_err"] <= 1e-2, r
