@@ -39,8 +39,8 @@ class RequestTable:
 
     def apply(self, plan: StepPlan, width: int | None = None) -> ForwardBatch:
         """Record the plan's new slots in the table (in place) and build its batch.
-        ``width``: columns of ``req_to_token`` (default: the longest sequence)."""
-        dev = self.device
+        ``width``: columns of ``req_to_token`` (default: the longest sequence). All the plan's
+        integers travel to the device in one copy."""
         rows, cols, slots = [], [], []
         for row, new, seq_len in zip(plan.rows, plan.new_slots, plan.seq_lens):
             if seq_len > self.context_len:
@@ -48,16 +48,22 @@ class RequestTable:
             rows.extend([row] * len(new))
             cols.extend(range(seq_len - len(new), seq_len))
             slots.extend(new)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
-        slot_mapping = as_tensor(slots)
-        self.table[as_tensor(rows), as_tensor(cols)] = slot_mapping
+        input_ids = [t for toks in plan.new_tokens for t in toks]
+        extend_lens = [len(t) for t in plan.new_tokens]
+        fields = (input_ids, cols, slots, rows, plan.seq_lens, extend_lens, plan.rows)
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        packed = torch.split(host.to(self.device, non_blocking=True), [len(f) for f in fields])
+        input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = packed
+        self.table[rows_t, positions] = slot_mapping
         width = width or max(plan.seq_lens)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if plan.kind == "decode" else ForwardMode.EXTEND,
-            input_ids=as_tensor([t for toks in plan.new_tokens for t in toks]),
-            positions=as_tensor(cols),
-            seq_lens=as_tensor(plan.seq_lens),
-            extend_lens=as_tensor([len(t) for t in plan.new_tokens]),
+            input_ids=input_ids_t,
+            positions=positions,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens_t,
             slot_mapping=slot_mapping,
-            req_to_token=self.table[as_tensor(plan.rows), :width],
+            req_to_token=self.table[plan_rows, :width],
         )
