@@ -76,7 +76,8 @@ def test_graph_replay_matches_reference(batch, context):
 
 
 def _torch_decode(q, k_cache, v_cache, req_to_token, seq_lens, scale):
-    """The layer's current torch decode path (gather + masked scaled_dot_product_attention)."""
+    """The layer's torch decode path (gather + masked scaled_dot_product_attention), which
+    ``Attention._decode`` uses off the GPU."""
     attention = Attention(q.shape[1], k_cache.shape[1], q.shape[2], scale)
     return attention._decode_torch(q, k_cache, v_cache, SimpleNamespace(req_to_token=req_to_token, seq_lens=seq_lens))
 
