@@ -72,9 +72,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
-        """One query per sequence. On GPU (fp16/bf16): the Triton split-K kernel, which reads
-        only each sequence's own keys; elsewhere `_decode_torch`."""
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _triton_available():
+        """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
+        kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
+        pow2_head = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and _triton_available():
             from layers.triton_decode_attention import decode_attention
 
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale)
