@@ -41,11 +41,12 @@ class WorkerSet:
         return all(p.is_alive() for p in self.procs.values())
 
     def watch(self, on_death) -> threading.Thread:
-        """Call ``on_death(rank, exitcode)`` (from a daemon thread) when a worker exits unasked."""
+        """Call ``on_death(rank, exitcode)`` (from a daemon thread) when a worker fails. A worker
+        exits with 0 only after rank 0's "shutdown" plan, which is not a failure."""
         def loop() -> None:
             while not self.stopping:
                 for rank, p in self.procs.items():
-                    if not p.is_alive() and not self.stopping:
+                    if not p.is_alive() and p.exitcode != 0 and not self.stopping:
                         on_death(rank, p.exitcode)
                         return
                 time.sleep(0.2)
@@ -104,7 +105,7 @@ def serve(args: ServerArgs) -> int:
                 time.sleep(0.5)
         finally:
             workers.stop()
-        return 0
+        return 0 if all(p.exitcode == 0 for p in workers.procs.values()) else 1
 
     torch.set_num_threads(launch.threads_per_rank)
     runner = scheduler = scheduler_thread = None
