@@ -20,11 +20,21 @@ context and the op has static shapes for CUDA graphs.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -78,7 +88,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, heads*head_dim]``, ``k [T, kv_heads*head_dim]`` -> rotated copies (same
-        shapes and dtype); the rotation runs in fp32."""
+        shapes and dtype); the rotation runs in fp32. On GPU: one Triton kernel
+        (layers/triton_rotary.py, the same roundings); elsewhere `forward_torch`."""
+        if q.is_cuda and _triton_available():
+            from layers.triton_rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.inv_freq)
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path of `forward` (the reference of the Triton kernel)."""
         cos, sin = self.cos_sin(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
