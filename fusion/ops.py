@@ -33,10 +33,29 @@ Backend = Literal["flashinfer", "torch", "unfused"]
 BACKENDS: tuple[str, ...] = ("flashinfer", "torch", "unfused")
 
 
-def _count_flashinfer_reduction(group: TensorParallelGroup) -> None:
+def _flashinfer_pattern(
+    x: torch.Tensor,
+    group: TensorParallelGroup,
+    workspace: Any,
+    pattern: int,
+    use_oneshot: Optional[bool],
+    oneshot_max_input_bytes: Optional[int],
+    launch_with_pdl: bool,
+    **inputs: Any,
+) -> dict[str, torch.Tensor]:
+    """Pick one-shot/two-shot, run one trtllm pattern, count the reduction it performed."""
+    from fusion import flashinfer_ops as fo
+
+    tokens, hidden = x.shape
+    if use_oneshot is None:
+        use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size, oneshot_max_input_bytes)
+    if not use_oneshot and tokens <= group.world_size:
+        raise FusionInputError(f"two-shot needs more tokens ({tokens}) than ranks ({group.world_size})")
+    out = fo.fused_allreduce(x, workspace, group.world_size, use_oneshot, pattern, launch_with_pdl=launch_with_pdl, **inputs)
     group.counters.total += 1
     group.counters.fused += 1
     group.counters.flashinfer += 1
+    return out
 
 
 def _gpu_norm_kernels_available(x: torch.Tensor) -> bool:
@@ -85,26 +104,16 @@ def flashinfer_allreduce_residual_rmsnorm(
     Without (first layer): the fused Lamport all-reduce, then flashinfer's rmsnorm."""
     from fusion import flashinfer_ops as fo
 
-    tokens, hidden = x.shape
-    if use_oneshot is None:
-        use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size, oneshot_max_input_bytes)
-    if not use_oneshot and tokens <= group.world_size:
-        raise FusionInputError(f"two-shot needs more tokens ({tokens}) than ranks ({group.world_size})")
+    common = (x, group, workspace)
+    tuning = (use_oneshot, oneshot_max_input_bytes, launch_with_pdl)
     if residual is None:
-        out = fo.fused_allreduce(x, workspace, group.world_size, use_oneshot, fo.PATTERN_ALLREDUCE,
-                                 launch_with_pdl=launch_with_pdl)
-        _count_flashinfer_reduction(group)
-        summed = out["allreduce"]
-        normed = torch.empty_like(summed)
+        summed = _flashinfer_pattern(*common, fo.PATTERN_ALLREDUCE, *tuning)["allreduce"]
         import flashinfer.norm as fi_norm
 
+        normed = torch.empty_like(summed)
         fi_norm.rmsnorm(summed, weight, eps, out=normed)
         return normed, summed
-    out = fo.fused_allreduce(
-        x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM, residual=residual, weight=weight, eps=eps,
-        launch_with_pdl=launch_with_pdl,
-    )
-    _count_flashinfer_reduction(group)
+    out = _flashinfer_pattern(*common, fo.PATTERN_RESIDUAL_RMSNORM, *tuning, residual=residual, weight=weight, eps=eps)
     return out["norm_out"], out["residual_out"]
 
 
@@ -163,14 +172,8 @@ def allreduce_residual_rmsnorm_fp8(
     if backend == "flashinfer":
         from fusion import flashinfer_ops as fo
 
-        tokens, hidden = x.shape
-        if use_oneshot is None:
-            use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size)
-        out = fo.fused_allreduce(
-            x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM_FP8,
-            residual=residual, weight=weight, eps=eps, scale=scale, launch_with_pdl=launch_with_pdl,
-        )
-        _count_flashinfer_reduction(group)
+        out = _flashinfer_pattern(x, group, workspace, fo.PATTERN_RESIDUAL_RMSNORM_FP8, use_oneshot, None,
+                                  launch_with_pdl, residual=residual, weight=weight, eps=eps, scale=scale)
         return out["quant_out"], out["residual_out"]
     normed, residual_out = allreduce_residual_rmsnorm(x, residual, weight, eps, group=group, backend=backend)
     return reference.quantize_fp8_static(normed, scale), residual_out
@@ -196,12 +199,6 @@ def allreduce_residual_rmsnorm_fp4(
     fo.require_fp4_support(x.device)
     if x.dtype == torch.float32:
         raise FusionInputError("the FP4 pattern takes fp16 or bf16 input, not float32")
-    tokens, hidden = x.shape
-    if use_oneshot is None:
-        use_oneshot = choose_oneshot(tokens, hidden, x.dtype, group.world_size)
-    out = fo.fused_allreduce(
-        x, workspace, group.world_size, use_oneshot, fo.PATTERN_RESIDUAL_RMSNORM_FP4,
-        residual=residual, weight=weight, eps=eps, scale=scale, launch_with_pdl=launch_with_pdl,
-    )
-    _count_flashinfer_reduction(group)
+    out = _flashinfer_pattern(x, group, workspace, fo.PATTERN_RESIDUAL_RMSNORM_FP4, use_oneshot, None,
+                              launch_with_pdl, residual=residual, weight=weight, eps=eps, scale=scale)
     return out["quant_out"], out["scale_out"], out["residual_out"]
