@@ -93,7 +93,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     ``q_out``/``k_out``: where to write (same shape and dtype; may be q and k for an in-place
     rotation); new contiguous tensors when None. Launches one kernel; no host sync."""
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be a 1-D int32 or int64 tensor, got {tuple(positions.shape)} {positions.dtype}")
+        raise ValueError(f"positions must be a 1-D int32 or int64 tensor, "
+                         f"got {tuple(positions.shape)} {positions.dtype}")
     if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
         raise ValueError(f"inv_freq must be a contiguous 1-D fp32 tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
     if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -150,7 +150,7 @@ def _run_rotary_case(case) -> None:
         assert ulps == 0, f"{name}: {ulps} ulps from the same math as interpreted"
         torch_ref = rope.forward_torch(positions, q_in, k_in)[0 if name == "q" else 1]
         err = (out.float() - torch_ref.float()).abs() / pair_magnitude(x, head_dim).clamp_min(1e-30)
-        assert err.max().item() <= 2 * eps(dtype), f"{name}: error {err.max().item():.3g} x |x1|+|x2| against forward_torch"
+        assert err.max().item() <= 2 * eps(dtype), f"{name}: error {err.max().item():.3g} x |x1|+|x2| vs forward_torch"
 
 
 def _run_silu_case(case) -> None:

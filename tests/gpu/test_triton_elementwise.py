@@ -1,0 +1,214 @@
+"""The Triton rotary-embedding and silu-and-mul kernels on one GPU, at llama3-8b TP2 shapes (16
+query heads, 4 KV heads, head_dim 128, intermediate 7168 per rank), bf16 and fp16.
+
+Against the layers' torch path (``forward_torch``): the kernels use the same libdevice
+cos/sin/exp and the same rounding steps, so they should agree bit for bit; asserted are at least
+99% bit-equal elements (the fraction is printed with ``-s``) and, for the rest, rotary within one
+ulp of the dtype at the scale |x1| + |x2| of the rotated pair (where cancellation cannot inflate
+it), silu_and_mul within two ulps.
+Then both ops through the layers' dispatch, captured in one CUDA graph and replayed with new
+inputs; then a µs-per-call table against the torch path.
+"""
+from typing import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import layers.triton_activation  # noqa: E402
+import layers.triton_rotary  # noqa: E402
+from layers.activation import SiluAndMul  # noqa: E402
+from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from layers.triton_activation import silu_and_mul  # noqa: E402
+from layers.triton_rotary import rotary_embedding  # noqa: E402
+from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 4, 128, 7168
+QKV_WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+TOKENS = (1, 32, 256, 4096)
+DEVICE = torch.device("cuda", 0)
+
+
+def _rope() -> RotaryEmbedding:
+    return RotaryEmbedding(HEAD_DIM, 500000.0, LLAMA3, device=DEVICE)
+
+
+def _split(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v views of a packed qkv projection output, as QKVParallelLinear.split makes them."""
+    return qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+
+
+def _fill(positions: torch.Tensor, qkv: torch.Tensor, x: torch.Tensor, seed: int) -> None:
+    """New random contents in place: positions in [0, 2**17) (llama3-8b's 128K context), qkv and
+    the gate/up activations with std 2 and 3."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    positions.copy_(torch.randint(0, 2**17, positions.shape, generator=gen, device=DEVICE))
+    qkv.copy_(2 * torch.randn(qkv.shape, generator=gen, device=DEVICE))
+    x.copy_(3 * torch.randn(x.shape, generator=gen, device=DEVICE))
+
+
+def _check_rotary(out: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> float:
+    """Asserts ``out`` within one ulp of the dtype at each pair's scale and >= 99% bit-equal to
+    ``expected``; returns the bit-equal fraction."""
+    err = (out.float() - expected.float()).abs() / pair_magnitude(x, HEAD_DIM).clamp_min(1e-30)
+    assert err.max().item() <= eps(out.dtype), f"error {err.max().item():.3g} x (|x1| + |x2|)"
+    exact = (ulp_distance(out, expected) == 0).float().mean().item()
+    assert exact >= 0.99, f"only {exact:.4f} bit-equal"
+    return exact
+
+
+def _check_silu(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Asserts ``out`` within two ulps (silu is rounded to the dtype before the product, so one
+    ulp there can become two in the output) and >= 99% bit-equal; returns the bit-equal fraction."""
+    ulps = ulp_distance(out, expected)
+    assert ulps.max().item() <= 2, f"{ulps.max().item()} ulps"
+    exact = (ulps == 0).float().mean().item()
+    assert exact >= 0.99, f"only {exact:.4f} bit-equal"
+    return exact
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_kernels_match_torch_path(tokens, dtype):
+    rope = _rope()
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    x = torch.empty(tokens, 2 * INTERMEDIATE, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, x, seed=tokens)
+    q, k, v = _split(qkv)
+    q_ref, k_ref = rope.forward_torch(positions, q, k)
+    v_before = v.clone()
+    q_out, k_out = rotary_embedding(positions, q, k, rope.inv_freq)
+    exact_q = _check_rotary(q_out, q_ref, q)
+    exact_k = _check_rotary(k_out, k_ref, k)
+    rotary_embedding(positions, q, k, rope.inv_freq, q_out=q, k_out=k)  # in place in the packed buffer
+    assert torch.equal(q, q_out) and torch.equal(k, k_out) and torch.equal(v, v_before)
+    exact_silu = _check_silu(silu_and_mul(x), SiluAndMul().forward_torch(x))
+    print(f"\nT={tokens} {dtype}: bit-equal to torch: q {exact_q:.4f}, k {exact_k:.4f}, silu_and_mul {exact_silu:.4f}")
+
+
+def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
+    calls = []
+
+    def counted(fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(layers.triton_rotary, "rotary_embedding", counted(rotary_embedding))
+    monkeypatch.setattr(layers.triton_activation, "silu_and_mul", counted(silu_and_mul))
+    positions = torch.arange(3, device=DEVICE)
+    q, k, _ = _split(torch.randn(3, QKV_WIDTH, device=DEVICE, dtype=torch.bfloat16))
+    _rope()(positions, q, k)
+    SiluAndMul()(torch.randn(3, 2 * INTERMEDIATE, device=DEVICE, dtype=torch.bfloat16))
+    assert calls == ["rotary_embedding", "silu_and_mul"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_cuda_graph_replay(tokens):
+    """Both ops through the layers' forward (the dispatch the model runs), captured once; each
+    replay with new positions and inputs equals the eager kernels bit for bit and the torch path."""
+    dtype = torch.bfloat16
+    rope, act = _rope(), SiluAndMul()
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    x = torch.empty(tokens, 2 * INTERMEDIATE, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, x, seed=0)
+    q, k, _ = _split(qkv)
+
+    def step():
+        return (*rope(positions, q, k), act(x))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (1, 2, 3):
+        _fill(positions, qkv, x, seed)
+        for out in outs:
+            out.fill_(float("nan"))  # every element must be written by the replay
+        graph.replay()
+        eager = step()
+        for out, ref in zip(outs, eager):
+            assert torch.equal(out, ref), "replay differs from the eager call"
+        q_ref, k_ref = rope.forward_torch(positions, q, k)
+        _check_rotary(outs[0], q_ref, q)
+        _check_rotary(outs[1], k_ref, k)
+        _check_silu(outs[2], act.forward_torch(x))
+
+
+def _us_per_call(make_inputs: Callable[[], tuple], fn: Callable, input_bytes: int, calls_per_graph: int = 32,
+                 repeats: int = 10) -> float:
+    """Microseconds per ``fn(*inputs)``: one CUDA graph of ``calls_per_graph`` calls, cycling over
+    enough input sets to exceed the L2 cache (256 MiB together, at most one per call), replayed
+    ``repeats`` times, each timed with CUDA events; the median / calls_per_graph."""
+    num_sets = max(1, min(calls_per_graph, -(-256 * 2**20 // input_bytes)))
+    sets = [make_inputs() for _ in range(num_sets)]
+
+    def calls() -> None:
+        for i in range(calls_per_graph):
+            fn(*sets[i % num_sets])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.timeout(300)
+def test_print_timing_table():
+    """µs per call (median over replays of a 32-call CUDA graph) and bytes moved per µs, Triton
+    kernel against the torch path, bf16; the kernel must be faster at every size."""
+    dtype = torch.bfloat16
+    rope = _rope()
+
+    def rotary_inputs(tokens: int) -> Callable[[], tuple]:
+        def make() -> tuple:
+            q, k, _ = _split(torch.randn(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE))
+            return torch.randint(0, 2**17, (tokens,), device=DEVICE), q, k
+        return make
+
+    def silu_inputs(tokens: int) -> Callable[[], tuple]:
+        return lambda: (torch.randn(tokens, 2 * INTERMEDIATE, dtype=dtype, device=DEVICE),)
+
+    lines = [f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} intermediate={INTERMEDIATE} bf16, {torch.cuda.get_device_name(0)}",
+             f"{'op':>13} {'T':>5} {'triton us':>10} {'GB/s':>6} {'torch us':>9} {'speedup':>7}"]
+    slower = []
+    for tokens in TOKENS:
+        rows = [
+            ("rotary", rotary_inputs(tokens), lambda p, q, k: rotary_embedding(p, q, k, rope.inv_freq),
+             rope.forward_torch, tokens * QKV_WIDTH * 2, 2 * tokens * (HEADS + KV_HEADS) * HEAD_DIM * 2),
+            ("silu_and_mul", silu_inputs(tokens), silu_and_mul, SiluAndMul().forward_torch,
+             tokens * 2 * INTERMEDIATE * 2, 3 * tokens * INTERMEDIATE * 2),
+        ]
+        for name, make, kernel, reference, input_bytes, moved in rows:
+            triton_us = _us_per_call(make, kernel, input_bytes)
+            torch_us = _us_per_call(make, reference, input_bytes)
+            lines.append(f"{name:>13} {tokens:>5} {triton_us:>10.2f} {moved / triton_us / 1e3:>6.0f} "
+                         f"{torch_us:>9.2f} {torch_us / triton_us:>6.1f}x")
+            if not 0 < triton_us < torch_us:
+                slower.append(lines[-1])
+    print("\n" + "\n".join(lines))
+    assert not slower, f"not faster than the torch path: {slower}"
