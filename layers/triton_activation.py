@@ -7,7 +7,9 @@ silu in fp32, rounded to the input dtype (torch's silu kernel returns that dtype
 product of the two dtype values in fp32, rounded to the dtype. exp is libdevice's ``__nv_expf``
 and the division IEEE round-to-nearest (``tl.div_rn``), as in torch's CUDA silu, rather than
 Triton's default ``ex2.approx`` / ``div.full``; so on CUDA the two paths agree bit for bit
-(under the CPU interpreter, which has no libdevice, exp is numpy's).
+(under the CPU interpreter, which has no libdevice, exp is numpy's). FMA contraction is pinned on
+(Triton 3.10 turns its default off): the kernel's own math has no multiply-add to contract, and
+inside ``__nv_expf`` it matches nvcc's default ``--fmad=true`` that built torch's kernel.
 
 Grid: (T, ceil(d / BLOCK)); a program handles BLOCK columns of one row. Outputs are allocated
 from shapes only and nothing is read back to the host: CUDA-graph capturable.
@@ -57,5 +59,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     grid = (rows.shape[0], triton.cdiv(d, BLOCK))
     _silu_and_mul_kernel[grid](rows, out, rows.stride(0), d, d, BLOCK=BLOCK,
-                               LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS)
+                               LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS,
+                               enable_fp_fusion=True)  # only __nv_expf's inside is contracted, as nvcc does
     return out
