@@ -1,20 +1,11 @@
 """Gated activation of the Llama MLP."""
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from layers.triton_support import triton_available
 
 
 class SiluAndMul(nn.Module):
@@ -23,7 +14,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """On GPU: one Triton kernel (layers/triton_activation.py, the same roundings);
         elsewhere `forward_torch`."""
-        if x.is_cuda and _triton_available():
+        if x.is_cuda and triton_available():
             from layers.triton_activation import silu_and_mul
 
             return silu_and_mul(x)

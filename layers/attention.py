@@ -14,21 +14,12 @@ loops over the sequences, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from layers.triton_support import triton_available
 
 
 class AttentionBatch(Protocol):
@@ -75,7 +66,7 @@ class Attention(nn.Module):
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
         kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
         pow2_head = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and _triton_available():
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and triton_available():
             from layers.triton_decode_attention import decode_attention
 
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale)

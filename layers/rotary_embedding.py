@@ -20,21 +20,12 @@ context and the op has static shapes for CUDA graphs.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from layers.triton_support import triton_available
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -90,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         """``q [T, heads*head_dim]``, ``k [T, kv_heads*head_dim]`` -> rotated copies (same
         shapes and dtype); the rotation runs in fp32. On GPU: one Triton kernel
         (layers/triton_rotary.py, the same roundings); elsewhere `forward_torch`."""
-        if q.is_cuda and _triton_available():
+        if q.is_cuda and triton_available():
             from layers.triton_rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.inv_freq)
