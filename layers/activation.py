@@ -1,10 +1,10 @@
 """Gated activation of the Llama MLP."""
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from layers.triton_support import triton_available
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from layers.triton_support import triton_available
 
 

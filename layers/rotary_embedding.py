@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
 from layers.triton_support import triton_available
 
 
