@@ -6,15 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from engine.models.builtin import BUILTIN_MODELS
+from tokenizers import AddedToken
+
+from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+
+
+def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:
+    """The tiny byte-level tokenizer, with ids past its vocabulary up to ``vocab_size`` added as
+    plain tokens ``<|tN|>``: a built-in model with dummy weights (e.g. llama3-8b shapes) then
+    decodes every id it samples to visible text, so streaming shows one piece per token."""
+    tokenizer = build_tiny_tokenizer()
+    extra = range(tokenizer.vocab_size, vocab_size)
+    tokenizer.tokenizer.add_tokens([AddedToken(f"<|t{i}|>", special=False, normalized=False) for i in extra])
+    return tokenizer
 
 
 def load_serving_tokenizer(model_path: str, tokenizer_path: Optional[str] = None) -> Tokenizer:
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
     if model_path in BUILTIN_MODELS:
-        return build_tiny_tokenizer()
+        return dummy_model_tokenizer(builtin_config(model_path).vocab_size)
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
         from engine.weights.gguf_tokenizer import load_gguf_tokenizer
