@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 EVAL_DATA=${EVAL_DATA:-.evaldata}
 PORT=31000
-SERVER=(--model-path llama3-8b --tp-size 2 --context-length 4096 --max-running-requests 64 --cuda-graph-max-bs 64)
+SERVER=(--model-path llama3-8b --tp-size 2 --context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64)
 
 wait_healthy() {
   for _ in $(seq 1 240); do
@@ -39,7 +39,7 @@ for fusion in off on; do
 done
 
 timeout 300 python -m benchmarks.accuracy_regression --model-path llama3-8b --tp-size 2 \
-  --server-args "--context-length 4096 --max-running-requests 64 --cuda-graph-max-bs 64" \
+  --server-args "--context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64" \
   --gsm8k-data-path "$EVAL_DATA/gsm8k/test.jsonl" --gsm8k-num-shots 2 --gsm8k-num-questions 64 \
-  --mmlu-data-dir "$EVAL_DATA/mmlu" --mmlu-examples 2 --parallel 64 --no-progress --log-dir "$OUT" \
+  --mmlu-data-dir "$EVAL_DATA/mmlu" --mmlu-num-shots 1 --mmlu-examples 2 --parallel 64 --no-progress --log-dir "$OUT" \
   --output-file "$OUT/accuracy_regression_llama3_8b_dummy.json" 2>&1 | tail -25

@@ -149,6 +149,8 @@ def test_growth_refused_during_capture(lifecycle):
 
 def test_fp8_output_matches_reference_quantization(lifecycle):
     r = lifecycle[0]
+    print(f"\nfp8: exact {r['fp8_exact_fraction']:.4f}, max {r['fp8_max_ulps']} ulps, worst (kernel, reference, "
+          f"normed/scale): {r['fp8_worst']}")
     assert r["fp8_dtype"] == "torch.float8_e4m3fn"
     assert r["fp8_exact_fraction"] > 0.9 and r["fp8_max_ulps"] <= 1.0, r
 
