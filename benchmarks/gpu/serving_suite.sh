@@ -5,7 +5,7 @@
 # (default .evaldata: a copy of ../shared/data). Results go to $OUT (or ./out).
 #   bash benchmarks/gpu/serving_suite.sh
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 EVAL_DATA=${EVAL_DATA:-.evaldata}
 PORT=31000
 SERVER=(--model-path llama3-8b --tp-size 2 --context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64)
@@ -21,10 +21,10 @@ wait_healthy() {
 
 for fusion in off on; do
   flag=(); [ "$fusion" = on ] && flag=(--enable-flashinfer-allreduce-fusion)
-  python -m engine.launch_server "${SERVER[@]}" "${flag[@]}" --port $PORT > "$OUT/server_$fusion.log" 2>&1 &
+  python -m engine.launch_server "${SERVER[@]}" "${flag[@]}" --port $PORT > "$LOGS/server_$fusion.log" 2>&1 &
   pid=$!
   if wait_healthy $pid; then
-    curl -s "localhost:$PORT/get_server_info" > "$OUT/server_info_$fusion.json"
+    curl -s "localhost:$PORT/get_server_info" > "$LOGS/server_info_$fusion.json"
     for c in 1 8 32 64; do
       n=$(( c * 3 < 16 ? 16 : c * 3 ))
       timeout 120 python -m benchmarks.bench_serving --port $PORT --random-input-len 256 --random-output-len 128 \
@@ -32,7 +32,7 @@ for fusion in off on; do
         --output-file "$OUT/serving_fusion_$fusion.jsonl" 2>&1 | tail -4
     done
   else
-    echo "server (fusion $fusion) failed to start"; tail -20 "$OUT/server_$fusion.log"
+    echo "server (fusion $fusion) failed to start"; tail -20 "$LOGS/server_$fusion.log"
   fi
   kill -TERM $pid; wait $pid
   echo "server (fusion $fusion) exit code $?"
@@ -41,5 +41,6 @@ done
 timeout 300 python -m benchmarks.accuracy_regression --model-path llama3-8b --tp-size 2 \
   --server-args "--context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64" \
   --gsm8k-data-path "$EVAL_DATA/gsm8k/test.jsonl" --gsm8k-num-shots 2 --gsm8k-num-questions 64 \
-  --mmlu-data-dir "$EVAL_DATA/mmlu" --mmlu-num-shots 1 --mmlu-examples 2 --parallel 64 --no-progress --log-dir "$OUT" \
+  --mmlu-data-dir "$EVAL_DATA/mmlu" --mmlu-num-shots 1 --mmlu-examples 2 --parallel 64 --no-progress --log-dir "$LOGS" \
   --output-file "$OUT/accuracy_regression_llama3_8b_dummy.json" 2>&1 | tail -25
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
