@@ -93,12 +93,12 @@ def _run_toy(rank, world_size, fusion_enabled, max_tokens):
     return out
 
 
-@pytest.mark.parametrize("max_tokens", [2048, 16])  # 16: 3 tokens fuse, 24 tokens fall back
-def test_fusion_on_equals_off_with_the_same_reductions(max_tokens):
-    on = run_distributed(_run_toy, args=(True, max_tokens))
-    off = run_distributed(_run_toy, args=(False, max_tokens))
+@pytest.mark.parametrize("world_size,max_tokens", [(2, 2048), (2, 16), (4, 16)])  # 16: 3 tokens fuse, 24 fall back
+def test_fusion_on_equals_off_with_the_same_reductions(world_size, max_tokens):
+    on = run_distributed(_run_toy, world_size=world_size, args=(True, max_tokens), timeout_s=120)
+    off = run_distributed(_run_toy, world_size=world_size, args=(False, max_tokens), timeout_s=120)
     for tokens in (3, 24):
-        for rank in range(2):
+        for rank in range(world_size):
             assert_close(on[rank][tokens], off[rank][tokens])
             assert on[rank][(tokens, "reductions")] == off[rank][(tokens, "reductions")] == 2 * LAYERS
             assert off[rank][(tokens, "fused")] == 0
