@@ -16,8 +16,12 @@ import torch
 
 from fusion.dispatch import FusionDispatcher, FusionEnvironment
 from fusion.group import TensorParallelGroup
-from fusion.ops import allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
+from fusion import strategies as st
+from fusion.ops import add_rms_norm_after_reduce, allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
 from fusion.platform import device_capability, flashinfer_import_error
+from fusion.symm_mem_allreduce import SymmMemAllReduce
+from fusion.tuning_table import read_table, select_table
+from fusion.validation import check_fusion_inputs
 from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ class FusionConfig:
     deterministic: bool = False  # keeps NCCL's summation order: disables fusion
     oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
+    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); rank 0 reads it
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:
@@ -60,6 +65,7 @@ class AllReduceFusion:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.workspace = AllReduceFusionWorkspace(group, workspace_factory)
+        self.symm_mem = SymmMemAllReduce(group)
         self._uses_workspace = config.backend == "flashinfer"
         self.dispatcher = FusionDispatcher(config.cache_size, self._environment(workspace_ready=False))
 
@@ -82,6 +88,7 @@ class AllReduceFusion:
             device_sm=device_capability(self.group.device),
             flashinfer_error=flashinfer_import_error() if cfg.backend == "flashinfer" else None,
             workspace_ready=workspace_ready,
+            oneshot_max_input_bytes=cfg.oneshot_max_input_bytes,
             disabled_reason=disabled,
         )
 
@@ -96,9 +103,31 @@ class AllReduceFusion:
                 reason = f"workspace creation failed ({self.workspace.failure})"
         if reason:
             env = replace(env, enabled=False, disabled_reason=reason)
+        elif self._uses_workspace and self.config.table_path:
+            env = self._with_table(env)
         self.dispatcher.update_environment(env)
         if self.config.enabled and reason and self.group.rank == 0:
             logger.warning("all-reduce fusion was requested but runs unfused: %s", reason)
+
+    def _with_table(self, env: FusionEnvironment) -> FusionEnvironment:
+        """Collective: rank 0's measured table for this GPU, TP size, hidden and dtype, on every
+        rank; the symmetric-memory buffer when the table uses that strategy."""
+        table = None
+        if self.group.rank == 0:
+            gpu = torch.cuda.get_device_name(self.group.device) if self.group.device.type == "cuda" else "cpu"
+            entries = read_table(self.config.table_path)
+            table = select_table(entries, gpu, self.group.world_size, self.hidden_size, str(self.dtype).removeprefix("torch."))
+            if entries is not None and table is None:
+                logger.warning("strategy table %s has no entry for %s, TP%d, hidden %d, %s: using the built-in "
+                               "thresholds", self.config.table_path, gpu, self.group.world_size, self.hidden_size, self.dtype)
+        table = self.group.broadcast_object(table)
+        if table is None:
+            return env
+        symm_tokens = 0
+        if any(st.SYMM_MEM_TWO_SHOT in row for row in table.timings_us):
+            if self.symm_mem.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
+                symm_tokens = self.config.max_tokens
+        return replace(env, table=table, symm_mem_tokens=symm_tokens)
 
     def reserve(self, max_tokens: int) -> bool:
         """Collective: grow the workspace (and the fusion limit) to ``max_tokens``. Call before
@@ -121,25 +150,32 @@ class AllReduceFusion:
     def should_fuse(self, layer_id: int, num_tokens: int) -> bool:
         return self.dispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, num_tokens)
 
+    def strategy(self, layer_id: int, num_tokens: int) -> str:
+        return self.dispatcher.strategy(layer_id, num_tokens)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A plain (owed) all-reduce, in place."""
         return self.group.all_reduce(x)
 
     def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, fuse: bool
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, strategy: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(sum(x) + residual), sum(x) + residual)``; ``x``/``residual`` consumed.
-        Fused when ``fuse`` and the input fits; otherwise the unfused reference path.
-        Either way the all-reduce happens exactly once."""
-        if fuse and (not self._uses_workspace or self.workspace.fits(x.shape[0], x.shape[-1], x.dtype)):
+        """``(rms_norm(sum(x) + residual), sum(x) + residual)`` by ``strategy`` (see
+        `fusion.strategies`); ``x``/``residual`` consumed. A strategy whose buffers cannot hold
+        the input runs as ``nccl``. Either way the all-reduce happens exactly once."""
+        tokens, hidden = x.shape
+        if strategy in st.FLASHINFER_STRATEGIES and self.workspace.fits(tokens, hidden, x.dtype):
             return allreduce_residual_rmsnorm(
-                x, residual, weight, eps,
-                group=self.group,
-                backend=self.config.backend,  # type: ignore[arg-type]
-                workspace=self.workspace.handle,
-                oneshot_max_input_bytes=self.config.oneshot_max_input_bytes,
-                launch_with_pdl=self.config.launch_with_pdl,
+                x, residual, weight, eps, group=self.group, backend="flashinfer", workspace=self.workspace.handle,
+                use_oneshot=strategy == st.FLASHINFER_ONESHOT, launch_with_pdl=self.config.launch_with_pdl,
             )
+        if strategy == st.TORCH_FUSED:
+            return allreduce_residual_rmsnorm(x, residual, weight, eps, group=self.group, backend="torch")
+        if strategy == st.SYMM_MEM_TWO_SHOT and self.symm_mem.fits(x):
+            check_fusion_inputs(x, residual, weight)
+            self.symm_mem.all_reduce(x)
+            self.group.counters.fused += 1
+            return add_rms_norm_after_reduce(x, residual, weight, eps)
         return unfused_allreduce_residual_rmsnorm(x, residual, weight, eps, self.group)
 
     def status(self) -> dict[str, Any]:
@@ -163,5 +199,7 @@ class AllReduceFusion:
         }
 
     def destroy(self) -> None:
-        """Free the workspace (call on every rank before destroying the process groups)."""
+        """Free the workspace and the symmetric buffer (on every rank, before destroying the
+        process groups)."""
         self.workspace.destroy()
+        self.symm_mem.destroy()

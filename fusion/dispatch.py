@@ -1,11 +1,16 @@
-"""The cached decision: does this (layer, batch) use the fused all-reduce + residual + RMSNorm?
+"""The cached decision: how does this (layer, batch) run all-reduce + residual + RMSNorm?
 
-`FusionDispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` answers
-from a `FusionEnvironment` that is identical on every rank (its inputs are rank-independent,
-and per-rank failures such as a workspace allocation are voted before they reach it), so the
-answer is identical on every rank. Answers sit in a bounded LRU (functools.lru_cache: a C
-implementation, ~0.1 us a hit) keyed on (layer_id, batch_size); it is cleared whenever the
-environment (workspace, tuning table) changes.
+`FusionDispatcher.strategy(layer_id, batch_size)` picks one of `fusion.strategies` (``nccl``
+is the unfused path) and `should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` is
+"anything but nccl". Both answer from a `FusionEnvironment` that is identical on every rank
+(its inputs are rank-independent; per-rank failures such as a workspace allocation are voted,
+and a measured table is rank 0's, broadcast), so the answer is identical on every rank.
+Answers sit in a bounded LRU (functools.lru_cache: a C implementation, ~0.1 us a hit) keyed on
+(layer_id, batch_size); it is cleared whenever the environment (workspace, table) changes.
+
+With a measured table (`fusion.tuning_table`) the fastest available strategy of the batch's
+bucket wins; without one, the built-in rule: flashinfer's kernel (one-shot or two-shot by
+message size) up to the workspace and the measured crossover (`fusion.thresholds`), else nccl.
 """
 from __future__ import annotations
 
@@ -15,8 +20,11 @@ from typing import Optional
 
 import torch
 
+from fusion import strategies as st
+from fusion.oneshot import choose_oneshot
 from fusion.platform import FUSED_KERNEL_SM_MAJORS, hidden_alignment_error
 from fusion.thresholds import max_fused_tokens
+from fusion.tuning_table import StrategyTable
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,9 @@ class FusionEnvironment:
     device_sm: Optional[tuple[int, int]] = None
     flashinfer_error: Optional[str] = None
     workspace_ready: bool = False  # the flashinfer backend's IPC workspace exists on all ranks
+    symm_mem_tokens: int = 0  # tokens the symmetric-memory buffer holds on all ranks (0: none)
+    oneshot_max_input_bytes: Optional[int] = None
+    table: Optional[StrategyTable] = None  # measured timings for this GPU, TP size, hidden, dtype
     disabled_reason: str = "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
 
     def static_reason(self) -> Optional[str]:
@@ -85,6 +96,10 @@ class FusionDispatcher:
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """True when layer ``layer_id`` with ``batch_size`` tokens should defer its MLP
         all-reduce into the next norm (and fuse its attention all-reduce into its own)."""
+        return self._cached(layer_id, batch_size) != st.NCCL
+
+    def strategy(self, layer_id: int, batch_size: int) -> str:
+        """The strategy (a `fusion.strategies` name) for this layer and batch, cached."""
         return self._cached(layer_id, batch_size)
 
     def cache_info(self) -> functools._CacheInfo:
@@ -95,24 +110,46 @@ class FusionDispatcher:
         self._cached.cache_clear()
 
     def why_not(self, layer_id: int, batch_size: int) -> Optional[str]:
-        """None when the fused path applies, else the reason it does not (uncached)."""
+        """None when a fused strategy applies, else the reason it does not (uncached)."""
+        return self._decide_with_reason(layer_id, batch_size)[1]
+
+    def _decide(self, layer_id: int, batch_size: int) -> str:
+        return self._decide_with_reason(layer_id, batch_size)[0]
+
+    def _decide_with_reason(self, layer_id: int, batch_size: int) -> tuple[str, Optional[str]]:
         if layer_id < 0:
             raise ValueError(f"layer_id must be >= 0, got {layer_id}")
         if self._static_reason:
-            return self._static_reason
+            return st.NCCL, self._static_reason
         env = self._environment
         if batch_size <= 0:
-            return "empty batch"
+            return st.NCCL, "empty batch"
+        if env.backend == "torch":
+            if batch_size > env.max_tokens:
+                return st.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
+            return st.TORCH_FUSED, None
+        available = self._available(batch_size)
+        if env.table is not None:
+            best = env.table.fastest(batch_size, available)
+            if best is not None:
+                return best, (f"measured: nccl is fastest for {batch_size} tokens" if best == st.NCCL else None)
         if batch_size > env.max_tokens:
-            return f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
-        if env.backend == "flashinfer":
-            limit = max_fused_tokens(env.world_size, env.hidden_size)
-            if limit is not None and batch_size > limit:
-                return (
-                    f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
-                    f"TP{env.world_size}"
-                )
-        return None
+            return st.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
+        limit = max_fused_tokens(env.world_size, env.hidden_size)
+        if limit is not None and batch_size > limit:
+            return st.NCCL, (f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
+                             f"TP{env.world_size}")
+        oneshot = choose_oneshot(batch_size, env.hidden_size, env.dtype, env.world_size, env.oneshot_max_input_bytes)
+        return (st.FLASHINFER_ONESHOT if oneshot else st.FLASHINFER_TWOSHOT), None
 
-    def _decide(self, layer_id: int, batch_size: int) -> bool:
-        return self.why_not(layer_id, batch_size) is None
+    def _available(self, batch_size: int) -> list[str]:
+        """Strategies that can run a batch of this size here (flashinfer backend)."""
+        env = self._environment
+        out = [st.NCCL]
+        if batch_size <= env.max_tokens:
+            out.append(st.FLASHINFER_ONESHOT)
+            if batch_size > env.world_size:
+                out.append(st.FLASHINFER_TWOSHOT)
+        if batch_size <= env.symm_mem_tokens:
+            out.append(st.SYMM_MEM_TWO_SHOT)
+        return out

@@ -68,6 +68,14 @@ def unfused_allreduce_residual_rmsnorm(
     """Reference path: all-reduce ``x`` in place, then residual add + RMSNorm
     (flashinfer's in-place kernels on GPU, torch elsewhere)."""
     group.all_reduce(x)
+    return add_rms_norm_after_reduce(x, residual, weight, eps)
+
+
+def add_rms_norm_after_reduce(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` for an already reduced ``x``: flashinfer's
+    in-place kernels on GPU (``x`` and ``residual`` are overwritten), torch elsewhere."""
     if _gpu_norm_kernels_available(x):
         from fusion.flashinfer_ops import add_rms_norm_inplace
 

@@ -61,6 +61,6 @@ class RMSNorm(nn.Module):
         if fusion is None:
             normed, residual_out = unfused_allreduce_residual_rmsnorm(x, residual, self.weight, self.eps, group)
         else:
-            fuse = fusion.should_fuse(layer_id, x.shape[0])
-            normed, residual_out = fusion.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, fuse)
+            strategy = fusion.strategy(layer_id, x.shape[0])
+            normed, residual_out = fusion.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, strategy)
         return normed if residual is None else (normed, residual_out)

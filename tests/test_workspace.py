@@ -71,7 +71,7 @@ def _fusion_falls_back_together(rank, world_size):
     residual = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
     weight = torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5
     expected_sum = sum(torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) + 1 for r in range(world_size))
-    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, fuse=False)
+    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, "nccl")
     assert_close(res, expected_sum + residual)
     assert group.counters.total == 1
     return fusion.status()["reason_inactive"]

@@ -234,11 +234,11 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         paths.append(fused("flashinfer_raw_oneshot", lambda: _raw_oneshot(quant, inputs, ws.handle, res.launch_with_pdl)))
     notes = []
     if quant == "none":
-        fuse = res.fusion_op.should_fuse(0, tokens)
+        strategy = res.fusion_op.strategy(0, tokens)
         why = res.fusion_op.dispatcher.why_not(0, tokens)
-        notes.append(f"arfusion_dispatch chose {'fused' if fuse else 'unfused'}" + (f" ({why})" if why else ""))
+        notes.append(f"arfusion_dispatch chose {strategy}" + (f" ({why})" if why else ""))
         op = res.fusion_op
-        paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, fuse=fuse)[0]))
+        paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, strategy)[0]))
     return paths, notes
 
 

@@ -126,11 +126,11 @@ def _lifecycle(rank, world_size):
     fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=512), hidden, torch.bfloat16)
     out["active"] = fusion.active
     x, res, w = _inputs(rank, 32, hidden, 8, dev)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fuse=fusion.should_fuse(0, 32))
+    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fusion.strategy(0, 32))
     _check(normed, _reference(32, hidden, 8, world_size, dev)[0])
     x, res, w = _inputs(rank, 600, hidden, 9, dev)
     assert not fusion.should_fuse(0, 600)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fuse=False)
+    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fusion.strategy(0, 600))
     _check(normed, _reference(600, hidden, 9, world_size, dev)[0])
     out["status"] = fusion.status()
     return out
