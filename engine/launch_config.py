@@ -63,6 +63,7 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
         max_tokens=args.allreduce_fusion_max_tokens,
         cache_size=args.allreduce_fusion_cache_size,
         deterministic=args.deterministic,
+        table_path=args.allreduce_fusion_table,
     )
     runner = RunnerSettings(
         model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
