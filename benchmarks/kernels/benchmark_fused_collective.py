@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--quant-fp4", action="store_true", help="only NVFP4 output (sm100+)")
     quant.add_argument("--quant-all", action="store_true", help="none, FP8 and FP4 (the default)")
     p.add_argument("--disable-oneshot", action="store_true", help="skip the one-shot fused paths")
+    p.add_argument("--allreduce-fusion-table", help="strategy table (python -m fusion.tune) for arfusion_dispatch")
     p.add_argument("--disable-pdl", action="store_true",
                    help="launch the fused kernels (arfusion and raw) without programmatic dependent launch")
     p.add_argument("--warmup", type=positive_int, default=5, help="untimed graph replays per path")
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace, group: Any, recorder: Recorder) -> None:
         dtype = getattr(torch, dtype_name)
         for hidden in args.hidden_dim:
             res = fcp.FusedResources(group, max_tokens, hidden, dtype, enabled=fi_error is None,
-                                     launch_with_pdl=not args.disable_pdl)
+                                     launch_with_pdl=not args.disable_pdl, table_path=args.allreduce_fusion_table)
             try:
                 for seq_len, with_residual, quant in itertools.product(args.seq_lens, residual_modes(args), modes):
                     seed += 1

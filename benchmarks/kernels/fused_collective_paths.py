@@ -57,16 +57,17 @@ class FusedResources:
     own `AllReduceFusion`. Collective to create and to `destroy`."""
 
     def __init__(self, group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype, enabled: bool,
-                 launch_with_pdl: bool = True):
+                 launch_with_pdl: bool = True, table_path: Optional[str] = None):
         self.launch_with_pdl = launch_with_pdl
         self.workspace = fusion.AllReduceFusionWorkspace(group)
         self.fusion_op: Optional[fusion.AllReduceFusion] = None
         if enabled:
             self.workspace.ensure(max_tokens, hidden, dtype)
             config = fusion.FusionConfig(enabled=True, backend="flashinfer", max_tokens=max_tokens,
-                                         launch_with_pdl=launch_with_pdl)
+                                         launch_with_pdl=launch_with_pdl, table_path=table_path)
             self.fusion_op = fusion.AllReduceFusion(group, config, hidden, dtype)
             self.fusion_op.setup()
+            self.fusion_op.symm_mem.ensure(max_tokens, hidden, dtype)  # voted: ready on every rank or none
 
     def destroy(self) -> None:
         if self.fusion_op is not None:
@@ -233,11 +234,14 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
     if not disable_oneshot and quant != "fp4":
         paths.append(fused("flashinfer_raw_oneshot", lambda: _raw_oneshot(quant, inputs, ws.handle, res.launch_with_pdl)))
     notes = []
+    op = res.fusion_op
+    if quant == "none" and op.symm_mem.buffer is not None:
+        paths.append(Path("symm_mem_two_shot_allreduce_rmsnorm",
+                          lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, "symm_mem_two_shot")[0]))
     if quant == "none":
         strategy = res.fusion_op.strategy(0, tokens)
         why = res.fusion_op.dispatcher.why_not(0, tokens)
         notes.append(f"arfusion_dispatch chose {strategy}" + (f" ({why})" if why else ""))
-        op = res.fusion_op
         paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, strategy)[0]))
     return paths, notes
 
