@@ -20,7 +20,7 @@ from fusion import strategies as st
 from fusion.ops import add_rms_norm_after_reduce, allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
 from fusion.platform import device_capability, flashinfer_import_error
 from fusion.symm_mem_allreduce import SymmMemAllReduce
-from fusion.tuning_table import read_table, select_table
+from fusion.tuning_table import PACKAGED_TABLE, read_table, select_table
 from fusion.validation import check_fusion_inputs
 from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
 
@@ -40,7 +40,7 @@ class FusionConfig:
     deterministic: bool = False  # keeps NCCL's summation order: disables fusion
     oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
-    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); rank 0 reads it
+    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); None: the packaged one
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:
@@ -103,7 +103,7 @@ class AllReduceFusion:
                 reason = f"workspace creation failed ({self.workspace.failure})"
         if reason:
             env = replace(env, enabled=False, disabled_reason=reason)
-        elif self._uses_workspace and self.config.table_path:
+        elif self._uses_workspace:
             env = self._with_table(env)
         self.dispatcher.update_environment(env)
         if self.config.enabled and reason and self.group.rank == 0:
@@ -115,16 +115,17 @@ class AllReduceFusion:
         table = None
         if self.group.rank == 0:
             gpu = torch.cuda.get_device_name(self.group.device) if self.group.device.type == "cuda" else "cpu"
-            entries = read_table(self.config.table_path)
+            path = self.config.table_path or PACKAGED_TABLE
+            entries = read_table(path)
             table = select_table(entries, gpu, self.group.world_size, self.hidden_size, str(self.dtype).removeprefix("torch."))
-            if entries is not None and table is None:
+            if entries is not None and table is None and self.config.table_path:
                 logger.warning("strategy table %s has no entry for %s, TP%d, hidden %d, %s: using the built-in "
-                               "thresholds", self.config.table_path, gpu, self.group.world_size, self.hidden_size, self.dtype)
+                               "thresholds", path, gpu, self.group.world_size, self.hidden_size, self.dtype)
         table = self.group.broadcast_object(table)
         if table is None:
             return env
         symm_tokens = 0
-        if any(st.SYMM_MEM_TWO_SHOT in row for row in table.timings_us):
+        if any(min(row, key=row.__getitem__) == st.SYMM_MEM_TWO_SHOT for row in table.timings_us):
             if self.symm_mem.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
                 symm_tokens = self.config.max_tokens
         return replace(env, table=table, symm_mem_tokens=symm_tokens)

@@ -25,6 +25,8 @@ from fusion.strategies import STRATEGIES
 
 logger = logging.getLogger(__name__)
 TABLE_VERSION = 1
+# Measured on this project's GPU machines and shipped with the package; used when no table is given.
+PACKAGED_TABLE = Path(__file__).parent / "tables" / "strategy_table.json"
 
 
 class TuningTableError(ValueError):

@@ -95,10 +95,8 @@ def _lifecycle(rank, world_size):
     magnitude = torch.maximum(q.float().abs(), ref_q.float().abs())
     ulp = torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2**-6))) - 3)
     ulps = (q.float() - ref_q.float()).abs() / ulp
-    # Measured on H200 (flashinfer 0.7.2): the kernel writes 0 for some outputs whose reference
-    # quantization is a small normal e4m3 value (kernel 0.0, reference 0.0293 = 15 * 2^-9 for
-    # normed / scale = 0.0284). Counted separately; every other element is within one ulp.
-    flushed = (q.float() == 0) & (ref_q.float().abs() < 2**-4)
+    # The kernel writes 0 for some outputs whose reference is a normal e4m3 value: counted apart.
+    flushed = (q.float() == 0) & (ref_q.float() != 0)
     out["fp8_flushed_fraction"] = flushed.float().mean().item()
     ulps = torch.where(flushed, torch.zeros_like(ulps), ulps)
     worst = int(ulps.argmax())
@@ -153,12 +151,16 @@ def test_growth_refused_during_capture(lifecycle):
     assert "CUDA-graph capture" in lifecycle[0]["grow_in_capture"]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "measured on H200 with flashinfer 0.7.2: 0.08% of FP8 outputs are 0 where the reference quantisation "
+    "is a normal e4m3 value (worst: kernel 0.0, reference 0.117 for normed/scale 0.119); cause not found "
+    "(docs/results.md). Strict: this test fails loudly once the outputs agree."))
 def test_fp8_output_matches_reference_quantization(lifecycle):
     r = lifecycle[0]
-    print(f"\nfp8: exact {r['fp8_exact_fraction']:.4f}, flushed to 0 below 2^-4: {r['fp8_flushed_fraction']:.4f}, "
+    print(f"\nfp8: exact {r['fp8_exact_fraction']:.4f}, zero where the reference is not: {r['fp8_flushed_fraction']:.4f}, "
           f"max {r['fp8_max_ulps']} ulps elsewhere, worst (kernel, reference, normed/scale): {r['fp8_worst']}")
     assert r["fp8_dtype"] == "torch.float8_e4m3fn"
-    assert r["fp8_exact_fraction"] > 0.9 and r["fp8_max_ulps"] <= 1.0 and r["fp8_flushed_fraction"] < 0.01, r
+    assert r["fp8_exact_fraction"] > 0.9 and r["fp8_max_ulps"] <= 1.0 and r["fp8_flushed_fraction"] == 0, r
 
 
 def test_fp4_refused_below_sm100(lifecycle):
