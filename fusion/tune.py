@@ -16,16 +16,16 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from fusion import strategies as st
 from fusion.allreduce_fusion import AllReduceFusion, FusionConfig
+from fusion.cuda_graph_timing import median_us_per_call
 from fusion.group import TensorParallelGroup
 from fusion.tuning_table import TABLE_VERSION, TuningTableError, merge_entry, parse_table
 
@@ -37,30 +37,6 @@ def token_buckets(max_tokens: int) -> list[int]:
     """Powers of two up to ``max_tokens`` (and ``max_tokens``) plus the decode batch sizes."""
     powers = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
     return sorted(powers | {max_tokens} | {b for b in DECODE_BATCH_SIZES if b <= max_tokens})
-
-
-def time_op_us(op: Callable[[], Any], ops_per_graph: int, warmup: int, trials: int) -> float:
-    """Median µs per op of a CUDA graph holding ``ops_per_graph`` calls of ``op``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        op()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops_per_graph):
-            op()
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(trials):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / ops_per_graph)
-    return statistics.median(samples)
 
 
 def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dtype: torch.dtype, tokens: int,
@@ -83,9 +59,12 @@ def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dt
     for strategy in candidates:
         if not runnable[strategy]:
             continue
-        op = lambda: fusion.all_reduce_add_rms_norm(x, residual, weight, 1e-6, strategy)  # noqa: E731
+        def calls(strategy: str = strategy) -> None:
+            for _ in range(args.ops_per_graph):
+                fusion.all_reduce_add_rms_norm(x, residual, weight, 1e-6, strategy)
+
         try:
-            us: Optional[float] = time_op_us(op, args.ops_per_graph, args.warmup, args.trials)
+            us: Optional[float] = median_us_per_call(calls, args.ops_per_graph, args.warmup, args.trials)
             error = None
         except Exception as exc:  # a strategy that fails here is left out, on every rank
             us, error = None, f"{type(exc).__name__}: {exc}"

@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from fusion.cuda_graph_timing import median_us_per_call
 
 BLOCK_N = 64  # keys per inner-loop step
 NUM_WARPS = 4
@@ -250,22 +251,4 @@ def time_decode_attention(batch: int, context: int, num_heads: int = 16, num_kv_
             k, v = caches[i % num_caches]
             attention_fn(q, k, v, req_to_token, seq_lens, scale)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # warm-up: compiles, fills the allocator outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
-    del graph
-    return statistics.median(times)
+    return median_us_per_call(calls, calls_per_graph, warmup=1, trials=repeats)

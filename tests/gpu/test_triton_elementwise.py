@@ -14,6 +14,8 @@ from typing import Callable
 import pytest
 import torch
 
+from fusion.cuda_graph_timing import median_us_per_call
+
 pytest.importorskip("triton")
 
 import layers.triton_activation  # noqa: E402
@@ -157,24 +159,7 @@ def _us_per_call(make_inputs: Callable[[], tuple], fn: Callable, input_bytes: in
         for i in range(calls_per_graph):
             fn(*sets[i % num_sets])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    return sorted(times)[len(times) // 2]
+    return median_us_per_call(calls, calls_per_graph, warmup=1, trials=repeats)
 
 
 @pytest.mark.timeout(300)
