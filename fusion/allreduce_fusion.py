@@ -2,9 +2,10 @@
 its cached dispatch decision.
 
 An engine makes one per TP group after the process groups exist, calls `setup()` (and
-`reserve()` to grow) before CUDA-graph capture, asks `should_fuse(layer_id, tokens)` at every
-reduction point and calls `all_reduce_add_rms_norm(..., fuse=...)`, which always performs the
-all-reduce: fused when asked and possible, otherwise through the unfused reference path.
+`reserve()` to grow) before CUDA-graph capture, asks `strategy(layer_id, tokens)` (or just
+`should_fuse`) at every reduction point and calls `all_reduce_add_rms_norm(..., strategy)`,
+which always performs the all-reduce: by the chosen strategy when its buffers hold the input,
+otherwise through the unfused reference path.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import Any, Optional
 
 import torch
 
+from fusion import strategies as st
 from fusion.dispatch import FusionDispatcher, FusionEnvironment
 from fusion.group import TensorParallelGroup
-from fusion import strategies as st
 from fusion.ops import add_rms_norm_after_reduce, allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
 from fusion.platform import device_capability, flashinfer_import_error
 from fusion.symm_mem_allreduce import SymmMemAllReduce
@@ -154,10 +155,6 @@ class AllReduceFusion:
     def strategy(self, layer_id: int, num_tokens: int) -> str:
         return self.dispatcher.strategy(layer_id, num_tokens)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """A plain (owed) all-reduce, in place."""
-        return self.group.all_reduce(x)
-
     def all_reduce_add_rms_norm(
         self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, strategy: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +187,7 @@ class AllReduceFusion:
             "backend": self.config.backend,
             "reason_inactive": env.static_reason(),
             "max_tokens": env.max_tokens,
+            "measured_strategy_table": env.table is not None,
             "workspace": None if ws is None else {"max_tokens": ws.max_tokens, "hidden": ws.hidden, "dtype": str(ws.dtype)},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
             "reductions": {
