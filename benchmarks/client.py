@@ -8,6 +8,7 @@ time to the first chunk that carries text.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -22,6 +23,17 @@ T = TypeVar("T")
 
 class ServerError(RuntimeError):
     """The server answered with an error status, or with a body that is not a completion."""
+
+
+def add_eval_client_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every eval shares: concurrency, sampling, the server address, output."""
+    p.add_argument("--parallel", type=int, default=64, help="concurrent requests")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--result-file", help="append the metrics as one JSON line")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def base_url(host: str, port: int) -> str:

@@ -84,3 +84,17 @@ def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple
     if failures:
         raise AssertionError("\n".join(failures))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 240.0) -> Any:
+    """``worker(0, 1)`` in one spawned process with ``TRITON_INTERPRET=1`` (the interpreter is
+    chosen when triton is first imported, so it cannot be switched on inside pytest's process)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return run_distributed(worker, world_size=1, timeout_s=timeout_s)[0]
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous

@@ -24,7 +24,7 @@ from layers.triton_decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
 )
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 PAD_SLOT = 10**9  # what pads a row past seq_len: far outside any cache, so reading it would fail
@@ -118,9 +118,7 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        return run_distributed(_interpreted_cases, world_size=1, timeout_s=240)[0]
+    return run_under_triton_interpreter(_interpreted_cases)
 
 
 @pytest.mark.timeout(300)

@@ -26,7 +26,7 @@ from layers.activation import SiluAndMul  # noqa: E402
 from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from layers.triton_activation import silu_and_mul  # noqa: E402
 from layers.triton_rotary import rotary_embedding  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -183,9 +183,7 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        return run_distributed(_interpreted_cases, world_size=1, timeout_s=240)[0]
+    return run_under_triton_interpreter(_interpreted_cases)
 
 
 def _case_id(case) -> str:

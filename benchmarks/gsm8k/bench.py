@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from benchmarks.client import CompletionClient, ServerError, base_url, gather_with_progress
+from benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
 from benchmarks.gsm8k import scoring
 
 RAW_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
@@ -169,14 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-path", help="train JSON-lines file for the shots (default: train.jsonl next to --data-path)")
     p.add_argument("--num-shots", type=int, default=8, help="few-shot examples from the train file")
     p.add_argument("--num-questions", type=int, default=200, help="first N test questions")
-    p.add_argument("--parallel", type=int, default=64, help="concurrent requests")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--result-file", help="append the metrics as one JSON line")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_eval_client_arguments(p)
     return p
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from benchmarks.client import CompletionClient, ServerError, base_url, gather_with_progress
+from benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
 from benchmarks.mmlu import scoring
 
 
@@ -158,14 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shots", type=int, default=5, help="dev examples per prompt (0-5)")
     p.add_argument("--examples", type=int, default=None, help="at most N test questions per subject (default: all)")
     p.add_argument("--subjects", default=None, help="comma- or space-separated subjects (default: all)")
-    p.add_argument("--parallel", type=int, default=64, help="concurrent requests")
     p.add_argument("--max-tokens", type=int, default=2)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--result-file", help="append the metrics as one JSON line")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_eval_client_arguments(p)
     return p
 
 
