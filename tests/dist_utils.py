@@ -17,6 +17,11 @@ import torch
 import torch.multiprocessing as mp
 
 
+def gpu_world_size() -> int:
+    """Ranks of the GPU tests: ``ARFUSION_GPU_WORLD`` (default 2; 4 or 8 on bigger machines)."""
+    return int(os.environ.get("ARFUSION_GPU_WORLD", "2"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,7 +3,7 @@ the whole AllReduceFusion object on 2 GPUs."""
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gpu_world_size, run_distributed
 
 EPS = 1e-6
 
@@ -136,7 +136,7 @@ def _lifecycle(rank, world_size):
 
 @pytest.fixture(scope="module")
 def lifecycle():
-    return run_distributed(_lifecycle, device_kind="cuda", timeout_s=300)
+    return run_distributed(_lifecycle, world_size=gpu_world_size(), device_kind="cuda", timeout_s=300)
 
 
 def test_too_many_tokens_is_a_named_error(lifecycle):

@@ -11,7 +11,7 @@ flashinfer's fused kernel: one per reduction point of every layer.
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gpu_world_size, run_distributed
 
 PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
 
@@ -80,7 +80,7 @@ def _run(rank, world_size):
 
 @pytest.fixture(scope="module")
 def result():
-    r = run_distributed(_run, device_kind="cuda", timeout_s=500)[0]
+    r = run_distributed(_run, world_size=gpu_world_size(), device_kind="cuda", timeout_s=500)[0]
     for key in ("vs_fp32", "fused_vs_unfused", "torch_vs_unfused"):
         print(f"\n{key}: {r[key]}")
     return r

@@ -3,7 +3,7 @@ a CUDA graph replayed with new inputs."""
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gpu_world_size, run_distributed
 
 HIDDEN, EPS = 4096, 1e-6
 TOKENS = (1, 128, 1024)
@@ -70,7 +70,7 @@ def _run(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    r = run_distributed(_run, device_kind="cuda", timeout_s=300)[0]
+    r = run_distributed(_run, world_size=gpu_world_size(), device_kind="cuda", timeout_s=300)[0]
     print("\n" + "\n".join(f"{k}: {v}" for k, v in r.items()))
     return r
 
