@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 NPROC=${NPROC:-2}
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv | tee "$OUT/gpus.txt"
-timeout 400 python -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+ARFUSION_GPU_WORLD="$NPROC" timeout 400 python -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
 SEQ="1 4 16 64 128 256 512 1024 2048 4096"
 timeout 300 torchrun --nproc_per_node="$NPROC" benchmarks/kernels/benchmark_fused_collective.py \
   --hidden-dim 1024 4096 8192 --seq-lens $SEQ --quant-all \
