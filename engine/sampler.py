@@ -1,10 +1,13 @@
-"""Next-token sampling from fp32 logits ``[B, vocab]`` (TP rank 0 only).
+"""Next-token sampling from fp32 logits ``[B, vocab]`` (TP rank 0 only), batched on the
+logits' device.
 
 Greedy rows take ``argmax``. Other rows: ``softmax(logits / temperature)`` restricted to the
-``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the
-token that crosses ``top_p`` is kept), renormalised, sampled with the request's own
-``torch.Generator`` (seeded from its ``seed``, else from the engine's seed and its id), so a
-seeded request gives the same tokens whatever else is in the batch.
+``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the token
+that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
+the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
+the request's own ``torch.Generator`` on the CPU (seeded from its ``seed``, else from the
+engine's seed and its id), so a seeded request gives the same tokens whatever else is in the
+batch, while the filtering and the search run for all rows at once on the GPU.
 """
 from __future__ import annotations
 
@@ -15,26 +18,33 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``[vocab]`` probabilities of one row after temperature, top-k and top-p."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    if top_k > 0:
-        sorted_probs[top_k:] = 0
-    if top_p < 1.0:
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
-        sorted_probs[before >= top_p] = 0
-    out = torch.zeros_like(probs)
-    out[order] = sorted_probs
-    return out / out.sum()
+def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs sorted descending with filtered entries zeroed, the token ids in that order)``
+    for rows ``[R, vocab]`` with per-row ``temperature``, ``top_k`` (<= 0: all) and ``top_p``."""
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
+    keep_p = before < top_p[:, None]
+    return sorted_probs * (keep_k & keep_p), order
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """One next token per row of ``logits``."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = filtered_probs(logits[i].float().cpu(), p.temperature, p.top_k, p.top_p)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return tokens
+    tokens = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        dev = logits.device
+        sub = [params[i] for i in rows]
+        temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in sub], device=dev)
+        top_p = torch.tensor([p.top_p for p in sub], device=dev, dtype=torch.float32)
+        uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)
+        probs, order = filtered_sorted_probs(logits[rows].float(), temperature, top_k, top_p)
+        cdf = torch.cumsum(probs, dim=-1)
+        target = uniform[:, None] * cdf[:, -1:]
+        pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+        tokens[rows] = order.gather(1, pick).squeeze(1)
+    return tokens.tolist()

@@ -149,3 +149,12 @@ def test_tp_group_across_two_nodes_turns_flashinfer_fusion_off():
     finally:
         node0.kill()
         node1.kill()
+
+
+def test_seeded_sampling_is_reproducible(fused_server):
+    body = {"prompt": "Sample me", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 5}
+    first = fused_server.request("/v1/completions", body)[1]["choices"][0]["text"]
+    again = fused_server.request("/v1/completions", body)[1]["choices"][0]["text"]
+    others = {fused_server.request("/v1/completions", {**body, "seed": s})[1]["choices"][0]["text"] for s in (6, 7, 8)}
+    assert first == again
+    assert others - {first}, "other seeds give other samples"

@@ -1,0 +1,51 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeded reproducibility, batch independence."""
+import torch
+
+from engine.sampler import filtered_sorted_probs, sample
+from engine.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 50, generator=gen(0))
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1)] * 2
+    assert sample(logits, params, [None] * 4) == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_filter_the_sorted_distribution():
+    probs, order = filtered_sorted_probs(LOGITS, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    assert order[0, :2].tolist() == [0, 1] and (probs[0, 2:] == 0).all() and (probs[0, :2] > 0).all()
+    full = torch.softmax(LOGITS, -1)[0].sort(descending=True).values
+    probs, _ = filtered_sorted_probs(LOGITS, torch.tensor([1.0]), torch.tensor([-1]), torch.tensor([full[0].item() + 1e-3]))
+    assert (probs[0, 2:] == 0).all() and probs[0, 1] > 0, "the token that crosses top_p is kept"
+
+
+def test_sampling_matches_the_softmax_distribution():
+    params = [SamplingParams(temperature=0.7)]
+    g = gen(3)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample(LOGITS, params, [g])[0]] += 1
+    expected = torch.softmax(LOGITS / 0.7, -1)[0]
+    torch.testing.assert_close(counts / counts.sum(), expected, atol=0.03, rtol=0)
+
+
+def test_filtered_tokens_are_never_sampled():
+    params = [SamplingParams(temperature=1.0, top_k=2)]
+    g = gen(4)
+    assert {sample(LOGITS, params, [g])[0] for _ in range(300)} <= {0, 1}
+
+
+def test_seeded_request_is_independent_of_the_batch():
+    logits = torch.randn(3, 100, generator=gen(5))
+    alone = [sample(logits[1:2], [SamplingParams(temperature=1.0, seed=7)], [gen(7)])[0] for _ in range(1)]
+    batched = sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=7),
+                              SamplingParams(temperature=0.5)], [None, gen(7), gen(8)])
+    assert batched[1] == alone[0]
+    assert sample(logits, [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)]) == \
+        sample(logits, [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)])
