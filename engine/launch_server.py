@@ -66,8 +66,9 @@ class WorkerSet:
                 p.join(timeout=2)
 
 
-def _die_with_workers(workers: WorkerSet, rank: int, exitcode: Optional[int]) -> None:
-    logger.error("TP worker rank %d exited (code %s): shutting the server down", rank, exitcode)
+def _die_with_workers(workers: WorkerSet, reason: str) -> None:
+    """Kill every worker and exit: a rank that stopped must not leave its peers waiting."""
+    logger.error("%s: shutting the server down", reason)
     workers.stopping = True
     for p in workers.procs.values():
         if p.is_alive():
@@ -98,7 +99,7 @@ def serve(args: ServerArgs) -> int:
     launch = launch_config(args)
     local = list(launch.local_ranks)
     workers = WorkerSet(launch, [r for r in local if r != 0])
-    workers.watch(lambda rank, code: _die_with_workers(workers, rank, code))
+    workers.watch(lambda rank, code: _die_with_workers(workers, f"TP worker rank {rank} exited (code {code})"))
     if args.node_rank != 0:
         try:
             while workers.alive():
@@ -114,7 +115,8 @@ def serve(args: ServerArgs) -> int:
         group = init_tensor_parallel(launch.tp_size, 0, launch.init_method, device=launch.device_for(0),
                                      node_rank=args.node_rank, timeout_s=launch.dist_timeout)
         runner = ModelRunner(launch.runner, group)
-        scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed)
+        scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
+                              on_failure=lambda why: _die_with_workers(workers, f"the scheduler failed ({why})"))
         model_name = args.served_model_name or args.model_path
 
         def info() -> dict[str, Any]:

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
+                 on_failure: Callable[[str], None] = lambda reason: None) -> None:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
@@ -41,6 +42,7 @@ class Scheduler:
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._stopped = threading.Event()
         self.failure: Optional[str] = None
+        self._on_failure = on_failure  # the launcher brings the server down (peers may wait on us)
         self.steps = 0
 
     # ---- called from other threads ----
@@ -90,7 +92,9 @@ class Scheduler:
         finally:
             for req in list(self.running) + list(self.waiting):
                 self._finish(req, "abort")
-            if self.group.world_size > 1 and self.failure is None:
+            if self.failure is not None:
+                self._on_failure(self.failure)
+            elif self.group.world_size > 1:
                 self.group.broadcast_object(StepPlan("shutdown"))
 
     def _drain_inbox(self, block: bool) -> None:
