@@ -144,11 +144,11 @@ def _worker(rank: int, args: argparse.Namespace, init_method: str, queue: Any) -
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import multiprocessing as mp
 
-    from engine.launch_config import _free_port
+    from engine.launch_config import free_port
 
     args = parse_args(argv)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args, init_method, queue)) for r in range(args.tp_size)]

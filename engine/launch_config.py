@@ -39,7 +39,8 @@ class LaunchConfig:
         return torch.device("cpu")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for a rendezvous or a test server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,7 +57,7 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
         if torch.cuda.device_count() < args.tp_size_per_node:
             raise ValueError(f"--tp-size {args.tp_size} needs {args.tp_size_per_node} GPUs per node; "
                              f"{torch.cuda.device_count()} visible")
-    addr = args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
     fusion = FusionConfig(
         enabled=args.enable_flashinfer_allreduce_fusion,
         backend=args.allreduce_fusion_backend,
