@@ -21,6 +21,7 @@ from fusion.group import TensorParallelGroup
 from fusion.ops import add_rms_norm_after_reduce, allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
 from fusion.platform import device_capability, flashinfer_import_error
 from fusion.symm_mem_allreduce import SymmMemAllReduce
+from fusion.symm_mem_fused import SymmMemFusedAllReduceNorm
 from fusion.tuning_table import PACKAGED_TABLE, read_table, select_table
 from fusion.validation import check_fusion_inputs
 from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
@@ -67,6 +68,7 @@ class AllReduceFusion:
         self.dtype = dtype
         self.workspace = AllReduceFusionWorkspace(group, workspace_factory)
         self.symm_mem = SymmMemAllReduce(group)
+        self.symm_fused = SymmMemFusedAllReduceNorm(group)
         self._uses_workspace = config.backend == "flashinfer"
         self.dispatcher = FusionDispatcher(config.cache_size, self._environment(workspace_ready=False))
 
@@ -112,7 +114,7 @@ class AllReduceFusion:
 
     def _with_table(self, env: FusionEnvironment) -> FusionEnvironment:
         """Collective: rank 0's measured table for this GPU, TP size, hidden and dtype, on every
-        rank; the symmetric-memory buffer when the table uses that strategy."""
+        rank; the symmetric-memory buffers of the strategies the table picks somewhere."""
         table = None
         if self.group.rank == 0:
             gpu = torch.cuda.get_device_name(self.group.device) if self.group.device.type == "cuda" else "cpu"
@@ -125,11 +127,11 @@ class AllReduceFusion:
         table = self.group.broadcast_object(table)
         if table is None:
             return env
-        symm_tokens = 0
-        if any(min(row, key=row.__getitem__) == st.SYMM_MEM_TWO_SHOT for row in table.timings_us):
-            if self.symm_mem.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
-                symm_tokens = self.config.max_tokens
-        return replace(env, table=table, symm_mem_tokens=symm_tokens)
+        picked = {min(row, key=row.__getitem__) for row in table.timings_us}
+        tokens, hidden, dtype = self.config.max_tokens, self.hidden_size, self.dtype
+        symm_tokens = tokens if st.SYMM_MEM_TWO_SHOT in picked and self.symm_mem.ensure(tokens, hidden, dtype) else 0
+        fused_tokens = tokens if st.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(tokens, hidden, dtype) else 0
+        return replace(env, table=table, symm_mem_tokens=symm_tokens, symm_fused_tokens=fused_tokens)
 
     def reserve(self, max_tokens: int) -> bool:
         """Collective: grow the workspace (and the fusion limit) to ``max_tokens``. Call before
@@ -169,6 +171,8 @@ class AllReduceFusion:
             )
         if strategy == st.TORCH_FUSED:
             return allreduce_residual_rmsnorm(x, residual, weight, eps, group=self.group, backend="torch")
+        if strategy == st.SYMM_MEM_FUSED and self.symm_fused.fits(x):
+            return self.symm_fused(x, residual, weight, eps)
         if strategy == st.SYMM_MEM_TWO_SHOT and self.symm_mem.fits(x):
             check_fusion_inputs(x, residual, weight)
             self.symm_mem.all_reduce(x)
@@ -188,6 +192,7 @@ class AllReduceFusion:
             "reason_inactive": env.static_reason(),
             "max_tokens": env.max_tokens,
             "measured_strategy_table": env.table is not None,
+            "symmetric_buffer_tokens": {st.SYMM_MEM_TWO_SHOT: env.symm_mem_tokens, st.SYMM_MEM_FUSED: env.symm_fused_tokens},
             "workspace": None if ws is None else {"max_tokens": ws.max_tokens, "hidden": ws.hidden, "dtype": str(ws.dtype)},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
             "reductions": {
@@ -202,3 +207,4 @@ class AllReduceFusion:
         process groups)."""
         self.workspace.destroy()
         self.symm_mem.destroy()
+        self.symm_fused.destroy()

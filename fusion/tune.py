@@ -42,7 +42,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dtype: torch.dtype, tokens: int,
             args: argparse.Namespace) -> dict[str, float]:
     """µs per op of every strategy that can run ``tokens`` here (slowest rank), by name."""
-    candidates = [st.NCCL, st.FLASHINFER_ONESHOT, st.SYMM_MEM_TWO_SHOT]
+    candidates = [st.NCCL, st.FLASHINFER_ONESHOT, st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_FUSED]
     if tokens > group.world_size:
         candidates.append(st.FLASHINFER_TWOSHOT)
     g = torch.Generator(device=group.device).manual_seed(tokens)
@@ -54,6 +54,7 @@ def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dt
         st.FLASHINFER_ONESHOT: fusion.workspace.fits(tokens, hidden, dtype),
         st.FLASHINFER_TWOSHOT: fusion.workspace.fits(tokens, hidden, dtype),
         st.SYMM_MEM_TWO_SHOT: fusion.symm_mem.fits(x),
+        st.SYMM_MEM_FUSED: fusion.symm_fused.fits(x),
     }
     timings = {}
     for strategy in candidates:
@@ -120,6 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 fusion = AllReduceFusion(group, FusionConfig(enabled=True, max_tokens=args.max_tokens), hidden, dtype)
                 fusion.setup()
                 fusion.symm_mem.ensure(args.max_tokens, hidden, dtype)
+                fusion.symm_fused.ensure(args.max_tokens, hidden, dtype)
                 rows = {str(t): measure(group, fusion, hidden, dtype, t, args) for t in token_buckets(args.max_tokens)}
                 fusion.destroy()
                 entries = merge_entry(entries, {"gpu": gpu, "world_size": group.world_size, "hidden": hidden,

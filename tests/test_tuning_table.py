@@ -16,7 +16,7 @@ TIMINGS = {
     "1": {"nccl": 8.7, "flashinfer_oneshot": 4.5},
     "128": {"nccl": 16.1, "flashinfer_oneshot": 7.4, "flashinfer_twoshot": 13.7, "symm_mem_two_shot": 10.2},
     "1024": {"nccl": 53.4, "flashinfer_oneshot": 42.3, "symm_mem_two_shot": 38.0},
-    "4096": {"nccl": 168.0, "flashinfer_oneshot": 165.0, "symm_mem_two_shot": 125.0},
+    "4096": {"nccl": 168.0, "flashinfer_oneshot": 165.0, "symm_mem_two_shot": 125.0, "symm_mem_fused": 120.0},
 }
 DOC = {"version": 1, "entries": [{"gpu": "cpu", "world_size": 2, "hidden": 64, "dtype": "float32", "timings_us": TIMINGS}]}
 
@@ -31,7 +31,7 @@ def test_lookup_uses_the_smallest_bucket_at_or_above_the_batch():
     assert t.fastest(1, everything) == st.FLASHINFER_ONESHOT
     assert t.fastest(100, everything) == st.FLASHINFER_ONESHOT  # bucket 128
     assert t.fastest(129, everything) == st.SYMM_MEM_TWO_SHOT  # bucket 1024
-    assert t.fastest(100000, everything) == st.SYMM_MEM_TWO_SHOT  # beyond: the largest bucket
+    assert t.fastest(100000, everything) == st.SYMM_MEM_FUSED  # beyond: the largest bucket
 
 
 def test_lookup_skips_strategies_that_cannot_run_here():
@@ -76,6 +76,10 @@ def test_dispatcher_follows_the_table_and_falls_back_without_one():
         st.FLASHINFER_ONESHOT, st.FLASHINFER_ONESHOT, st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_TWO_SHOT]
     no_symm = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_mem_tokens": 0}))
     assert no_symm.strategy(0, 4096) == st.FLASHINFER_ONESHOT, "symm-mem unavailable: next fastest"
+    fused = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 4096}))
+    assert [fused.strategy(0, t) for t in (1024, 4096)] == [st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_FUSED]
+    short = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 2048}))
+    assert short.strategy(0, 4096) == st.SYMM_MEM_TWO_SHOT, "fused buffer too small for 4096 tokens: next fastest"
     builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None}))
     assert builtin.strategy(0, 2048) == st.FLASHINFER_ONESHOT  # built-in: hidden <= 1024 fuses up to 2048
     assert builtin.strategy(0, 4096) == st.NCCL

@@ -68,6 +68,7 @@ class FusedResources:
             self.fusion_op = fusion.AllReduceFusion(group, config, hidden, dtype)
             self.fusion_op.setup()
             self.fusion_op.symm_mem.ensure(max_tokens, hidden, dtype)  # voted: ready on every rank or none
+            self.fusion_op.symm_fused.ensure(max_tokens, hidden, dtype)
 
     def destroy(self) -> None:
         if self.fusion_op is not None:
@@ -238,6 +239,9 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
     if quant == "none" and op.symm_mem.buffer is not None:
         paths.append(Path("symm_mem_two_shot_allreduce_rmsnorm",
                           lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, "symm_mem_two_shot")[0]))
+    if quant == "none" and op.symm_fused.ready:
+        paths.append(Path("symm_mem_fused_two_shot_allreduce_rmsnorm",
+                          lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, "symm_mem_fused")[0]))
     if quant == "none":
         strategy = res.fusion_op.strategy(0, tokens)
         why = res.fusion_op.dispatcher.why_not(0, tokens)

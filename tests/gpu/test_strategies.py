@@ -7,7 +7,7 @@ from tests.dist_utils import gpu_world_size, run_distributed
 
 HIDDEN, EPS = 4096, 1e-6
 TOKENS = (1, 128, 1024)
-STRATEGIES = ("nccl", "flashinfer_oneshot", "flashinfer_twoshot", "symm_mem_two_shot")
+STRATEGIES = ("nccl", "flashinfer_oneshot", "flashinfer_twoshot", "symm_mem_two_shot", "symm_mem_fused")
 
 
 def _inputs(rank, tokens, seed, dev):
@@ -31,7 +31,10 @@ def _run(rank, world_size):
 
     group = get_tp_group()
     fusion = init_allreduce_fusion(FusionConfig(enabled=True, max_tokens=max(TOKENS)), HIDDEN, torch.bfloat16)
-    out = {"symm_ready": fusion.symm_mem.ensure(max(TOKENS), HIDDEN, torch.bfloat16), "symm_failure": fusion.symm_mem.failure}
+    out = {"symm_ready": fusion.symm_mem.ensure(max(TOKENS), HIDDEN, torch.bfloat16), "symm_failure": fusion.symm_mem.failure,
+           "fused_ready": fusion.symm_fused.ensure(max(TOKENS), HIDDEN, torch.bfloat16),
+           "fused_failure": fusion.symm_fused.failure}
+    out.update(_fused_without_residual_and_uneven(fusion, rank, world_size, group))
     for strategy in STRATEGIES:
         for tokens in TOKENS:
             if strategy == "flashinfer_twoshot" and tokens <= world_size:
@@ -68,6 +71,28 @@ def _run(rank, world_size):
     return out
 
 
+def _fused_without_residual_and_uneven(fusion, rank, world_size, group):
+    """symm_mem_fused with no residual (the first layer) and a token count the ranks split
+    unevenly: against fp32, and the same bits on every rank."""
+    out = {}
+    for tokens in (3, 7):
+        try:
+            x, _, w = _inputs(rank, tokens, 4, group.device)
+            normed, summed = fusion.all_reduce_add_rms_norm(x, None, w, EPS, "symm_mem_fused")
+            xs = [_inputs(r, tokens, 4, group.device)[0] for r in range(world_size)]
+            s = sum(v.float() for v in xs)
+            expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+            err = ((normed.float() - expected).norm() / expected.norm()).item()
+            sum_err = ((summed.float() - s).norm() / s.norm()).item()
+            gathered = [torch.empty_like(normed) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered, normed.contiguous(), group=group.device_group)
+            same = all(torch.equal(g, gathered[0]) for g in gathered)
+            out[f"no_residual/{tokens}"] = (err, sum_err, same, None)
+        except Exception as exc:
+            out[f"no_residual/{tokens}"] = (None, None, None, f"{type(exc).__name__}: {exc}"[:300])
+    return out
+
+
 @pytest.fixture(scope="module")
 def results():
     r = run_distributed(_run, world_size=gpu_world_size(), device_kind="cuda", timeout_s=300)[0]
@@ -77,6 +102,14 @@ def results():
 
 def test_symm_mem_buffer_is_set_up(results):
     assert results["symm_ready"], results["symm_failure"]
+    assert results["fused_ready"], results["fused_failure"]
+
+
+@pytest.mark.parametrize("tokens", (3, 7))
+def test_symm_mem_fused_without_residual_uneven_shards_agrees_on_every_rank(results, tokens):
+    err, sum_err, same, error = results[f"no_residual/{tokens}"]
+    assert error is None, error
+    assert err < 1e-2 and sum_err < 1e-2 and same, (err, sum_err, same)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -1,0 +1,174 @@
+"""`SymmMemFusedAllReduceNorm`: all-reduce + residual add + RMSNorm as our own two-shot kernels
+over one symmetric buffer per TP group (the ``symm_mem_fused`` strategy).
+
+The math and the three phases are in `fusion.two_shot_norm_kernels`; this module sizes the
+buffer, cuts the tokens into shards and runs phase 1, barrier, phase 2, barrier, phase 3 on the
+current stream (CUDA-graph capturable once the buffer exists).
+
+Buffer (elements of the model dtype): ``world * S_max * hidden`` of scatter slots followed by
+``max_tokens * hidden`` of gathered rows, ``S_max = ceil(max_tokens / world)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fusion.group import TensorParallelGroup
+from fusion.symmetric_buffer import SymmetricBuffer
+from fusion.validation import check_fusion_inputs
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Rank ``rank`` of ``world`` owns rows ``[own_start, own_start + own_rows)`` of ``tokens``
+    (contiguous shards of ``shard_rows = ceil(tokens / world)``; the last ones may be short or empty)."""
+
+    tokens: int
+    world: int
+    rank: int
+
+    @property
+    def shard_rows(self) -> int:
+        return math.ceil(self.tokens / self.world)
+
+    @property
+    def own_start(self) -> int:
+        return min(self.rank * self.shard_rows, self.tokens)
+
+    @property
+    def own_rows(self) -> int:
+        return min(self.tokens, self.own_start + self.shard_rows) - self.own_start
+
+    @property
+    def peer_rows(self) -> int:
+        return self.tokens - self.own_rows
+
+
+def buffer_elements(max_tokens: int, hidden: int, world: int) -> int:
+    """Scatter slots then gathered rows (see the module docstring)."""
+    return world * math.ceil(max_tokens / world) * hidden + max_tokens * hidden
+
+
+def gather_offset(max_tokens: int, hidden: int, world: int) -> int:
+    return world * math.ceil(max_tokens / world) * hidden
+
+
+def fused_unavailable_reason(hidden: int) -> Optional[str]:
+    """None when the Triton kernels can run a row of ``hidden`` elements here."""
+    try:
+        from fusion.two_shot_norm_kernels import MAX_HIDDEN
+    except ImportError as exc:
+        return f"the fused two-shot kernels need triton ({exc})"
+    if hidden > MAX_HIDDEN:
+        return f"hidden {hidden} exceeds the fused two-shot kernels' {MAX_HIDDEN} (one row per program)"
+    return None
+
+
+def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
+    """Phase 1: this rank's rows of every other shard into their owners' slot ``rank``."""
+    from fusion.two_shot_norm_kernels import num_warps_for, push_shards_kernel
+    import triton
+
+    hidden = x.shape[1]
+    if layout.peer_rows:
+        push_shards_kernel[(layout.peer_rows,)](
+            x, peer_ptrs, layout.rank, hidden, layout.shard_rows, layout.own_start, layout.own_rows,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+
+
+def reduce_own_rows(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, residual_out: torch.Tensor,
+                    weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor, layout: ShardLayout,
+                    gather_at: int) -> None:
+    """Phase 2: sum this rank's shard, push it to every peer's gathered rows, add + norm it here."""
+    from fusion.two_shot_norm_kernels import num_warps_for, reduce_own_rows_kernel
+    import triton
+
+    hidden = x.shape[1]
+    if layout.own_rows:
+        reduce_own_rows_kernel[(layout.own_rows,)](
+            x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
+            layout.shard_rows, layout.own_start, gather_at, eps, WORLD=layout.world,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+
+
+def finish_peer_rows(residual: Optional[torch.Tensor], out: torch.Tensor, residual_out: torch.Tensor,
+                     weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor, layout: ShardLayout,
+                     gather_at: int) -> None:
+    """Phase 3: add + norm the rows the other ranks reduced (read from this rank's gathered rows)."""
+    from fusion.two_shot_norm_kernels import finish_peer_rows_kernel, num_warps_for
+    import triton
+
+    hidden = out.shape[1]
+    if layout.peer_rows:
+        finish_peer_rows_kernel[(layout.peer_rows,)](
+            residual if residual is not None else out, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
+            layout.own_start, layout.own_rows, gather_at, eps, HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+
+
+def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, residual_out)``: the normed output overwrites ``x`` and the new residual
+    ``residual``; without a residual, the sum overwrites ``x`` and the output is new."""
+    if residual is None:
+        return torch.empty_like(x), x
+    return x, residual
+
+
+class SymmMemFusedAllReduceNorm:
+    """The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self.symmetric = SymmetricBuffer(group, "fused two-shot all-reduce + RMSNorm")
+        self.max_tokens = 0
+        self.hidden = 0
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self.symmetric.failure
+
+    @property
+    def ready(self) -> bool:
+        return self.symmetric.buffer is not None
+
+    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+        """Collective: the buffer for ``max_tokens`` rows of ``hidden`` on every rank; True on
+        every rank or False on every rank. Refused during CUDA-graph capture."""
+        if self.ready and self.symmetric.buffer.dtype == dtype and hidden == self.hidden and max_tokens <= self.max_tokens:
+            return True
+        world = self.group.world_size
+        ok = self.symmetric.ensure(buffer_elements(max_tokens, hidden, world), dtype, fused_unavailable_reason(hidden))
+        self.max_tokens, self.hidden = (max_tokens, hidden) if ok else (0, 0)
+        return ok
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (self.ready and x.dim() == 2 and x.dtype == self.symmetric.buffer.dtype and x.shape[1] == self.hidden
+                and x.shape[0] <= self.max_tokens)
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group; ``x`` and
+        ``residual`` are overwritten (see `output_tensors`). Needs ``fits(x)``."""
+        check_fusion_inputs(x, residual, weight)
+        if not self.fits(x):
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit the fused two-shot buffer "
+                             f"({self.max_tokens} x {self.hidden})")
+        layout = ShardLayout(x.shape[0], self.group.world_size, self.group.rank)
+        at = gather_offset(self.max_tokens, self.hidden, self.group.world_size)
+        ptrs = self.symmetric.peer_ptrs
+        out, residual_out = output_tensors(x, residual)
+        push_shards(x, ptrs, layout)
+        self.symmetric.barrier()
+        reduce_own_rows(x, residual, out, residual_out, weight, eps, ptrs, layout, at)
+        self.symmetric.barrier()
+        finish_peer_rows(residual, out, residual_out, weight, eps, ptrs, layout, at)
+        self.group.counters.total += 1
+        self.group.counters.fused += 1
+        return out, residual_out
+
+    def destroy(self) -> None:
+        self.symmetric.destroy()
+        self.max_tokens = self.hidden = 0

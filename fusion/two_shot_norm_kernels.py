@@ -1,0 +1,126 @@
+"""Triton kernels of the fused two-shot all-reduce + residual add + RMSNorm over symmetric memory.
+
+W ranks, T tokens, hidden H. Tokens are cut into W contiguous shards of S = ceil(T / W) rows;
+rank r owns rows [r*S, min((r+1)*S, T)). Every rank's symmetric buffer holds W scatter slots of
+S x H elements (slot s receives sender s's rows of this rank's shard) and a gather region of
+T x H elements (the reduced rows of every shard). Peers' buffers are reached by their virtual
+addresses (``peer_ptrs[q]``: rank q's buffer, mapped here over NVLink by torch symmetric memory;
+plain loads and stores, never multicast). One call, with a barrier between the phases:
+
+    1. push_shards:      for every row i of a shard s != r:  slot_r of rank s  <- x[i]      (remote store)
+    2. reduce_own_rows:  for every row i of my shard:
+                             y_i = round(x[i] + sum_{s != r} slot_s[i])        (fp32 sum, one rounding)
+                             gather of every rank q != r [i] <- y_i                 (remote store)
+                             residual_out[i], out[i] = add_rms_norm(y_i, residual[i])
+    3. finish_peer_rows: for every row i not in my shard: y_i = gather[i] (written by its owner);
+                             residual_out[i], out[i] = add_rms_norm(y_i, residual[i])
+
+with add_rms_norm the reference math (fusion/reference.py): ``res = round(y + residual)`` (fp32
+add, one rounding; ``res = y`` without a residual), ``out = round(res / RMS(res) * weight)`` in
+fp32. Each row is summed once, by its owner, and the same bf16/fp16 ``y_i`` reaches every rank,
+so all ranks return identical outputs; ``y_i`` is what an NCCL all-reduce in the input dtype
+returns, so the result equals the unfused path's up to the norm's own rounding.
+
+Traffic per rank: (W-1)/W of x out in phase 1 and (W-1)/W of the reduced rows out in phase 2
+(each over NVLink, as in any two-shot all-reduce), and no copy of x into the symmetric buffer:
+the pushes read x where the GEMM left it. Phase 3 reads only the (W-1)/W rows it did not own.
+
+Why our own kernels: no library offers reduce-scatter + residual + RMSNorm + all-gather over
+symmetric memory with the norm fused (flashinfer's two-shot kernel uses its own IPC workspace
+and loses to its one-shot below ~4k tokens; torch's ``two_shot_all_reduce_`` needs the input
+copied into and out of its buffer, and the norm as a third pass).
+
+Programs: one per row (the row's H elements in one block, H <= MAX_HIDDEN), so the norm needs
+no second pass over memory. ``x``, ``residual``, ``out`` and ``residual_out`` are contiguous
+[T, H]; ``out`` may be ``x`` (phase 2 and 3 read a row of x before writing it; phase 1 only
+reads rows that phases 2-3 of the same rank write after the barrier).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 16384  # one row of fp32 per program: 64 KiB of registers over 16 warps
+
+
+@triton.jit
+def _peer_row(peer_ptrs, rank, offset, elem_ty: tl.constexpr):
+    """Pointer to element ``offset`` of rank ``rank``'s symmetric buffer."""
+    base = tl.load(peer_ptrs + rank).to(tl.pointer_type(elem_ty))
+    return base + offset
+
+
+@triton.jit
+def _add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
+                      HAS_RESIDUAL: tl.constexpr):
+    """Stores ``residual_out[row] = round(y + residual[row])`` and ``out[row] = rmsnorm(...)``
+    (``y``: the reduced row, already in the output dtype)."""
+    out_ty = out_ptr.dtype.element_ty
+    offs = row * hidden + cols
+    if HAS_RESIDUAL:
+        res = (y.to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
+    else:
+        res = y
+    tl.store(residual_out_ptr + offs, res, mask=mask)
+    resf = res.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(resf * resf, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (resf * inv_rms * w).to(out_ty), mask=mask)
+
+
+@triton.jit
+def push_shards_kernel(x_ptr, peer_ptrs, rank, hidden, shard_rows, own_start, own_rows,
+                       BLOCK: tl.constexpr):
+    """Phase 1. Program p handles the p-th row outside [own_start, own_start + own_rows)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.where(pid < own_start, pid, pid + own_rows)
+    owner = row // shard_rows
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    elem_ty = x_ptr.dtype.element_ty
+    dst = _peer_row(peer_ptrs, owner, (rank * shard_rows + row - owner * shard_rows) * hidden, elem_ty)
+    tl.store(dst + cols, tl.load(x_ptr + row * hidden + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def reduce_own_rows_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, peer_ptrs, rank, hidden,
+                           shard_rows, own_start, gather_offset, eps,
+                           WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase 2. Program p handles row own_start + p of this rank's shard."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = own_start + pid
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    elem_ty = x_ptr.dtype.element_ty
+    acc = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    for sender in tl.static_range(WORLD):
+        if sender != rank:
+            slot = _peer_row(peer_ptrs, rank, (sender * shard_rows + pid) * hidden, elem_ty)
+            acc += tl.load(slot + cols, mask=mask, other=0.0).to(tl.float32)
+    y = acc.to(elem_ty)
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            tl.store(_peer_row(peer_ptrs, peer, gather_offset + row * hidden, elem_ty) + cols, y, mask=mask)
+    _add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
+                      HAS_RESIDUAL)
+
+
+@triton.jit
+def finish_peer_rows_kernel(residual_ptr, out_ptr, residual_out_ptr, weight_ptr, peer_ptrs, rank, hidden,
+                            own_start, own_rows, gather_offset, eps,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Phase 3. Program p handles the p-th row outside this rank's shard."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = tl.where(pid < own_start, pid, pid + own_rows)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    elem_ty = out_ptr.dtype.element_ty
+    gathered = _peer_row(peer_ptrs, rank, gather_offset + row * hidden, elem_ty)
+    y = tl.load(gathered + cols, mask=mask, other=0.0)
+    _add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
+                      HAS_RESIDUAL)
+
+
+def num_warps_for(hidden: int) -> int:
+    """Warps per row program: ~16 elements per thread, 4..16 warps."""
+    return max(4, min(16, triton.next_power_of_2(hidden) // 512))

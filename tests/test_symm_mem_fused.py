@@ -1,0 +1,166 @@
+"""The fused two-shot all-reduce + residual + RMSNorm kernels (fusion/two_shot_norm_kernels.py)
+under Triton's CPU interpreter, with W ranks simulated in one process: each rank's symmetric
+buffer is a CPU tensor and ``peer_ptrs`` holds their addresses, and running phase 1 of every
+rank, then phase 2 of every rank, then phase 3 stands in for the two barriers.
+
+Checked per case (random inputs, several world sizes, shards that are short or empty):
+- every rank returns the same output and residual, bit for bit;
+- the residual equals the kernel's math in torch (owner's fp32 sum in sender order, one cast,
+  fp32 add, one cast; the interpreter casts fp32 -> bf16 by truncation) bit for bit, and the
+  output within two ulps of it (the interpreter's fp32 sum of squares runs in numpy's order);
+- the residual within two ulps and the output within three of the reference (fusion/reference.py,
+  round to nearest): each of the sum's, the residual add's and the output's casts may truncate
+  where the reference rounds, one ulp each. Ulps are measured at the scale the roundings act
+  on (|sum| + |residual|, and that scale through the norm).
+The host side (layout, buffer size, refusal on CPU over gloo) is tested directly.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fusion import reference  # noqa: E402
+from fusion.symm_mem_fused import (ShardLayout, SymmMemFusedAllReduceNorm, buffer_elements,  # noqa: E402
+                                   finish_peer_rows, fused_unavailable_reason, gather_offset, output_tensors,
+                                   push_shards, reduce_own_rows)
+from layers.parallel_state import get_tp_group  # noqa: E402
+from tests.dist_utils import run_distributed, run_under_triton_interpreter  # noqa: E402
+from tests.test_triton_elementwise import interpreter_cast  # noqa: E402
+
+EPS = 1e-6
+# (world, tokens, hidden, max_tokens, dtype, with residual)
+CASES = [
+    (2, 1, 64, 4, torch.bfloat16, True),  # fewer tokens than ranks: rank 1 owns nothing
+    (2, 7, 96, 8, torch.bfloat16, True),  # odd split, hidden not a power of two
+    (3, 7, 96, 9, torch.float32, True),
+    (2, 5, 128, 5, torch.float16, False),  # first layer: no residual
+    (4, 3, 64, 8, torch.bfloat16, True),  # the last rank's shard is empty
+    (2, 16, 1000, 16, torch.bfloat16, True),
+]
+
+
+def simulate(xs, residuals, weight, max_tokens):
+    """Runs the three phases for every rank in order; returns each rank's (out, residual_out)."""
+    world, (tokens, hidden) = len(xs), xs[0].shape
+    buffers = [torch.full((buffer_elements(max_tokens, hidden, world),), float("nan"), dtype=xs[0].dtype)
+               for _ in range(world)]
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    at = gather_offset(max_tokens, hidden, world)
+    layouts = [ShardLayout(tokens, world, r) for r in range(world)]
+    outs = [output_tensors(xs[r], residuals[r]) for r in range(world)]
+    for r in range(world):
+        push_shards(xs[r], ptrs, layouts[r])
+    for r in range(world):
+        reduce_own_rows(xs[r], residuals[r], *outs[r], weight, EPS, ptrs, layouts[r], at)
+    for r in range(world):
+        finish_peer_rows(residuals[r], *outs[r], weight, EPS, ptrs, layouts[r], at)
+    return outs
+
+
+def kernel_math(xs, residual, weight):
+    """The kernels' math in torch with the interpreter's casts."""
+    world, (tokens, _) = len(xs), xs[0].shape
+    shard = -(-tokens // world)
+    acc = torch.empty(xs[0].shape, dtype=torch.float32)
+    for row in range(tokens):
+        owner = row // shard
+        total = xs[owner][row].float()
+        for sender in range(world):
+            if sender != owner:
+                total = total + xs[sender][row].float()
+        acc[row] = total
+    y = interpreter_cast(acc, xs[0].dtype)
+    res = y if residual is None else interpreter_cast(y.float() + residual.float(), y.dtype)
+    resf = res.float()
+    inv_rms = 1.0 / torch.sqrt((resf * resf).sum(-1, keepdim=True) / resf.shape[-1] + EPS)
+    return interpreter_cast(resf * inv_rms * weight.float(), y.dtype), res
+
+
+def ulps(a, b, scale):
+    """|a - b| in units of the dtype's eps at ``scale`` (elementwise max)."""
+    return ((a.float() - b.float()).abs() / (torch.finfo(a.dtype).eps * scale)).max().item()
+
+
+def _run_case(case):
+    world, tokens, hidden, max_tokens, dtype, with_residual = case
+    g = torch.Generator().manual_seed(tokens * 100 + hidden + world)
+    xs = [(2 * torch.randn(tokens, hidden, generator=g)).to(dtype) for _ in range(world)]
+    residual = (2 * torch.randn(tokens, hidden, generator=g)).to(dtype) if with_residual else None
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    xs_in = [x.clone() for x in xs]
+    outs = simulate(xs, [None if residual is None else residual.clone() for _ in range(world)], weight, max_tokens)
+    emulated_out, emulated_res = kernel_math(xs_in, residual, weight)
+    total = sum(x.float() for x in xs_in)
+    ref_out, ref_res = reference.add_rms_norm(total.to(dtype), residual, weight, EPS)
+    out0, res0 = outs[0]
+    # the magnitude the sum's and the residual add's roundings act on, and its image through the norm
+    res_scale = (total.abs() + (0 if residual is None else residual.float().abs())).clamp_min(1.0)
+    ref_inv_rms = torch.rsqrt(ref_res.float().pow(2).mean(-1, keepdim=True) + EPS)
+    out_scale = (res_scale * ref_inv_rms * weight.float().abs()).clamp_min(1.0)
+    return {
+        "ranks_agree": all(torch.equal(o, out0) and torch.equal(r, res0) for o, r in outs),
+        "in_place": outs[0][0].data_ptr() == xs[0].data_ptr() if with_residual else outs[0][1].data_ptr() == xs[0].data_ptr(),
+        "res_vs_emulated": ulps(res0, emulated_res, res_scale),
+        "out_vs_emulated": ulps(out0, emulated_out, out_scale),
+        "res_vs_reference": ulps(res0, ref_res, res_scale),
+        "out_vs_reference": ulps(out0, ref_out, out_scale),
+        "finite": all(torch.isfinite(o).all().item() and torch.isfinite(r).all().item() for o, r in outs),
+    }
+
+
+def _all_cases(rank, world_size):
+    return [_run_case(case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_under_triton_interpreter(_all_cases, timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"W{c[0]}-T{c[1]}-H{c[2]}-{str(c[4])[6:]}-res{c[5]}" for c in CASES])
+def test_fused_two_shot_kernels_match_the_reference(interpreted, index):
+    r = interpreted[index]
+    assert r["finite"] and r["ranks_agree"] and r["in_place"], r
+    assert r["res_vs_emulated"] == 0, r
+    assert r["out_vs_emulated"] <= 2, r
+    assert r["res_vs_reference"] <= 2 and r["out_vs_reference"] <= 3, r
+
+
+def test_shard_layout_covers_every_row_once():
+    for tokens in (1, 2, 3, 7, 64, 4097):
+        for world in (2, 3, 4, 8):
+            layouts = [ShardLayout(tokens, world, r) for r in range(world)]
+            rows = [i for lay in layouts for i in range(lay.own_start, lay.own_start + lay.own_rows)]
+            assert rows == list(range(tokens)), (tokens, world)
+            assert all(lay.own_rows + lay.peer_rows == tokens and lay.own_rows <= lay.shard_rows for lay in layouts)
+
+
+def test_buffer_holds_scatter_slots_then_gathered_rows():
+    assert gather_offset(4096, 4096, 2) == 4096 * 4096
+    assert buffer_elements(4096, 4096, 2) == 2 * 4096 * 4096
+    assert buffer_elements(7, 64, 4) == 4 * 2 * 64 + 7 * 64
+
+
+def test_hidden_past_one_row_per_program_is_refused_by_name():
+    assert fused_unavailable_reason(4096) is None
+    assert "exceeds" in fused_unavailable_reason(1 << 20)
+
+
+def _fused_on_cpu(rank, world_size):
+    fused = SymmMemFusedAllReduceNorm(get_tp_group())
+    ok = fused.ensure(16, 64, torch.float32)
+    x = torch.randn(4, 64)
+    try:
+        fused(x, None, torch.ones(64), EPS)
+        call_error = None
+    except ValueError as exc:
+        call_error = str(exc)
+    return ok, fused.fits(x), fused.failure, call_error
+
+
+def test_fused_strategy_is_refused_together_on_cpu_and_a_call_says_why():
+    results = run_distributed(_fused_on_cpu)
+    for ok, fits, failure, call_error in results:
+        assert not ok and not fits
+        assert "rank 0" in failure and "rank 1" in failure and "CUDA device" in failure
+        assert "does not fit the fused two-shot buffer" in call_error
