@@ -45,6 +45,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--json-file", help="append the results as one JSON object per line (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU only: after timing, profile 10 decode steps per batch size and setting and print "
+                        "the kernel time per step (engine/step_profile.py)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -104,6 +107,13 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
                     "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
                 })
+                if args.profile and runner.device.type == "cuda":
+                    from engine.step_profile import format_profile, profile_decode_steps
+
+                    prof = profile_decode_steps(runner, bs, args.input_len, 10, runner.config.vocab_size, args.seed)
+                    results[-1]["profile"] = prof
+                    if rank == 0:
+                        print(format_profile(prof, "fusion " + results[-1]["fusion"]), flush=True)
     finally:
         runner.destroy()
         destroy_tensor_parallel()

@@ -1,0 +1,54 @@
+"""Where the time of one decode step goes: GPU kernel time per step, by kernel, from the torch
+profiler (CUPTI records the kernels of a replayed CUDA graph one by one), against the step's
+wall time from the host. For `engine.bench_one_batch --profile`.
+
+    gpu_busy_us  = sum of kernel durations per step (kernels do not overlap on one stream)
+    wall_us      = host time per step (plan, copies, replay, argmax, .tolist())
+    idle_us      = wall_us - gpu_busy_us: launch gaps and host work the GPU waits for
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def profile_decode_steps(runner: Any, batch_size: int, input_len: int, steps: int, vocab: int, seed: int,
+                         top: int = 25) -> dict[str, Any]:
+    """Prefill a static batch, then profile ``steps`` greedy decode steps. Returns per-step
+    wall, GPU-busy and idle µs, and the ``top`` kernels by time per step."""
+    from engine.static_batch import StaticBatch, random_prompts
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = StaticBatch(runner, random_prompts(batch_size, input_len, vocab, seed), steps + 2)
+    tokens = torch.argmax(batch.prefill(), dim=-1).tolist()
+    tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()  # first replay outside the trace
+    torch.cuda.synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()
+        wall_us = (time.perf_counter() - start) * 1e6 / steps
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = per_kernel[event.name[:90]]
+            entry[0] += event.device_time
+            entry[1] += 1
+    busy = sum(total for total, _ in per_kernel.values()) / steps
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "batch_size": batch_size, "steps": steps, "wall_us": wall_us, "gpu_busy_us": busy, "idle_us": wall_us - busy,
+        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
+        "top_kernels": [{"name": name, "us_per_step": total / steps, "calls_per_step": n / steps}
+                        for name, (total, n) in ranked],
+    }
+
+
+def format_profile(p: dict[str, Any], label: str) -> str:
+    lines = [f"[profile {label} bs={p['batch_size']}] wall {p['wall_us']:.0f} us/step, GPU busy {p['gpu_busy_us']:.0f}, "
+             f"idle {p['idle_us']:.0f}, {p['kernels_per_step']:.0f} kernels/step"]
+    lines += [f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}" for k in p["top_kernels"]]
+    return "\n".join(lines)
