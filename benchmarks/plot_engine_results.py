@@ -29,8 +29,10 @@ def main() -> None:
 
     run = _lines(args.one_batch)[-1]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for setting, style in (("off", "o-"), ("on", "s-")):
+    for setting, style in (("off", "o-"), ("on", "s-"), ("builtin", "^--")):
         rows = [r for r in run["results"] if r["fusion"] == setting]
+        if not rows:
+            continue
         axes[0].plot([r["batch_size"] for r in rows], [r["tpot_ms"] for r in rows], style, label=f"fusion {setting}")
     axes[0].set(xscale="log", xlabel="batch size", ylabel="decode TPOT (ms)",
                 title=f"bench_one_batch {run['args']['model_path']} TP{run['args']['tp_size']}")

@@ -5,6 +5,10 @@ same static batches).
     python -m engine.bench_one_batch --model-path llama3-8b --tp-size 2 \\
         --batch-size 1 8 32 128 256 --input-len 512 --output-len 32 --json-file out.json
 
+Settings (``--fusion``, any of): ``off`` (NCCL + fused_add_rmsnorm), ``on`` (the fused path as
+a server runs it: the measured strategy table, packaged or ``--allreduce-fusion-table``) and
+``builtin`` (the fused path with the built-in thresholds, no table). Gains are against ``off``.
+
 Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed), then
 ``output_len`` greedy decode steps (CUDA-graph replays on GPU), each timed from the host
 (including the host-side batch building and the argmax). TPOT = median decode step.
@@ -25,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 logger = logging.getLogger("engine.bench_one_batch")
+SETTINGS = ("off", "on", "builtin")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -38,7 +43,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="repeats of each (setting, batch size); median reported")
-    p.add_argument("--fusion", choices=["both", "on", "off"], default="both", help="settings to measure")
+    p.add_argument("--fusion", nargs="+", choices=SETTINGS, default=["off", "on"], help="settings to measure, in order")
+    p.add_argument("--allreduce-fusion-table", default=None,
+                   help="strategy table of the 'on' setting (default: the packaged one)")
     p.add_argument("--allreduce-fusion-backend", choices=["flashinfer", "torch"], default=None,
                    help="default: flashinfer on GPU, torch on CPU")
     p.add_argument("--allreduce-fusion-max-tokens", type=int, default=2048)
@@ -78,14 +85,17 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
 def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
     from engine.model_runner import ModelRunner, RunnerSettings
     from fusion import FusionConfig
+    from fusion.allreduce_fusion import NO_TABLE
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     backend = args.allreduce_fusion_backend or ("flashinfer" if use_cuda else "torch")
     group = init_tensor_parallel(args.tp_size, rank, init_method, device=device, timeout_s=300)
-    settings_order = {"both": [False, True], "on": [True], "off": [False]}[args.fusion]
-    fusion = FusionConfig(enabled=settings_order[0], backend=backend, max_tokens=args.allreduce_fusion_max_tokens)
+    base = FusionConfig(enabled=False, backend=backend, max_tokens=args.allreduce_fusion_max_tokens)
+    configs = {"off": base, "on": replace(base, enabled=True, table_path=args.allreduce_fusion_table),
+               "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
+    fusion = configs[args.fusion[0]]
     settings = RunnerSettings(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
                               context_length=args.input_len + args.output_len, mem_fraction_static=args.mem_fraction_static,
                               max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
@@ -93,16 +103,17 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
     runner = ModelRunner(settings, group)
     results = []
     try:
-        for enabled in settings_order:
-            if enabled != runner.fusion.config.enabled:
-                runner.reconfigure_fusion(replace(fusion, enabled=enabled))
+        for setting in args.fusion:
+            if configs[setting] != runner.fusion.config:
+                runner.reconfigure_fusion(configs[setting])
             status = runner.fusion.status()
             measure(runner, args.batch_size[0], args.input_len, 2, runner.config.vocab_size, args.seed)  # warm-up
             for bs in args.batch_size:
                 runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, args.seed + r)
                         for r in range(args.repeats)]
                 results.append({
-                    "fusion": "on" if enabled else "off", "fusion_active": status["active"],
+                    "fusion": setting, "fusion_active": status["active"],
+                    "strategy_table": status["measured_strategy_table"],
                     "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs,
                     "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
@@ -113,7 +124,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
                     prof = profile_decode_steps(runner, bs, args.input_len, 10, runner.config.vocab_size, args.seed)
                     results[-1]["profile"] = prof
                     if rank == 0:
-                        print(format_profile(prof, "fusion " + results[-1]["fusion"]), flush=True)
+                        print(format_profile(prof, "fusion " + setting), flush=True)
     finally:
         runner.destroy()
         destroy_tensor_parallel()
@@ -121,21 +132,38 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    by = {(r["fusion"], r["batch_size"]): r for r in results}
-    print(f"model={args.model_path} tp={args.tp_size} input_len={args.input_len} output_len={args.output_len}")
-    print(f"{'batch':>5} {'prefill off (ms)':>16} {'prefill on (ms)':>15} {'TPOT off (ms)':>13} {'TPOT on (ms)':>12} {'TPOT gain':>9}")
-    for bs in args.batch_size:
-        off, on = by.get(("off", bs)), by.get(("on", bs))
-        cell = lambda r, k: f"{r[k]:.3f}" if r else "-"  # noqa: E731
-        gain = f"{(1 - on['tpot_ms'] / off['tpot_ms']) * 100:+.1f}%" if off and on else "-"
-        print(f"{bs:>5} {cell(off, 'prefill_ms'):>16} {cell(on, 'prefill_ms'):>15} {cell(off, 'tpot_ms'):>13} "
-              f"{cell(on, 'tpot_ms'):>12} {gain:>9}")
-    inactive = {r["fusion_reason_inactive"] for r in results if r["fusion"] == "on" and not r["fusion_active"]}
+    print(format_table(args, results))
+    inactive = {r["fusion_reason_inactive"] for r in results if r["fusion"] != "off" and not r["fusion_active"]}
     for reason in inactive:
         print(f"note: fusion was requested but inactive: {reason}")
     if args.json_file:
         with open(args.json_file, "a") as f:
             f.write(json.dumps({"args": vars(args), "results": results}) + "\n")
+
+
+def format_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
+    """Prefill ms and TPOT ms per batch size and setting; TPOT and prefill gains against ``off``."""
+    by = {(r["fusion"], r["batch_size"]): r for r in results}
+    measured = [s for s in args.fusion]
+    compared = [s for s in measured if s != "off"] if "off" in measured else []
+    head = ([f"prefill {s}" for s in measured] + [f"TPOT {s}" for s in measured]
+            + [f"TPOT gain {s}" for s in compared] + [f"prefill gain {s}" for s in compared])
+    lines = [f"model={args.model_path} tp={args.tp_size} input_len={args.input_len} output_len={args.output_len} "
+             f"(ms; gain = 1 - setting / off)",
+             f"{'batch':>5} " + " ".join(f"{h:>17}" for h in head)]
+    for bs in args.batch_size:
+        def cell(setting: str, key: str) -> str:
+            r = by.get((setting, bs))
+            return f"{r[key]:.3f}" if r else "-"
+
+        def gain(setting: str, key: str) -> str:
+            off, r = by.get(("off", bs)), by.get((setting, bs))
+            return f"{(1 - r[key] / off[key]) * 100:+.1f}%" if off and r else "-"
+
+        cells = ([cell(s, "prefill_ms") for s in measured] + [cell(s, "tpot_ms") for s in measured]
+                 + [gain(s, "tpot_ms") for s in compared] + [gain(s, "prefill_ms") for s in compared])
+        lines.append(f"{bs:>5} " + " ".join(f"{c:>17}" for c in cells))
+    return "\n".join(lines)
 
 
 def _worker(rank: int, args: argparse.Namespace, init_method: str, queue: Any) -> None:

@@ -29,6 +29,7 @@ from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
 logger = logging.getLogger(__name__)
 
 FUSION_BACKENDS = ("flashinfer", "torch")
+NO_TABLE = "none"  # table_path value: no measured table, the built-in thresholds decide
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class FusionConfig:
     deterministic: bool = False  # keeps NCCL's summation order: disables fusion
     oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
-    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); None: the packaged one
+    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); None: the packaged one; "none": no table
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:
@@ -115,6 +116,8 @@ class AllReduceFusion:
     def _with_table(self, env: FusionEnvironment) -> FusionEnvironment:
         """Collective: rank 0's measured table for this GPU, TP size, hidden and dtype, on every
         rank; the symmetric-memory buffers of the strategies the table picks somewhere."""
+        if (self.config.table_path or "").lower() == NO_TABLE:
+            return env  # the same config on every rank: nobody reads or broadcasts a table
         table = None
         if self.group.rank == 0:
             gpu = torch.cuda.get_device_name(self.group.device) if self.group.device.type == "cuda" else "cpu"

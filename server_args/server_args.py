@@ -42,7 +42,7 @@ class ServerArgs(BaseModel):
     allreduce_fusion_backend: Literal["flashinfer", "torch"] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
     allreduce_fusion_cache_size: int = Field(4096, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
-    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table (JSON from python -m fusion.tune; default: the one shipped in fusion/tables); configurations it lacks use the built-in thresholds")
+    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table (JSON from python -m fusion.tune; default: the one shipped in fusion/tables; 'none': no table); configurations it lacks use the built-in thresholds")
     deterministic: bool = Field(False, description="Keep NCCL's summation order: disables all-reduce fusion")
 
     # Memory and scheduling
