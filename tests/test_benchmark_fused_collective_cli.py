@@ -105,6 +105,9 @@ def test_parser_lists_and_switches():
     assert args.dtypes == ["float16", "float32"]
     assert bench.residual_modes(args) == [False]
     assert args.disable_oneshot and args.ops_per_graph == 7
+    assert bench.residual_modes(bench.build_parser().parse_args(["--residual-only"])) == [True]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--residual-only", "--no-residual"])
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[128, 512, 1024, 2048], help="token counts")
     p.add_argument("--hidden-dim", type=positive_int, nargs="+", default=[8192], help="hidden sizes")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bfloat16"], help="activation dtypes")
-    p.add_argument("--no-residual", action="store_true", help="only the no-residual case (default: with and without)")
+    residual = p.add_mutually_exclusive_group()
+    residual.add_argument("--no-residual", action="store_true", help="only the no-residual case (default: with and without)")
+    residual.add_argument("--residual-only", action="store_true",
+                          help="only the case with a residual (every reduction of a decoder but the first layer's)")
     quant = p.add_mutually_exclusive_group()
     quant.add_argument("--no-quant", action="store_true", help="only unquantized output")
     quant.add_argument("--quant-fp8", action="store_true", help="only static FP8 (e4m3) output")
@@ -88,7 +91,9 @@ def quant_modes(args: argparse.Namespace) -> list[str]:
 
 
 def residual_modes(args: argparse.Namespace) -> list[bool]:
-    return [False] if args.no_residual else [True, False]
+    if args.no_residual:
+        return [False]
+    return [True] if args.residual_only else [True, False]
 
 
 def launch_error(environ: Mapping[str, str]) -> Optional[str]:
