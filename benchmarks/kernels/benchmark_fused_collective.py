@@ -15,7 +15,8 @@ Paths per configuration (seq_len, hidden_dim, dtype, residual, quant_mode):
 * ``arfusion_dispatch``: what arfusion's own dispatcher picks (no quantization only)
 
 Each path: ``--ops-per-graph`` ops captured in one CUDA graph, ``--warmup`` replays, then the
-median of ``--trials`` timed replays divided by ops-per-graph (the slowest rank's median).
+median of ``--trials`` timed replays divided by ops-per-graph (the slowest rank's median). The
+trials of one configuration go round-robin over its paths, so drift hits all paths alike.
 Speedup = the faster standard path's time / the path's time. Each path is also checked once,
 eagerly, against an fp32 reference (relative L2 error in the notes and the JSON).
 """
@@ -182,10 +183,8 @@ def run(args: argparse.Namespace, group: Any, recorder: Recorder) -> None:
                     seed += 1
                     inputs = fcp.make_inputs(group, seq_len, hidden, dtype, with_residual, quant, seed)
                     paths, notes = fcp.build_paths(group, quant, inputs, res, args.disable_oneshot)
-                    results = [
-                        PathResult(**fcp.run_path(group, p, inputs, quant, args.ops_per_graph, args.warmup, args.trials))
-                        for p in paths
-                    ]
+                    results = [PathResult(**r) for r in
+                               fcp.run_paths(group, paths, inputs, quant, args.ops_per_graph, args.warmup, args.trials)]
                     recorder.add(ConfigResult(seq_len, hidden, dtype_name, with_residual, quant, results, notes))
             finally:
                 res.destroy()
