@@ -6,7 +6,9 @@ new token), with the sequence's keys K_i = k_cache[req_to_token[i, :seq_lens[i]]
     out_t = softmax(q_t . K_i[:p+1]^T * scale) @ V_i[:p+1]
 
 per query head, query head h reading KV head h // (num_heads / num_kv_heads) (GQA).
-First the new keys and values are written to their slots (``slot_mapping``), in place.
+`Attention.forward` first writes the new keys and values to their slots (``slot_mapping``), in
+place (`store_kv`), then attends (`Attention.attend`, which only reads the cache); a caller that
+has already written them (the fused rotary kernel does) calls `attend` alone.
 
 Decode runs batched with static shapes: all sequences' keys gathered to
 ``[B, max_context, ...]`` and masked by ``seq_lens`` (CUDA-graph capturable). Extend (prefill)
@@ -35,6 +37,15 @@ class AttentionBatch(Protocol):
     req_to_token: torch.Tensor  # [B, max_context]
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """In place: ``k_cache[slot_mapping[t]] = k[t]`` and ``v_cache[slot_mapping[t]] = v[t]`` for the
+    T new tokens (``k, v [T, kv_heads*head_dim]``, caches ``[num_slots, kv_heads, head_dim]``,
+    ``slot_mapping [T]`` int64)."""
+    k_cache.index_copy_(0, slot_mapping, k.reshape(k.shape[0], *k_cache.shape[1:]))
+    v_cache.index_copy_(0, slot_mapping, v.reshape(v.shape[0], *v_cache.shape[1:]))
+
+
 class Attention(nn.Module):
     """Attention of this rank's ``num_heads`` query heads over its ``num_kv_heads`` KV heads."""
 
@@ -51,10 +62,15 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """``q [T, num_heads*head_dim]``, ``k, v [T, num_kv_heads*head_dim]`` -> ``[T, num_heads*head_dim]``.
         Writes k and v into ``k_cache``/``v_cache`` ``[num_slots, num_kv_heads, head_dim]`` at
-        ``batch.slot_mapping``."""
+        ``batch.slot_mapping`` (`store_kv`), then `attend`."""
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return self.attend(q, k_cache, v_cache, batch)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               batch: AttentionBatch) -> torch.Tensor:
+        """``q [T, num_heads*head_dim]`` -> ``[T, num_heads*head_dim]`` over the cache, whose slots
+        must already hold the new tokens' keys and values. Reads the cache only."""
         tokens = q.shape[0]
-        k_cache.index_copy_(0, batch.slot_mapping, k.reshape(tokens, self.num_kv_heads, self.head_dim))
-        v_cache.index_copy_(0, batch.slot_mapping, v.reshape(tokens, self.num_kv_heads, self.head_dim))
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         if batch.is_decode:
             out = self._decode(q, k_cache, v_cache, batch)

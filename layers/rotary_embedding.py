@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from layers.attention import store_kv
 from layers.triton_support import triton_available
 
 
@@ -87,6 +88,21 @@ class RotaryEmbedding(nn.Module):
 
             return rotary_embedding(positions, q, k, self.inv_freq)
         return self.forward_torch(positions, q, k)
+
+    def forward_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """`forward`, then the new tokens into the KV cache: returns the rotated q (a new tensor)
+        and writes, in place, ``k_cache[slot_mapping[t]] = rotated k[t]`` and
+        ``v_cache[slot_mapping[t]] = v[t]`` (caches ``[num_slots, kv_heads, head_dim]``). On GPU:
+        one Triton kernel for all of it (layers/triton_rotary.py, the same roundings); elsewhere
+        `forward` then `layers.attention.store_kv` (the reference)."""
+        if q.is_cuda and triton_available():
+            from layers.triton_rotary import rotary_embedding_store_kv
+
+            return rotary_embedding_store_kv(positions, q, k, v, self.inv_freq, slot_mapping, k_cache, v_cache)
+        q, k = self.forward(positions, q, k)
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path of `forward` (the reference of the Triton kernel)."""

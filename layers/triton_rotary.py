@@ -1,4 +1,4 @@
-"""NeoX (half-split) rotary embedding of q and k in one Triton kernel.
+"""NeoX (half-split) rotary embedding of q and k in one Triton kernel, optionally writing the KV cache.
 
 For token t at position p = positions[t], every head x (q's and k's) of head_dim d, with
 x1 = x[:d/2], x2 = x[d/2:] and angle_i = p * inv_freq_i:
@@ -23,6 +23,12 @@ q and k may be strided views (rows of a packed [T, (H + 2 KVH) * d] qkv projecti
 last dimension must be contiguous. Results go to new contiguous tensors, or in place when
 ``q_out``/``k_out`` are q and k themselves (each program loads a head's both halves before it
 stores them, so aliasing an input is safe).
+
+`rotary_embedding_store_kv` is the same kernel writing the KV cache as well (what an attention
+layer does next): the rotated k of token t goes to ``k_cache[slot_mapping[t]]`` and its v,
+unrotated, to ``v_cache[slot_mapping[t]]``, so one launch replaces the rotary kernel and the two
+``index_copy_`` kernels of the torch path; a program that rotates k heads also copies the same
+v heads. The roundings are those above (v is copied bit for bit).
 """
 from __future__ import annotations
 
@@ -55,10 +61,26 @@ def _rotate_heads(src_row, dst_row, first_head, cos, sin, NUM_HEADS: tl.constexp
 
 
 @triton.jit
-def _rotary_kernel(positions_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
-                   q_row_stride, k_row_stride, q_out_row_stride, k_out_row_stride,
+def _copy_heads(src_row, dst_row, first_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copies heads [first_head, first_head + BLOCK_H) (those < NUM_HEADS) of one token row, in
+    the same [BLOCK_H, HALF_PAD] tiles as `_rotate_heads`."""
+    half: tl.constexpr = HEAD_DIM // 2
+    heads = first_head + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HALF_PAD)
+    offs = heads[:, None] * HEAD_DIM + cols[None, :]
+    mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < half)
+    tl.store(dst_row + offs, tl.load(src_row + offs, mask=mask), mask=mask)
+    tl.store(dst_row + offs + half, tl.load(src_row + offs + half, mask=mask), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+                   q_row_stride, k_row_stride, v_row_stride, q_out_row_stride, k_out_row_stride, v_out_row_stride,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr):
+    """Without STORE_KV, k's rotation goes to k_out's row t (slots_ptr, v_ptr and v_out_ptr are
+    unused); with it, to k_out's row slots[t], and v's row t is copied to v_out's row slots[t]."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -71,8 +93,16 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_p
         _rotate_heads(q_ptr + token * q_row_stride, q_out_ptr + token * q_out_row_stride, block * BLOCK_H,
                       cos, sin, NUM_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
     else:
-        _rotate_heads(k_ptr + token * k_row_stride, k_out_ptr + token * k_out_row_stride, (block - q_blocks) * BLOCK_H,
+        first_head = (block - q_blocks) * BLOCK_H
+        if STORE_KV:
+            out_row = tl.load(slots_ptr + token).to(tl.int64)
+        else:
+            out_row = token
+        _rotate_heads(k_ptr + token * k_row_stride, k_out_ptr + out_row * k_out_row_stride, first_head,
                       cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
+        if STORE_KV:
+            _copy_heads(v_ptr + token * v_row_stride, v_out_ptr + out_row * v_out_row_stride, first_head,
+                        NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
 
 
 def _check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
@@ -84,6 +114,62 @@ def _check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
     return x.shape[1] // head_dim
 
 
+def _check_index(name: str, x: torch.Tensor, tokens: int) -> None:
+    """Validates a contiguous ``[T]`` int32/int64 operand (the kernel reads it at offset t)."""
+    if x.shape != (tokens,) or x.dtype not in (torch.int32, torch.int64) or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D int32 or int64 tensor of T={tokens} entries, "
+                         f"got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+
+
+def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              inv_freq: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validates the rotary operands; returns ``(T, head_dim, heads, kv_heads)``."""
+    if positions.dim() != 1:
+        raise ValueError(f"positions must be a 1-D int32 or int64 tensor, "
+                         f"got {tuple(positions.shape)} {positions.dtype}")
+    _check_index("positions", positions, positions.shape[0])
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
+        raise ValueError(f"inv_freq must be a contiguous 1-D fp32 tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q and k must share one dtype of fp32/fp16/bf16, got {q.dtype} and {k.dtype}")
+    tokens, head_dim = positions.shape[0], 2 * inv_freq.shape[0]
+    return tokens, head_dim, _check_rows("q", q, tokens, head_dim), _check_rows("k", k, tokens, head_dim)
+
+
+def _output(name: str, out: Optional[torch.Tensor], x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``out`` checked against its input ``x`` (same shape and dtype, contiguous last dim), or a
+    new contiguous tensor when None."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"{name} must match its input's shape and dtype {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    _check_rows(name, out, x.shape[0], head_dim)
+    return out
+
+
+def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Validates a ``[num_slots, KVH, d]`` cache of ``dtype`` whose slots are contiguous rows."""
+    if cache.dim() != 3 or cache.shape[1:] != (kv_heads, head_dim) or cache.dtype != dtype:
+        raise ValueError(f"{name} must be [num_slots, {kv_heads}, {head_dim}] {dtype}, "
+                         f"got {tuple(cache.shape)} {cache.dtype}")
+    if cache.stride(1) != head_dim or cache.stride(2) != 1:
+        raise ValueError(f"{name} needs each slot's heads contiguous (strides [*, {head_dim}, 1]), "
+                         f"got strides {cache.stride()}")
+
+
+def _launch(positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor, heads: int, kv_heads: int,
+            head_dim: int, store_kv: bool) -> None:
+    """One `_rotary_kernel` launch over the T = len(positions) tokens (see its docstring)."""
+    grid = (positions.shape[0], triton.cdiv(heads, HEADS_PER_PROGRAM) + triton.cdiv(kv_heads, HEADS_PER_PROGRAM))
+    _rotary_kernel[grid](positions, inv_freq, slots, q, k, v, q_out, k_out, v_out,
+                         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
+                         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                         HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=HEADS_PER_PROGRAM, STORE_KV=store_kv,
+                         num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
                      q_out: Optional[torch.Tensor] = None,
                      k_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,29 +178,35 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
     ``q_out``/``k_out``: where to write (same shape and dtype; may be q and k for an in-place
     rotation); new contiguous tensors when None. Launches one kernel; no host sync."""
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be a 1-D int32 or int64 tensor, "
-                         f"got {tuple(positions.shape)} {positions.dtype}")
-    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
-        raise ValueError(f"inv_freq must be a contiguous 1-D fp32 tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
-    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q and k must share one dtype of fp32/fp16/bf16, got {q.dtype} and {k.dtype}")
-    tokens, head_dim = positions.shape[0], 2 * inv_freq.shape[0]
-    heads = _check_rows("q", q, tokens, head_dim)
-    kv_heads = _check_rows("k", k, tokens, head_dim)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k_out is None else k_out
-    for name, out, x in (("q_out", q_out, q), ("k_out", k_out, k)):
-        if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"{name} must match its input's shape and dtype {tuple(x.shape)} {x.dtype}, "
-                             f"got {tuple(out.shape)} {out.dtype}")
-        _check_rows(name, out, tokens, head_dim)
-    if tokens == 0:
-        return q_out, k_out
-    grid = (tokens, triton.cdiv(heads, HEADS_PER_PROGRAM) + triton.cdiv(kv_heads, HEADS_PER_PROGRAM))
-    _rotary_kernel[grid](positions, inv_freq, q, k, q_out, k_out,
-                         q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0),
-                         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                         HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=HEADS_PER_PROGRAM,
-                         num_warps=NUM_WARPS, enable_fp_fusion=False)
+    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
+    q_out, k_out = _output("q_out", q_out, q, head_dim), _output("k_out", k_out, k, head_dim)
+    if tokens:
+        _launch(positions, inv_freq, positions, q, k, k, q_out, k_out, k_out, heads, kv_heads, head_dim, store_kv=False)
     return q_out, k_out
+
+
+def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              inv_freq: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotates q and k as `rotary_embedding` (same operands; ``v [T, KVH*d]`` like k) and writes
+    the KV cache instead of returning k: in place, for every token t,
+
+        k_cache[slot_mapping[t]] = rotary(k[t]),   v_cache[slot_mapping[t]] = v[t]
+
+    (``k_cache``/``v_cache [num_slots, KVH, d]`` of q's dtype, each slot's heads contiguous;
+    ``slot_mapping [T]`` int32/int64, contiguous; other slots are not touched, and a slot named
+    twice, such as a padding slot, ends up with one of its tokens' values, as with index_copy_).
+    Returns the rotated q: ``q_out`` (may be q itself for an in-place rotation), or a new
+    contiguous tensor when None. Launches one kernel; no host sync."""
+    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v must match k's shape and dtype {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
+    _check_rows("v", v, tokens, head_dim)
+    _check_index("slot_mapping", slot_mapping, tokens)
+    _check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
+    _check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
+    q_out = _output("q_out", q_out, q, head_dim)
+    if tokens:
+        _launch(positions, inv_freq, slot_mapping, q, k, v, q_out, k_cache, v_cache, heads, kv_heads, head_dim,
+                store_kv=True)
+    return q_out

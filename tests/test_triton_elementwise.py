@@ -1,4 +1,5 @@
-"""The Triton rotary-embedding and silu-and-mul kernels under Triton's CPU interpreter.
+"""The Triton rotary-embedding (alone, and writing the KV cache) and silu-and-mul kernels under
+Triton's CPU interpreter.
 
 Skipped when triton is not installed. As in tests/test_triton_decode_attention.py, the
 interpreter must be chosen before triton is imported, so the kernel cases run in one spawned
@@ -13,6 +14,9 @@ Each case is compared twice:
   tests/gpu/test_triton_elementwise.py checks the GPU's rounding against torch's CUDA path.
 - with the layers' torch path (``forward_torch``), within a few ulps of the dtype at the
   operands' scale: a wrong head, half or sign is off by O(1).
+The rotary kernel that writes the KV cache is compared bit for bit with the rotary kernel followed
+by ``index_copy_`` (`layers.attention.store_kv`), and with the torch path (``forward_torch`` +
+``store_kv``): q and k as above, v and every slot not written bit for bit.
 """
 import re
 
@@ -23,9 +27,10 @@ import torch
 pytest.importorskip("triton")
 
 from layers.activation import SiluAndMul  # noqa: E402
+from layers.attention import store_kv  # noqa: E402
 from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from layers.triton_activation import silu_and_mul  # noqa: E402
-from layers.triton_rotary import rotary_embedding  # noqa: E402
+from layers.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -109,6 +114,18 @@ ROTARY_CASES = [
     (5, 6, 2, 96, torch.bfloat16, "inplace", 10000.0, "default", torch.int32),  # d/2 = 48: padded to 64, masked
 ]
 
+# (T, heads, kv_heads, head_dim, dtype, layout, theta, SCALINGS key, positions and slot_mapping dtype);
+# "packed": q, k, v views of a packed qkv, q rotated into a new tensor; "inplace": the same, q_out=q
+ROTARY_KV_CASES = [
+    (1, 16, 4, 128, torch.bfloat16, "packed", 500000.0, "llama3", torch.int64),
+    (7, 4, 1, 64, torch.float32, "contiguous", 10000.0, "default", torch.int32),
+    (33, 16, 4, 128, torch.float16, "inplace", 500000.0, "llama3", torch.int64),
+    (33, 8, 8, 64, torch.float32, "inplace", 1e6, "default", torch.int64),
+    (5, 4, 4, 64, torch.float16, "contiguous", 10000.0, "default", torch.int64),
+    (5, 6, 2, 96, torch.bfloat16, "packed", 10000.0, "default", torch.int32),  # d/2 = 48: padded to 64, masked
+    (33, 16, 4, 128, torch.bfloat16, "inplace", 500000.0, "llama3", torch.int32),
+]
+
 # (leading shape, d, dtype, row layout); "strided": rows of a wider buffer
 SILU_CASES = [
     ((1,), 7168, torch.float32, "contiguous"),
@@ -153,6 +170,59 @@ def _run_rotary_case(case) -> None:
         assert err.max().item() <= 2 * eps(dtype), f"{name}: error {err.max().item():.3g} x |x1|+|x2| vs forward_torch"
 
 
+def make_kv_cache_case(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, index_dtype: torch.dtype,
+                       seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K and V caches of 2T + 5 slots and T distinct random slots to write."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = 2 * tokens + 5
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype)
+    return k_cache, v_cache, torch.randperm(num_slots, generator=g)[:tokens].to(index_dtype)
+
+
+def _run_rotary_store_kv_case(case) -> None:
+    tokens, heads, kv_heads, head_dim, dtype, layout, theta, scaling, index_dtype = case
+    rope = RotaryEmbedding(head_dim, theta, SCALINGS[scaling])
+    seed = tokens * 1000 + heads * 10 + head_dim + 1
+    qkv, q, k, positions = make_rotary_case(tokens, heads, kv_heads, head_dim, dtype,
+                                            "contiguous" if layout == "contiguous" else "packed", index_dtype, seed)
+    v = qkv[:, (heads + kv_heads) * head_dim:]
+    v = v.contiguous() if layout == "contiguous" else v
+    k_cache, v_cache, slots = make_kv_cache_case(tokens, kv_heads, head_dim, dtype, index_dtype, seed)
+    qkv_before, k_cache_before, v_cache_before = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()
+
+    q_out = rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots, k_cache, v_cache,
+                                      q_out=q if layout == "inplace" else None)
+    if layout == "inplace":
+        assert q_out.data_ptr() == q.data_ptr(), "not in place"
+        kv_cols = slice(heads * head_dim, None)
+        assert torch.equal(qkv[:, kv_cols], qkv_before[:, kv_cols]), "k or v was written"
+    else:
+        assert torch.equal(qkv, qkv_before), "inputs were written"
+        assert q_out.is_contiguous() and q_out.shape == q.shape and q_out.dtype == dtype
+
+    q_kernel, k_kernel = rotary_embedding(positions, q_in, k_in, rope.inv_freq)
+    k_unfused, v_unfused = k_cache_before.clone(), v_cache_before.clone()
+    store_kv(k_kernel, v_in, k_unfused, v_unfused, slots.long())
+    assert torch.equal(q_out, q_kernel), "q differs from the rotary kernel's"
+    assert torch.equal(k_cache, k_unfused), "k_cache differs from the rotary kernel + index_copy_"
+    assert torch.equal(v_cache, v_unfused), "v_cache differs from index_copy_"
+
+    q_ref, k_ref = rope.forward_torch(positions, q_in, k_in)
+    k_torch, v_torch = k_cache_before.clone(), v_cache_before.clone()
+    store_kv(k_ref, v_in, k_torch, v_torch, slots.long())
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(k_cache[untouched], k_cache_before[untouched]), "a slot not in slot_mapping was written (k)"
+    assert torch.equal(v_cache[untouched], v_cache_before[untouched]), "a slot not in slot_mapping was written (v)"
+    assert torch.equal(v_cache, v_torch), "v is not copied bit for bit"
+    written = k_cache[slots.long()].view(tokens, -1)
+    for name, out, ref, x in (("q", q_out, q_ref, q_in), ("k", written, k_torch[slots.long()].view(tokens, -1), k_in)):
+        err = (out.float() - ref.float()).abs() / pair_magnitude(x, head_dim).clamp_min(1e-30)
+        assert err.max().item() <= 2 * eps(dtype), f"{name}: error {err.max().item():.3g} x |x1|+|x2| vs forward_torch"
+
+
 def _run_silu_case(case) -> None:
     lead, d, dtype, layout = case
     x = make_silu_input(lead, d, dtype, layout, seed=d + len(lead))
@@ -171,7 +241,8 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
 
     assert triton.knobs.runtime.interpret, "the child must run the interpreter"
     results = {}
-    for kind, cases, run in (("rotary", ROTARY_CASES, _run_rotary_case), ("silu", SILU_CASES, _run_silu_case)):
+    for kind, cases, run in (("rotary", ROTARY_CASES, _run_rotary_case), ("silu", SILU_CASES, _run_silu_case),
+                             ("rotary_store_kv", ROTARY_KV_CASES, _run_rotary_store_kv_case)):
         for case in cases:
             try:
                 run(case)
@@ -194,6 +265,12 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("case", ROTARY_CASES, ids=_case_id)
 def test_rotary_matches_torch_path(interpreted, case):
     assert interpreted[("rotary", case)] is None, interpreted[("rotary", case)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ROTARY_KV_CASES, ids=_case_id)
+def test_rotary_store_kv_matches_unfused_kernel_and_torch_path(interpreted, case):
+    assert interpreted[("rotary_store_kv", case)] is None, interpreted[("rotary_store_kv", case)]
 
 
 @pytest.mark.timeout(300)
@@ -225,6 +302,40 @@ def test_bad_rotary_inputs_raise_clear_errors():
             rotary_embedding(**args)
 
 
+def test_bad_rotary_store_kv_inputs_raise_clear_errors():
+    rope = RotaryEmbedding(64, 10000.0)
+    qkv, q, k, positions = make_rotary_case(3, 4, 2, 64, torch.float32, "packed", torch.int64, seed=1)
+    v = qkv[:, 6 * 64:]
+    k_cache, v_cache, slots = make_kv_cache_case(3, 2, 64, torch.float32, torch.int64, seed=1)
+    bad = {
+        "v must match k": dict(v=v.half()),
+        "slot_mapping must be a contiguous 1-D int32 or int64 tensor of T=3": dict(slot_mapping=slots[:2]),
+        "int32 or int64 tensor": dict(slot_mapping=slots.float()),
+        "k_cache must be [num_slots, 2, 64]": dict(k_cache=k_cache[:, :1]),
+        "v_cache must be [num_slots, 2, 64] torch.float32": dict(v_cache=v_cache.half()),
+        "each slot's heads contiguous": dict(k_cache=k_cache.transpose(0, 1).contiguous().transpose(0, 1)),
+        "positions must be a contiguous": dict(positions=torch.stack([positions, positions], 1)[:, 0]),
+    }
+    for message, override in bad.items():
+        args = dict(positions=positions, q=q, k=k, v=v, inv_freq=rope.inv_freq, slot_mapping=slots,
+                    k_cache=k_cache, v_cache=v_cache) | override
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rotary_embedding_store_kv(**args)
+
+
+def test_rotary_store_kv_dispatch_off_gpu_is_the_torch_path():
+    """Off the GPU `forward_store_kv` is `forward_torch` then `store_kv`, exactly."""
+    rope = RotaryEmbedding(64, 10000.0, LLAMA3)
+    qkv, q, k, positions = make_rotary_case(5, 4, 2, 64, torch.float32, "packed", torch.int64, seed=2)
+    v = qkv[:, 6 * 64:]
+    k_cache, v_cache, slots = make_kv_cache_case(5, 2, 64, torch.float32, torch.int64, seed=2)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref, k_rot = rope.forward_torch(positions, q, k)
+    store_kv(k_rot, v, k_ref, v_ref, slots)
+    q_out = rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_bad_silu_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="even last dimension"):
         silu_and_mul(torch.randn(2, 7))
@@ -240,3 +351,8 @@ def test_no_tokens_launch_nothing():
     q_out, k_out = rotary_embedding(torch.empty(0, dtype=torch.int64), q, k, rope.inv_freq)
     assert q_out.shape == (0, 256) and k_out.shape == (0, 64)
     assert silu_and_mul(torch.empty(0, 16)).shape == (0, 8)
+    k_cache, v_cache = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = rotary_embedding_store_kv(torch.empty(0, dtype=torch.int64), q, k, k, rope.inv_freq,
+                                      torch.empty(0, dtype=torch.int64), k_cache, v_cache)
+    assert q_out.shape == (0, 256) and torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)

@@ -5,7 +5,8 @@ One decoder layer (h_partial: a row-parallel output not yet summed over TP ranks
 
     h, residual = comm.prepare_attn(h, residual)        input RMSNorm (takes the previous
                                                          layer's deferred all-reduce)
-    h_partial   = o_proj(attn(rope(qkv_proj(h))))       o_proj: reduce_results=False
+    h_partial   = o_proj(attn(rope(qkv_proj(h))))       o_proj: reduce_results=False; rope
+                                                         also writes k, v into the KV cache
     h, residual = comm.prepare_mlp(h_partial, residual) all-reduce + add + post-attention RMSNorm
     h_partial   = down_proj(silu(gate) * up)            down_proj: reduce_results=False
     h, residual = comm.postprocess_layer(h_partial, r)  reduce now, or defer to the next norm
@@ -107,9 +108,9 @@ class LlamaAttention(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache.k[self.layer_id], kv_cache.v[self.layer_id], batch)
-        return self.o_proj(out)
+        k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
+        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
+        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 
 class LlamaMLP(nn.Module):

@@ -1,12 +1,16 @@
-"""The Triton rotary-embedding and silu-and-mul kernels on one GPU, at llama3-8b TP2 shapes (16
-query heads, 4 KV heads, head_dim 128, intermediate 7168 per rank), bf16 and fp16.
+"""The Triton rotary-embedding (alone, and writing the KV cache) and silu-and-mul kernels on one
+GPU, at llama3-8b TP2 shapes (16 query heads, 4 KV heads, head_dim 128, intermediate 7168 per
+rank), bf16 and fp16.
 
 Against the layers' torch path (``forward_torch``): the kernels use the same libdevice
 cos/sin/exp and the same rounding steps, so they should agree bit for bit; asserted are at least
 99% bit-equal elements (the fraction is printed with ``-s``) and, for the rest, rotary within one
 ulp of the dtype at the scale |x1| + |x2| of the rotated pair (where cancellation cannot inflate
 it), silu_and_mul within two ulps.
-Then both ops through the layers' dispatch, captured in one CUDA graph and replayed with new
+The rotary kernel that writes the KV cache must equal the torch path (``forward_torch`` +
+``store_kv``) bit for bit: q, and both whole caches (v copied, untouched slots untouched); it
+agreed on 100% of the rotary kernel's outputs (docs/results/engine_gpu_tests.log).
+Then the ops through the layers' dispatch, captured in one CUDA graph and replayed with new
 inputs; then a µs-per-call table against the torch path.
 """
 from typing import Callable
@@ -18,12 +22,14 @@ from fusion.cuda_graph_timing import median_us_per_call
 
 pytest.importorskip("triton")
 
+import layers.rotary_embedding  # noqa: E402
 import layers.triton_activation  # noqa: E402
 import layers.triton_rotary  # noqa: E402
 from layers.activation import SiluAndMul  # noqa: E402
+from layers.attention import store_kv  # noqa: E402
 from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from layers.triton_activation import silu_and_mul  # noqa: E402
-from layers.triton_rotary import rotary_embedding  # noqa: E402
+from layers.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 4, 128, 7168
@@ -48,6 +54,35 @@ def _fill(positions: torch.Tensor, qkv: torch.Tensor, x: torch.Tensor, seed: int
     positions.copy_(torch.randint(0, 2**17, positions.shape, generator=gen, device=DEVICE))
     qkv.copy_(2 * torch.randn(qkv.shape, generator=gen, device=DEVICE))
     x.copy_(3 * torch.randn(x.shape, generator=gen, device=DEVICE))
+
+
+def _fill_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, seed: int) -> None:
+    """New random caches and distinct random slots to write, in place."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen, device=DEVICE))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen, device=DEVICE))
+    slots.copy_(torch.randperm(k_cache.shape[0], generator=gen, device=DEVICE)[:slots.shape[0]])
+
+
+def _kv_case(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K and V caches of 2T + 5 slots and T distinct slots to write."""
+    k_cache = torch.empty(2 * tokens + 5, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE)
+    v_cache, slots = torch.empty_like(k_cache), torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    _fill_kv(k_cache, v_cache, slots, seed)
+    return k_cache, v_cache, slots
+
+
+def _rotary_store_kv_torch(rope: RotaryEmbedding, positions, q, k, v, slots, k_cache, v_cache) -> torch.Tensor:
+    """The torch path: rotated q; writes the rotated k and v into the caches."""
+    q_ref, k_ref = rope.forward_torch(positions, q, k)
+    store_kv(k_ref, v, k_cache, v_cache, slots)
+    return q_ref
+
+
+def _assert_bit_equal(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
+    ulps = ulp_distance(out, expected)
+    assert torch.equal(out, expected), (f"{name}: {(ulps == 0).float().mean().item():.6f} bit-equal to the torch "
+                                        f"path, at most {ulps.max().item()} ulps apart")
 
 
 def _check_rotary(out: torch.Tensor, expected: torch.Tensor, x: torch.Tensor) -> float:
@@ -91,6 +126,33 @@ def test_kernels_match_torch_path(tokens, dtype):
     print(f"\nT={tokens} {dtype}: bit-equal to torch: q {exact_q:.4f}, k {exact_k:.4f}, silu_and_mul {exact_silu:.4f}")
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_store_kv_matches_torch_path_bit_for_bit(tokens, dtype):
+    rope = _rope()
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=tokens + 1)
+    q, k, v = _split(qkv)
+    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=tokens)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv_before = qkv.clone()
+    q_ref = _rotary_store_kv_torch(rope, positions, q, k, v, slots, k_ref, v_ref)
+    q_out = rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots, k_cache, v_cache)
+    assert torch.equal(qkv, qkv_before), "inputs were written"
+    _assert_bit_equal("q", q_out, q_ref)
+    _assert_bit_equal("k_cache", k_cache, k_ref)
+    _assert_bit_equal("v_cache", v_cache, v_ref)
+    # again over the written caches, q rotated in place in the packed buffer
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv(rope.forward_torch(positions, q, k)[1], v, k_ref, v_ref, slots.roll(1))
+    rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots.roll(1), k_cache, v_cache, q_out=q)
+    _assert_bit_equal("q in place", q, q_ref)
+    _assert_bit_equal("k_cache", k_cache, k_ref)
+    _assert_bit_equal("v_cache", v_cache, v_ref)
+
+
 def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     calls = []
 
@@ -102,11 +164,19 @@ def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
 
     monkeypatch.setattr(layers.triton_rotary, "rotary_embedding", counted(rotary_embedding))
     monkeypatch.setattr(layers.triton_activation, "silu_and_mul", counted(silu_and_mul))
+    monkeypatch.setattr(layers.triton_rotary, "rotary_embedding_store_kv", counted(rotary_embedding_store_kv))
+
+    def no_index_copy(*args):
+        raise AssertionError("the torch cache write ran on CUDA")
+
+    monkeypatch.setattr(layers.rotary_embedding, "store_kv", no_index_copy)
     positions = torch.arange(3, device=DEVICE)
-    q, k, _ = _split(torch.randn(3, QKV_WIDTH, device=DEVICE, dtype=torch.bfloat16))
+    q, k, v = _split(torch.randn(3, QKV_WIDTH, device=DEVICE, dtype=torch.bfloat16))
     _rope()(positions, q, k)
     SiluAndMul()(torch.randn(3, 2 * INTERMEDIATE, device=DEVICE, dtype=torch.bfloat16))
-    assert calls == ["rotary_embedding", "silu_and_mul"]
+    k_cache, v_cache, slots = _kv_case(3, torch.bfloat16, seed=0)
+    _rope().forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
+    assert calls == ["rotary_embedding", "silu_and_mul", "rotary_embedding_store_kv"]
 
 
 @pytest.mark.timeout(300)
@@ -147,6 +217,42 @@ def test_cuda_graph_replay(tokens):
         _check_silu(outs[2], act.forward_torch(x))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_rotary_store_kv_cuda_graph_replay(tokens):
+    """`forward_store_kv` (the layer's dispatch) captured once; each replay with new positions,
+    qkv, caches and slots writes what the torch path writes, bit for bit."""
+    dtype = torch.bfloat16
+    rope = _rope()
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=0)
+    q, k, v = _split(qkv)
+    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=0)
+
+    def step() -> torch.Tensor:
+        return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out = step()
+    for seed in (1, 2, 3):
+        _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
+        _fill_kv(k_cache, v_cache, slots, seed)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        q_ref = _rotary_store_kv_torch(rope, positions, q, k, v, slots, k_ref, v_ref)
+        q_out.fill_(float("nan"))  # every element must be written by the replay
+        graph.replay()
+        _assert_bit_equal("q", q_out, q_ref)
+        _assert_bit_equal("k_cache", k_cache, k_ref)
+        _assert_bit_equal("v_cache", v_cache, v_ref)
+
+
 def _us_per_call(make_inputs: Callable[[], tuple], fn: Callable, input_bytes: int, calls_per_graph: int = 32,
                  repeats: int = 10) -> float:
     """Microseconds per ``fn(*inputs)``: one CUDA graph of ``calls_per_graph`` calls, cycling over
@@ -178,8 +284,23 @@ def test_print_timing_table():
     def silu_inputs(tokens: int) -> Callable[[], tuple]:
         return lambda: (torch.randn(tokens, 2 * INTERMEDIATE, dtype=dtype, device=DEVICE),)
 
+    def store_kv_inputs(tokens: int) -> Callable[[], tuple]:
+        def make() -> tuple:
+            positions, q, k = rotary_inputs(tokens)()
+            v = torch.randn(k.shape, dtype=dtype, device=DEVICE)
+            return (positions, q, k, v, torch.randperm(tokens, device=DEVICE),
+                    *(torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in range(2)))
+        return make
+
+    def unfused_store_kv(positions, q, k, v, slots, k_cache, v_cache) -> None:
+        """What the layer ran before the fused kernel: the rotary kernel, then two index_copy_."""
+        store_kv(rotary_embedding(positions, q, k, rope.inv_freq)[1], v, k_cache, v_cache, slots)
+
+    def torch_store_kv(positions, q, k, v, slots, k_cache, v_cache) -> None:
+        _rotary_store_kv_torch(rope, positions, q, k, v, slots, k_cache, v_cache)
+
     lines = [f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} intermediate={INTERMEDIATE} bf16, {torch.cuda.get_device_name(0)}",
-             f"{'op':>13} {'T':>5} {'triton us':>10} {'GB/s':>6} {'torch us':>9} {'speedup':>7}"]
+             f"{'op':>15} {'T':>5} {'triton us':>10} {'GB/s':>6} {'torch us':>9} {'speedup':>7}"]
     slower = []
     for tokens in TOKENS:
         rows = [
@@ -187,11 +308,17 @@ def test_print_timing_table():
              rope.forward_torch, tokens * QKV_WIDTH * 2, 2 * tokens * (HEADS + KV_HEADS) * HEAD_DIM * 2),
             ("silu_and_mul", silu_inputs(tokens), silu_and_mul, SiluAndMul().forward_torch,
              tokens * 2 * INTERMEDIATE * 2, 3 * tokens * INTERMEDIATE * 2),
+            ("rotary+kv", store_kv_inputs(tokens),
+             lambda p, q, k, v, s, kc, vc: rotary_embedding_store_kv(p, q, k, v, rope.inv_freq, s, kc, vc),
+             torch_store_kv, tokens * (QKV_WIDTH + 4 * KV_HEADS * HEAD_DIM) * 2,
+             2 * tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2),
+            ("rotary,2 copies", store_kv_inputs(tokens), unfused_store_kv, torch_store_kv,
+             tokens * (QKV_WIDTH + 4 * KV_HEADS * HEAD_DIM) * 2, 2 * tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2),
         ]
         for name, make, kernel, reference, input_bytes, moved in rows:
             triton_us = _us_per_call(make, kernel, input_bytes)
             torch_us = _us_per_call(make, reference, input_bytes)
-            lines.append(f"{name:>13} {tokens:>5} {triton_us:>10.2f} {moved / triton_us / 1e3:>6.0f} "
+            lines.append(f"{name:>15} {tokens:>5} {triton_us:>10.2f} {moved / triton_us / 1e3:>6.0f} "
                          f"{torch_us:>9.2f} {torch_us / triton_us:>6.1f}x")
             if not 0 < triton_us < torch_us:
                 slower.append(lines[-1])
