@@ -8,9 +8,11 @@ sequence after sequence.
 KV cache: token-slot paging. Every layer has one K and one V tensor of shape
 ``[num_slots, num_kv_heads_local, head_dim]``; any slot can hold any token of any sequence.
 ``req_to_token[i, j]`` is the slot of token j of sequence i (for j < seq_lens[i]; entries past
-the sequence are ignored), ``slot_mapping[t]`` the slot new token t is written to.
+the sequence are ignored), ``slot_mapping[t]`` the slot new token t is written to. With
+``row_ids``, req_to_token is a table of any number of rows and sequence i's row is
+``row_ids[i]`` (a CUDA-graph runner passes its whole request table: no per-step gather).
 
-Decode batches have static shapes ([B] and [B, max_context]) and need no host sync, so a
+Decode batches have static shapes ([B] and [B or R, max_context]) and need no host sync, so a
 runner can capture them in a CUDA graph for a fixed, padded B and max_context. A padded row
 must still describe a valid sequence: ``seq_lens >= 1`` and slots inside the cache (e.g. a
 scratch slot reserved for padding), since a row that attends to nothing has no softmax.
@@ -37,7 +39,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, tokens per sequence including the new ones
     extend_lens: torch.Tensor  # [B] int64, new tokens per sequence (all 1 in decode)
     slot_mapping: torch.Tensor  # [T] int64, the KV slot each new token is written to
-    req_to_token: torch.Tensor  # [B, max_context] int64, the slots of each sequence's tokens
+    req_to_token: torch.Tensor  # [B, max_context] int64, the slots of each sequence's tokens ([R, ...] with row_ids)
+    row_ids: Optional[torch.Tensor] = None  # [B] int64, sequence i's row of req_to_token (None: row i)
 
     @property
     def is_decode(self) -> bool:

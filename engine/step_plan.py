@@ -5,6 +5,10 @@ Every rank keeps the same request-to-token table on its device (``[rows + 1, con
 last row is the padding row); a plan carries only what changed: for each sequence its table
 row, its new tokens, the slots of those new tokens and its total length. That keeps the
 broadcast small (O(new tokens)), whatever the context lengths.
+
+`RequestTable.apply` builds a batch of any shape (its own tensors, a gathered req_to_token);
+`DecodeBuffers` refills the static buffers a CUDA-graph decode step reads, with one
+host-to-device copy and one index_put per step.
 """
 from __future__ import annotations
 
@@ -37,10 +41,14 @@ class RequestTable:
         self.table = torch.zeros(num_rows + 1, context_len, dtype=torch.int64, device=device)
         self.device = device
 
-    def apply(self, plan: StepPlan, width: int | None = None) -> ForwardBatch:
-        """Record the plan's new slots in the table (in place) and build its batch.
-        ``width``: columns of ``req_to_token`` (default: the longest sequence). All the plan's
-        integers travel to the device in one copy."""
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """In place: ``table[rows[i], positions[i]] = slots[i]`` (new tokens' slots; one index_put)."""
+        self.table[rows, positions] = slots
+
+    def apply(self, plan: StepPlan) -> ForwardBatch:
+        """Record the plan's new slots in the table (in place) and build its batch, whose
+        ``req_to_token`` is the plan's rows gathered, as wide as its longest sequence. All the
+        plan's integers travel to the device in one copy."""
         rows, cols, slots = [], [], []
         for row, new, seq_len in zip(plan.rows, plan.new_slots, plan.seq_lens):
             if seq_len > self.context_len:
@@ -56,8 +64,7 @@ class RequestTable:
             host = host.pin_memory()
         packed = torch.split(host.to(self.device, non_blocking=True), [len(f) for f in fields])
         input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = packed
-        self.table[rows_t, positions] = slot_mapping
-        width = width or max(plan.seq_lens)
+        self.record(rows_t, positions, slot_mapping)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if plan.kind == "decode" else ForwardMode.EXTEND,
             input_ids=input_ids_t,
@@ -65,5 +72,53 @@ class RequestTable:
             seq_lens=seq_lens,
             extend_lens=extend_lens_t,
             slot_mapping=slot_mapping,
-            req_to_token=self.table[plan_rows, :width],
+            req_to_token=self.table[plan_rows, :max(plan.seq_lens)],
         )
+
+
+DECODE_FIELDS = ("input_ids", "positions", "seq_lens", "slot_mapping", "row_ids")
+
+
+class DecodeBuffers:
+    """The static inputs of decode steps of ``size`` sequences (a CUDA graph's padded batch):
+    one ``[len(DECODE_FIELDS), size]`` int64 device buffer whose rows are the steps' input_ids,
+    positions, seq_lens, slot_mapping and row_ids, and ``batch``, a decode `ForwardBatch` of views
+    of it that reads the whole request table through row_ids (no ``[B, context]`` gather).
+    Rows past a step's sequences pad: the table's padding row, length 1, position 0, slot 0
+    (the scratch slot), token 0."""
+
+    def __init__(self, table: RequestTable, size: int) -> None:
+        self.table = table
+        self.size = size
+        self.packed = torch.empty(len(DECODE_FIELDS), size, dtype=torch.int64, device=table.device)
+        self.packed.copy_(self._host(StepPlan("decode")))
+        input_ids, positions, seq_lens, slot_mapping, row_ids = self.packed.unbind(0)
+        extend_lens = torch.ones(size, dtype=torch.int64, device=table.device)
+        self.batch = ForwardBatch(ForwardMode.DECODE, input_ids, positions, seq_lens, extend_lens, slot_mapping,
+                                  req_to_token=table.table, row_ids=row_ids)
+
+    def load(self, plan: StepPlan) -> None:
+        """Fill the buffer for a decode plan of at most ``size`` sequences with one host-to-device
+        copy (from pinned memory on a GPU), then record its new slots in the table (one
+        index_put); in place, no host sync."""
+        self.packed.copy_(self._host(plan), non_blocking=True)
+        bs, batch = plan.batch_size, self.batch
+        self.table.record(batch.row_ids[:bs], batch.positions[:bs], batch.slot_mapping[:bs])
+
+    def _host(self, plan: StepPlan) -> torch.Tensor:
+        """The buffer's contents for ``plan``, padded, on the host."""
+        if plan.kind != "decode" or plan.batch_size > self.size:
+            raise ValueError(f"need a decode plan of at most {self.size} sequences, got {plan.kind!r} "
+                             f"of {plan.batch_size}")
+        if any(len(t) != 1 for t in plan.new_tokens) or any(len(s) != 1 for s in plan.new_slots):
+            raise ValueError("a decode plan has exactly one new token and one new slot per sequence")
+        if any(not 1 <= n <= self.table.context_len for n in plan.seq_lens):
+            raise ValueError(f"sequence lengths must be in [1, {self.table.context_len}], got {plan.seq_lens}")
+        pad = self.size - plan.batch_size
+        values = ([t for (t,) in plan.new_tokens] + [0] * pad
+                  + [n - 1 for n in plan.seq_lens] + [0] * pad
+                  + list(plan.seq_lens) + [1] * pad
+                  + [s for (s,) in plan.new_slots] + [0] * pad
+                  + list(plan.rows) + [self.table.pad_row] * pad)
+        pinned = self.table.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pinned).view(len(DECODE_FIELDS), self.size)

@@ -1,7 +1,8 @@
 """Causal attention over a token-slot KV cache, in torch (scaled_dot_product_attention).
 
 For new token t of sequence i at position p (p = seq_lens[i] - extend_lens[i] + j for its j-th
-new token), with the sequence's keys K_i = k_cache[req_to_token[i, :seq_lens[i]]]:
+new token), with the sequence's keys K_i = k_cache[req_to_token[r_i, :seq_lens[i]]] (its row
+r_i = row_ids[i] when the batch has row ids, else i):
 
     out_t = softmax(q_t . K_i[:p+1]^T * scale) @ V_i[:p+1]
 
@@ -16,7 +17,7 @@ loops over the sequences, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,8 @@ class AttentionBatch(Protocol):
     seq_lens: torch.Tensor  # [B]
     extend_lens: torch.Tensor  # [B]
     slot_mapping: torch.Tensor  # [T]
-    req_to_token: torch.Tensor  # [B, max_context]
+    req_to_token: torch.Tensor  # [B, max_context], or [R, max_context] with row_ids
+    row_ids: Optional[torch.Tensor]  # [B]: sequence i's row of req_to_token (None: row i)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,6 +46,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``slot_mapping [T]`` int64)."""
     k_cache.index_copy_(0, slot_mapping, k.reshape(k.shape[0], *k_cache.shape[1:]))
     v_cache.index_copy_(0, slot_mapping, v.reshape(v.shape[0], *v_cache.shape[1:]))
+
+
+def _sequence_slots(batch: AttentionBatch) -> torch.Tensor:
+    """``[B, max_context]``: each sequence's row of ``req_to_token`` (gathered through ``row_ids``)."""
+    return batch.req_to_token if batch.row_ids is None else batch.req_to_token[batch.row_ids]
 
 
 class Attention(nn.Module):
@@ -86,15 +93,17 @@ class Attention(nn.Module):
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and triton_available():
             from layers.triton_decode_attention import decode_attention
 
-            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale)
+            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
+                                    row_ids=batch.row_ids)
         return self._decode_torch(q, k_cache, v_cache, batch)
 
     def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
         """Keys ``[B, kv_heads, max_context, head_dim]`` gathered for every row and masked to ``seq_lens``."""
-        context = batch.req_to_token.shape[1]
-        keys = k_cache[batch.req_to_token].transpose(1, 2)
-        values = v_cache[batch.req_to_token].transpose(1, 2)
+        slots = _sequence_slots(batch)
+        context = slots.shape[1]
+        keys = k_cache[slots].transpose(1, 2)
+        values = v_cache[slots].transpose(1, 2)
         valid = torch.arange(context, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, C]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale, enable_gqa=True
@@ -105,9 +114,10 @@ class Attention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Per sequence: its new queries against all its keys, causal with the cached prefix visible."""
         out = torch.empty_like(q)
+        seq_slots = _sequence_slots(batch)
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
-            slots = batch.req_to_token[i, :seq_len]
+            slots = seq_slots[i, :seq_len]
             qi = q[start:start + new].transpose(0, 1)  # [heads, new, head_dim]
             ki = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             vi = v_cache[slots].transpose(0, 1)

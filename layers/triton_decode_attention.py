@@ -1,9 +1,13 @@
 """Decode attention over the token-slot KV cache in Triton: split-K ("flash-decoding").
 
 One query per sequence. For sequence b, query head h (kv head kh = h // G, G = H / KVH) and its
-keys and values K_b, V_b = k_cache / v_cache[req_to_token[b, :n_b], kh] (n_b = seq_lens[b]):
+keys and values K_b, V_b = k_cache / v_cache[req_to_token[r_b, :n_b], kh] (n_b = seq_lens[b];
+r_b = row_ids[b] when row ids are given, else b):
 
     out[b, h] = softmax(scale * q[b, h] . K_b^T) @ V_b          (fp32 accumulation)
+
+Row ids let a CUDA-graph runner pass its whole request table (one row per request slot) and the
+batch's rows, instead of copying a gathered ``[B, C]`` table into a static buffer every step.
 
 Why split-K. At decode there is one query row per (b, h): a grid of (B, KVH) programs is only
 4 programs for B=1 at llama3-8b TP2 (KVH=4), on a GPU of 132 SMs, each walking up to 8192 keys
@@ -69,10 +73,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _split_kernel(Q, K, V, ReqToToken, SeqLens, PartOut, PartLse, qk_scale_log2,
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, context,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_ROW_IDS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,6 +86,10 @@ def _split_kernel(Q, K, V, ReqToToken, SeqLens, PartOut, PartLse, qk_scale_log2,
     start = split * chunk
     if start < seq_len:
         end = tl.minimum(start + chunk, seq_len)
+        if HAS_ROW_IDS:  # else RowIds is unused
+            slot_row = ReqToToken + tl.load(RowIds + b).to(tl.int64) * stride_rb
+        else:
+            slot_row = ReqToToken + b.to(tl.int64) * stride_rb
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK)
@@ -93,7 +102,7 @@ def _split_kernel(Q, K, V, ReqToToken, SeqLens, PartOut, PartLse, qk_scale_log2,
         for n0 in range(start, end, BLOCK):
             offs = n0 + offs_n
             valid = offs < end
-            slots = tl.load(ReqToToken + b * stride_rb + offs, mask=valid, other=0).to(tl.int64)
+            slots = tl.load(slot_row + offs, mask=valid, other=0).to(tl.int64)
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK]
             x = tl.where(valid[None, :], x, float("-inf"))
@@ -145,7 +154,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-           seq_lens: torch.Tensor) -> None:
+           seq_lens: torch.Tensor, row_ids: Optional[torch.Tensor]) -> None:
     """Shape, dtype, device and layout checks (host metadata only: no sync)."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [B, H, D] and k/v caches [S, KVH, D] of one shape, got q {tuple(q.shape)}, "
@@ -160,27 +169,35 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache and v_cache must share one dtype of {_DTYPES}, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if req_to_token.dim() != 2 or req_to_token.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"need req_to_token [B, C] and seq_lens [B] with B={batch}, got "
-                         f"{tuple(req_to_token.shape)} and {tuple(seq_lens.shape)}")
-    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens)):
+    if row_ids is None:
+        if req_to_token.dim() != 2 or req_to_token.shape[0] != batch or seq_lens.shape != (batch,):
+            raise ValueError(f"need req_to_token [B, C] and seq_lens [B] with B={batch}, got "
+                             f"{tuple(req_to_token.shape)} and {tuple(seq_lens.shape)}")
+    elif req_to_token.dim() != 2 or row_ids.shape != (batch,) or seq_lens.shape != (batch,):
+        raise ValueError(f"need req_to_token [R, C], row_ids [B] and seq_lens [B] with B={batch}, got "
+                         f"{tuple(req_to_token.shape)}, {tuple(row_ids.shape)} and {tuple(seq_lens.shape)}")
+    indices = {"req_to_token": req_to_token, "seq_lens": seq_lens} | ({} if row_ids is None else {"row_ids": row_ids})
+    for name, t in indices.items():
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if len({t.device for t in (q, k_cache, v_cache, req_to_token, seq_lens)}) != 1:
+    if len({t.device for t in (q, k_cache, v_cache, *indices.values())}) != 1:
         raise ValueError("all tensors must be on one device")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
         raise ValueError("the last dimension of q, k_cache, v_cache and req_to_token must be contiguous")
-    if not seq_lens.is_contiguous():
-        raise ValueError("seq_lens must be contiguous")
+    if not seq_lens.is_contiguous() or (row_ids is not None and not row_ids.is_contiguous()):
+        raise ValueError("seq_lens and row_ids must be contiguous")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
+                     row_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
-    ``seq_lens[b]`` slots of ``req_to_token[b]`` (see the module docstring). Reads only; returns a
-    new tensor of q's dtype. ``num_splits`` overrides the shape-based choice (tests, tuning).
-    Requires 1 <= seq_lens[b] (not checked: that would sync); values above C are clamped to C."""
-    _check(q, k_cache, v_cache, req_to_token, seq_lens)
+    ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
+    int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
+    only; returns a new tensor of q's dtype. ``num_splits`` overrides the shape-based choice
+    (tests, tuning). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
+    sync); values of seq_lens above C are clamped to C."""
+    _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -190,12 +207,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, seq_lens, part_out, part_lse, scale * math.log2(math.e),
+        q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), context,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=splits, BLOCK=BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_ROW_IDS=row_ids is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _combine_kernel[(batch, heads)](
         part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context,
@@ -206,9 +224,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               req_to_token: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The same function in plain torch, fp32: gather every row's C slots, mask past seq_lens,
-    softmax, weighted sum. Returns fp32 ``[B, H, D]``."""
+                               req_to_token: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               row_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same function in plain torch, fp32: gather every sequence's C slots (its row of
+    req_to_token, through row_ids when given), mask past seq_lens, softmax, weighted sum. Returns
+    fp32 ``[B, H, D]``."""
+    if row_ids is not None:
+        req_to_token = req_to_token[row_ids.long()]
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     context = req_to_token.shape[1]
     slots = req_to_token.long()

@@ -293,3 +293,24 @@ def test_attention_over_kv_cache_extend_then_decode():
         ])
         assert batch.is_decode == (len(step) == 1)
         assert_close(out, expected)
+
+
+@pytest.mark.parametrize("new_tokens", [[[1], [1], [1]], [[1, 1], [1], [1, 1, 1]]], ids=["decode", "extend"])
+def test_attention_reads_sequence_rows_through_row_ids(new_tokens):
+    """A batch whose sequences' slots sit in rows ``row_ids`` of a larger table (the other rows
+    random slots) attends exactly as the batch with those rows gathered."""
+    heads, kv_heads, d, num_slots, width = 4, 2, 8, 64, 16
+    attn = Attention(heads, kv_heads, d, d ** -0.5)
+    k_cache, v_cache = randn(num_slots, kv_heads, d, seed=100), randn(num_slots, kv_heads, d, seed=101)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(102)).tolist()
+    gathered = ForwardBatch.from_lists(new_tokens, [slots[:9], slots[9:14], slots[14:30]], max_context=width)
+    row_ids = torch.tensor([5, 1, 3])
+    table = torch.randint(0, num_slots, (7, width), generator=torch.Generator().manual_seed(103))
+    table[row_ids] = gathered.req_to_token
+    indexed = ForwardBatch(gathered.forward_mode, gathered.input_ids, gathered.positions, gathered.seq_lens,
+                           gathered.extend_lens, gathered.slot_mapping, table, row_ids)
+    q = randn(gathered.num_tokens, heads * d, seed=104)
+    out = attn.attend(q, k_cache, v_cache, indexed)
+    assert torch.equal(out, attn.attend(q, k_cache, v_cache, gathered))
+    table[row_ids] = torch.randint(0, num_slots, (3, width), generator=torch.Generator().manual_seed(105))
+    assert not torch.equal(attn.attend(q, k_cache, v_cache, indexed), out), "the rows were not read"

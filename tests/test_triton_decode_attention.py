@@ -72,6 +72,24 @@ CASES = [
 
 REPLAY_LENS = ([330, 1, 65, 64], [2, 330, 329, 128])
 
+# (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits) read through row ids
+ROW_ID_CASES = [
+    (1, 4, 2, 64, 70, torch.float16, torch.int64, None),
+    (3, 4, 2, 64, 300, torch.float16, torch.int64, 5),
+    (4, 2, 2, 128, 130, torch.float32, torch.int32, None),
+]
+
+
+def spread_rows(req_to_token: torch.Tensor, spare: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table, row_ids)``: the B rows of req_to_token at random distinct rows of a table of
+    B + spare rows, whose other rows hold PAD_SLOT (reading them would fail)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, context = req_to_token.shape
+    row_ids = torch.randperm(batch + spare, generator=g)[:batch].to(req_to_token.dtype)
+    table = torch.full((batch + spare, context), PAD_SLOT, dtype=req_to_token.dtype)
+    table[row_ids.long()] = req_to_token
+    return table, row_ids
+
 
 def _interpreted_cases(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: every CASES entry, then the replay check. Returns per
@@ -101,6 +119,17 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
         if batch > 1:  # seq_len 1: the softmax of one key is 1, so the output is that key's value row
             v0 = v_cache[req_to_token[0, 0].long()].float().repeat_interleave(group, dim=0)
             check((case, "seq_len 1"), out[0].float(), v0, rtol, atol)
+
+    for case in ROW_ID_CASES:
+        batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits = case
+        q, k_cache, v_cache, req_to_token, seq_lens = make_case(
+            batch, group, kv_heads, dim, context, dtype, index_dtype, seed=batch * 100 + group * 10 + dim + 1)
+        table, row_ids = spread_rows(req_to_token, spare=3, seed=batch)
+        out = decode_attention(q, k_cache, v_cache, table, seq_lens, 0.3, num_splits=num_splits, row_ids=row_ids)
+        expected = decode_attention_reference(q, k_cache, v_cache, table, seq_lens, 0.3, row_ids=row_ids)
+        check((case, "row_ids"), out.float(), expected, *TOLERANCES[dtype])
+        gathered = decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, 0.3, num_splits=num_splits)
+        check((case, "row_ids = gathered rows"), out, gathered, 0, 0)
 
     # q as a view into a packed qkv projection; the same buffers and num_splits with other
     # seq_lens (what a CUDA-graph replay does) must give the new rows' attention
@@ -136,6 +165,15 @@ def test_strided_q_and_new_seq_lens_with_fixed_splits(interpreted, lens):
     assert interpreted[key] is None, interpreted[key]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ROW_ID_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_row_ids_read_rows_of_a_larger_table(interpreted, case):
+    """Row b reads ``req_to_token[row_ids[b]]``: as the reference, and bit for bit as the call
+    with those rows gathered."""
+    for key in ((case, "row_ids"), (case, "row_ids = gathered rows")):
+        assert interpreted[key] is None, interpreted[key]
+
+
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
     (1, 4, 8192, 64),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
     (1, 4, 128, 2),  # at most one split per 64-key block of the width
@@ -161,3 +199,12 @@ def test_bad_inputs_raise_clear_errors():
     for message, args in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             decode_attention(*args, scale=0.125)
+    table, row_ids = spread_rows(req_to_token, spare=2, seed=3)
+    bad_rows = {
+        "row_ids [B]": row_ids[:1],
+        "row_ids must be int32 or int64": row_ids.float(),
+        "row_ids must be contiguous": torch.stack([row_ids, row_ids], 1)[:, 0],
+    }
+    for message, rows in bad_rows.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, row_ids=rows)

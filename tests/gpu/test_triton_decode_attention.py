@@ -1,7 +1,8 @@
 """The Triton decode attention on one GPU, bf16, llama3-8b TP2 shapes (16 query heads, 4 KV heads,
 head_dim 128): captured once in a CUDA graph and replayed with new inputs and new seq_lens,
-against the fp32 torch reference; then a timing table against the layer's torch decode path
-(run with ``-s`` to see it)."""
+against the fp32 torch reference (also reading its rows through row ids, as the CUDA-graph
+runner does); then a timing table against the layer's torch decode path (run with ``-s`` to
+see it)."""
 from types import SimpleNamespace
 
 import pytest
@@ -75,11 +76,54 @@ def test_graph_replay_matches_reference(batch, context):
         torch.testing.assert_close(out, eager, rtol=0, atol=0)  # the replay is the eager call, bit for bit
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch,context", [(1, 8192), (3, 300), (128, 1024)])
+def test_graph_replay_with_row_ids(batch, context):
+    """The kernel reading rows ``row_ids`` of a request table of 2B + 1 rows (the other rows
+    random slots), captured once; each replay with new rows, slots and lengths equals the
+    reference and, bit for bit, the eager call on the gathered rows."""
+    dev = torch.device("cuda", 0)
+    q = torch.empty(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    k_cache = torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    v_cache = torch.empty_like(k_cache)
+    table = torch.empty(2 * batch + 1, context, dtype=torch.int64, device=dev)
+    seq_lens = torch.empty(batch, dtype=torch.int64, device=dev)
+    row_ids = torch.empty(batch, dtype=torch.int64, device=dev)
+
+    def refill(seed: int) -> None:
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        _refill(q, k_cache, v_cache, table[:batch], seq_lens, seed)
+        table.copy_(table[torch.randint(0, batch, (table.shape[0],), generator=gen, device=dev)])
+        row_ids.copy_(torch.randperm(table.shape[0], generator=gen, device=dev)[:batch])
+
+    refill(seed=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, k_cache, v_cache, table, seq_lens, SCALE, row_ids=row_ids)  # compiles outside
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, table, seq_lens, SCALE, row_ids=row_ids)
+
+    rtol, atol = TOLERANCES[DTYPE]
+    for seed in (1, 2, 3):
+        refill(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = decode_attention_reference(q, k_cache, v_cache, table, seq_lens, SCALE, row_ids=row_ids)
+        gathered = decode_attention(q, k_cache, v_cache, table[row_ids], seq_lens, SCALE)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(out, gathered, rtol=0, atol=0)
+
+
 def _torch_decode(q, k_cache, v_cache, req_to_token, seq_lens, scale):
     """The layer's torch decode path (gather + masked scaled_dot_product_attention), which
     ``Attention._decode`` uses off the GPU."""
     attention = Attention(q.shape[1], k_cache.shape[1], q.shape[2], scale)
-    return attention._decode_torch(q, k_cache, v_cache, SimpleNamespace(req_to_token=req_to_token, seq_lens=seq_lens))
+    batch = SimpleNamespace(req_to_token=req_to_token, seq_lens=seq_lens, row_ids=None)
+    return attention._decode_torch(q, k_cache, v_cache, batch)
 
 
 @pytest.mark.timeout(300)
