@@ -43,7 +43,7 @@ class FusionEnvironment:
     flashinfer_error: Optional[str] = None
     workspace_ready: bool = False  # the flashinfer backend's IPC workspace exists on all ranks
     symm_mem_tokens: int = 0  # tokens the symmetric-memory buffer holds on all ranks (0: none)
-    symm_fused_tokens: int = 0  # tokens the fused two-shot kernels' symmetric buffer holds (0: none)
+    symm_fused_tokens: int = 0  # rows per chunk of the fused two-shot kernels' buffer (0: none; any batch runs in chunks)
     oneshot_max_input_bytes: Optional[int] = None
     table: Optional[StrategyTable] = None  # measured timings for this GPU, TP size, hidden, dtype
     disabled_reason: str = "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
@@ -153,6 +153,6 @@ class FusionDispatcher:
                 out.append(st.FLASHINFER_TWOSHOT)
         if batch_size <= env.symm_mem_tokens:
             out.append(st.SYMM_MEM_TWO_SHOT)
-        if batch_size <= env.symm_fused_tokens:
-            out.append(st.SYMM_MEM_FUSED)
+        if env.symm_fused_tokens:
+            out.append(st.SYMM_MEM_FUSED)  # chunked beyond the buffer: every step is row-wise
         return out

@@ -6,7 +6,9 @@ buffer, cuts the tokens into shards and runs phase 1, barrier, phase 2, barrier,
 current stream (CUDA-graph capturable once the buffer exists).
 
 Buffer (elements of the model dtype): ``world * S_max * hidden`` of scatter slots followed by
-``max_tokens * hidden`` of gathered rows, ``S_max = ceil(max_tokens / world)``.
+``max_tokens * hidden`` of gathered rows, ``S_max = ceil(max_tokens / world)``. A batch of more
+than ``max_tokens`` rows runs as consecutive chunks of at most ``max_tokens`` rows (every step
+of the op is row-wise), so the buffer bounds memory, not the batch.
 """
 from __future__ import annotations
 
@@ -54,6 +56,11 @@ def buffer_elements(max_tokens: int, hidden: int, world: int) -> int:
 
 def gather_offset(max_tokens: int, hidden: int, world: int) -> int:
     return world * math.ceil(max_tokens / world) * hidden
+
+
+def row_chunks(tokens: int, max_tokens: int) -> list[slice]:
+    """Consecutive row ranges of at most ``max_tokens`` rows covering ``tokens``."""
+    return [slice(start, min(start + max_tokens, tokens)) for start in range(0, tokens, max_tokens)]
 
 
 def fused_unavailable_reason(hidden: int) -> Optional[str]:
@@ -145,29 +152,37 @@ class SymmMemFusedAllReduceNorm:
         return ok
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (self.ready and x.dim() == 2 and x.dtype == self.symmetric.buffer.dtype and x.shape[1] == self.hidden
-                and x.shape[0] <= self.max_tokens)
+        """The buffer exists for x's dtype and hidden size (any number of rows: see chunks)."""
+        return self.ready and x.dim() == 2 and x.dtype == self.symmetric.buffer.dtype and x.shape[1] == self.hidden
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group; ``x`` and
-        ``residual`` are overwritten (see `output_tensors`). Needs ``fits(x)``."""
+        ``residual`` are overwritten (see `output_tensors`). Needs ``fits(x)``; runs in chunks of
+        at most ``max_tokens`` rows."""
         check_fusion_inputs(x, residual, weight)
         if not self.fits(x):
             raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit the fused two-shot buffer "
-                             f"({self.max_tokens} x {self.hidden})")
+                             f"({self.hidden or 'none'} hidden, {self.symmetric.buffer.dtype if self.ready else 'no buffer'})")
+        out, residual_out = output_tensors(x, residual)
+        for rows in row_chunks(x.shape[0], self.max_tokens):
+            self._run_chunk(x[rows], None if residual is None else residual[rows], out[rows], residual_out[rows],
+                            weight, eps)
+        self.group.counters.total += 1
+        self.group.counters.fused += 1
+        return out, residual_out
+
+    def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                   residual_out: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """The three phases for at most ``max_tokens`` rows (contiguous row slices)."""
         layout = ShardLayout(x.shape[0], self.group.world_size, self.group.rank)
         at = gather_offset(self.max_tokens, self.hidden, self.group.world_size)
         ptrs = self.symmetric.peer_ptrs
-        out, residual_out = output_tensors(x, residual)
         push_shards(x, ptrs, layout)
         self.symmetric.barrier()
         reduce_own_rows(x, residual, out, residual_out, weight, eps, ptrs, layout, at)
         self.symmetric.barrier()
         finish_peer_rows(residual, out, residual_out, weight, eps, ptrs, layout, at)
-        self.group.counters.total += 1
-        self.group.counters.fused += 1
-        return out, residual_out
 
     def destroy(self) -> None:
         self.symmetric.destroy()

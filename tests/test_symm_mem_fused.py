@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from fusion import reference  # noqa: E402
 from fusion.symm_mem_fused import (ShardLayout, SymmMemFusedAllReduceNorm, buffer_elements,  # noqa: E402
                                    finish_peer_rows, fused_unavailable_reason, gather_offset, output_tensors,
-                                   push_shards, reduce_own_rows)
+                                   push_shards, reduce_own_rows, row_chunks)
 from layers.parallel_state import get_tp_group  # noqa: E402
 from tests.dist_utils import run_distributed, run_under_triton_interpreter  # noqa: E402
 from tests.test_triton_elementwise import interpreter_cast  # noqa: E402
@@ -36,34 +36,42 @@ CASES = [
     (2, 5, 128, 5, torch.float16, False),  # first layer: no residual
     (4, 3, 64, 8, torch.bfloat16, True),  # the last rank's shard is empty
     (2, 16, 1000, 16, torch.bfloat16, True),
+    (2, 9, 64, 4, torch.bfloat16, True),  # more rows than the buffer: chunks of 4, 4 and 1
+    (3, 10, 64, 4, torch.float16, False),
 ]
 
 
 def simulate(xs, residuals, weight, max_tokens):
-    """Runs the three phases for every rank in order; returns each rank's (out, residual_out)."""
+    """Runs the three phases for every rank in order, chunk by chunk as
+    `SymmMemFusedAllReduceNorm` does; returns each rank's (out, residual_out)."""
     world, (tokens, hidden) = len(xs), xs[0].shape
     buffers = [torch.full((buffer_elements(max_tokens, hidden, world),), float("nan"), dtype=xs[0].dtype)
                for _ in range(world)]
     ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     at = gather_offset(max_tokens, hidden, world)
-    layouts = [ShardLayout(tokens, world, r) for r in range(world)]
     outs = [output_tensors(xs[r], residuals[r]) for r in range(world)]
-    for r in range(world):
-        push_shards(xs[r], ptrs, layouts[r])
-    for r in range(world):
-        reduce_own_rows(xs[r], residuals[r], *outs[r], weight, EPS, ptrs, layouts[r], at)
-    for r in range(world):
-        finish_peer_rows(residuals[r], *outs[r], weight, EPS, ptrs, layouts[r], at)
+    for rows in row_chunks(tokens, max_tokens):
+        n = rows.stop - rows.start
+        layouts = [ShardLayout(n, world, r) for r in range(world)]
+        res = [None if residuals[r] is None else residuals[r][rows] for r in range(world)]
+        chunk_outs = [(outs[r][0][rows], outs[r][1][rows]) for r in range(world)]
+        for r in range(world):
+            push_shards(xs[r][rows], ptrs, layouts[r])
+        for r in range(world):
+            reduce_own_rows(xs[r][rows], res[r], *chunk_outs[r], weight, EPS, ptrs, layouts[r], at)
+        for r in range(world):
+            finish_peer_rows(res[r], *chunk_outs[r], weight, EPS, ptrs, layouts[r], at)
     return outs
 
 
-def kernel_math(xs, residual, weight):
-    """The kernels' math in torch with the interpreter's casts."""
+def kernel_math(xs, residual, weight, max_tokens):
+    """The kernels' math in torch with the interpreter's casts (rows owned per chunk)."""
     world, (tokens, _) = len(xs), xs[0].shape
-    shard = -(-tokens // world)
     acc = torch.empty(xs[0].shape, dtype=torch.float32)
     for row in range(tokens):
-        owner = row // shard
+        chunk = row_chunks(tokens, max_tokens)[row // max_tokens]
+        shard = -(-(chunk.stop - chunk.start) // world)
+        owner = (row - chunk.start) // shard
         total = xs[owner][row].float()
         for sender in range(world):
             if sender != owner:
@@ -89,7 +97,7 @@ def _run_case(case):
     weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     xs_in = [x.clone() for x in xs]
     outs = simulate(xs, [None if residual is None else residual.clone() for _ in range(world)], weight, max_tokens)
-    emulated_out, emulated_res = kernel_math(xs_in, residual, weight)
+    emulated_out, emulated_res = kernel_math(xs_in, residual, weight, max_tokens)
     total = sum(x.float() for x in xs_in)
     ref_out, ref_res = reference.add_rms_norm(total.to(dtype), residual, weight, EPS)
     out0, res0 = outs[0]
@@ -133,6 +141,11 @@ def test_shard_layout_covers_every_row_once():
             rows = [i for lay in layouts for i in range(lay.own_start, lay.own_start + lay.own_rows)]
             assert rows == list(range(tokens)), (tokens, world)
             assert all(lay.own_rows + lay.peer_rows == tokens and lay.own_rows <= lay.shard_rows for lay in layouts)
+
+
+def test_row_chunks_cover_the_batch_in_buffer_sized_pieces():
+    assert row_chunks(9, 4) == [slice(0, 4), slice(4, 8), slice(8, 9)]
+    assert row_chunks(4, 4) == [slice(0, 4)] and row_chunks(1, 4096) == [slice(0, 1)]
 
 
 def test_buffer_holds_scatter_slots_then_gathered_rows():

@@ -79,7 +79,8 @@ def test_dispatcher_follows_the_table_and_falls_back_without_one():
     fused = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 4096}))
     assert [fused.strategy(0, t) for t in (1024, 4096)] == [st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_FUSED]
     short = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 2048}))
-    assert short.strategy(0, 4096) == st.SYMM_MEM_TWO_SHOT, "fused buffer too small for 4096 tokens: next fastest"
+    assert short.strategy(0, 4096) == st.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
+    assert short.strategy(0, 100000) == st.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
     builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None}))
     assert builtin.strategy(0, 2048) == st.FLASHINFER_ONESHOT  # built-in: hidden <= 1024 fuses up to 2048
     assert builtin.strategy(0, 4096) == st.NCCL

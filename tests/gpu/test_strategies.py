@@ -90,6 +90,14 @@ def _fused_without_residual_and_uneven(fusion, rank, world_size, group):
             out[f"no_residual/{tokens}"] = (err, sum_err, same, None)
         except Exception as exc:
             out[f"no_residual/{tokens}"] = (None, None, None, f"{type(exc).__name__}: {exc}"[:300])
+    try:  # more rows than the buffer (max(TOKENS)): chunks of 1024, 1024, 452
+        tokens = 2500
+        x, res, w = _inputs(rank, tokens, 5, group.device)
+        normed, _ = fusion.all_reduce_add_rms_norm(x, res, w, EPS, "symm_mem_fused")
+        expected = _reference(tokens, 5, world_size, group.device)
+        out["chunked/2500"] = (((normed.float() - expected).norm() / expected.norm()).item(), None)
+    except Exception as exc:
+        out["chunked/2500"] = (None, f"{type(exc).__name__}: {exc}"[:300])
     return out
 
 
@@ -103,6 +111,12 @@ def results():
 def test_symm_mem_buffer_is_set_up(results):
     assert results["symm_ready"], results["symm_failure"]
     assert results["fused_ready"], results["fused_failure"]
+
+
+def test_symm_mem_fused_runs_a_batch_larger_than_its_buffer_in_chunks(results):
+    err, error = results["chunked/2500"]
+    assert error is None, error
+    assert err < 1e-2, err
 
 
 @pytest.mark.parametrize("tokens", (3, 7))
