@@ -12,7 +12,8 @@ a server runs it: the measured strategy table, packaged or ``--allreduce-fusion-
 Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed), then
 ``output_len`` greedy decode steps (CUDA-graph replays on GPU), each timed from the host
 (including the host-side batch building and the argmax). TPOT = median decode step.
-The run repeats each measurement ``--repeats`` times and reports the median.
+Each (setting, batch size) first runs once untimed (allocator blocks, kernel compiles), then
+``--repeats`` times; the median is reported.
 """
 from __future__ import annotations
 
@@ -96,8 +97,11 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
     configs = {"off": base, "on": replace(base, enabled=True, table_path=args.allreduce_fusion_table),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     fusion = configs[args.fusion[0]]
+    from engine.step_profile import PROFILE_STEPS
+
+    decode_tokens = max(args.output_len, PROFILE_STEPS + 2) if args.profile else args.output_len
     settings = RunnerSettings(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
-                              context_length=args.input_len + args.output_len, mem_fraction_static=args.mem_fraction_static,
+                              context_length=args.input_len + decode_tokens, mem_fraction_static=args.mem_fraction_static,
                               max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
                               disable_cuda_graph=args.disable_cuda_graph, fusion=fusion)
     runner = ModelRunner(settings, group)
@@ -107,8 +111,9 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
             if configs[setting] != runner.fusion.config:
                 runner.reconfigure_fusion(configs[setting])
             status = runner.fusion.status()
-            measure(runner, args.batch_size[0], args.input_len, 2, runner.config.vocab_size, args.seed)  # warm-up
             for bs in args.batch_size:
+                # untimed: the caching allocator's blocks for this size, Triton compiles, first replays
+                measure(runner, bs, args.input_len, 2, runner.config.vocab_size, args.seed)
                 runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, args.seed + r)
                         for r in range(args.repeats)]
                 results.append({
@@ -121,7 +126,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
                 if args.profile and runner.device.type == "cuda":
                     from engine.step_profile import format_profile, profile_decode_steps
 
-                    prof = profile_decode_steps(runner, bs, args.input_len, 10, runner.config.vocab_size, args.seed)
+                    prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, args.seed)
                     results[-1]["profile"] = prof
                     if rank == 0:
                         print(format_profile(prof, "fusion " + setting), flush=True)

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+PROFILE_STEPS = 10  # decode steps traced per batch size (the batch needs PROFILE_STEPS + 2 more tokens of context)
 
-def profile_decode_steps(runner: Any, batch_size: int, input_len: int, steps: int, vocab: int, seed: int,
-                         top: int = 25) -> dict[str, Any]:
+
+def profile_decode_steps(runner: Any, batch_size: int, input_len: int, vocab: int, seed: int,
+                         steps: int = PROFILE_STEPS, top: int = 25) -> dict[str, Any]:
     """Prefill a static batch, then profile ``steps`` greedy decode steps. Returns per-step
     wall, GPU-busy and idle µs, and the ``top`` kernels by time per step."""
     from engine.static_batch import StaticBatch, random_prompts

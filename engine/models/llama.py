@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         hidden_states = self.model(batch, kv_cache)
-        last = hidden_states[batch.last_token_indices()]
+        last = hidden_states if batch.is_decode else hidden_states[batch.last_token_indices()]  # decode: one token each
         return self.lm_head(last).float()
 
     @torch.no_grad()
