@@ -319,6 +319,7 @@ def run_paths(group: TensorParallelGroup, paths: list[Path], inputs: Inputs, qua
     Returns one dict of `PathResult` fields per path, in order; ends with a barrier."""
     results: list[dict[str, Any]] = []
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    buffers: dict[int, tuple] = {}  # a graph reads and writes the tensors it was captured on: keep them alive
     for i, path in enumerate(paths):
         result: dict[str, Any] = {"name": path.name}
         results.append(result)
@@ -328,11 +329,12 @@ def run_paths(group: TensorParallelGroup, paths: list[Path], inputs: Inputs, qua
         op = path.op
         error, errors_l2 = voted(group, lambda: rel_l2_error(op, inputs, quant))
         if error is None:
-            buffers = fresh(inputs)
-            error, _ = voted(group, lambda: graphs.__setitem__(i, capture(op, *buffers, ops_per_graph)))
+            buffers[i] = fresh(inputs)
+            error, _ = voted(group, lambda: graphs.__setitem__(i, capture(op, *buffers[i], ops_per_graph)))
         if error is not None:
             result["error"] = error
             graphs.pop(i, None)
+            buffers.pop(i, None)
             continue
         finite = [e for e in errors_l2 if e is not None]
         result["rel_l2_error"] = max(finite) if finite else None
@@ -346,5 +348,6 @@ def run_paths(group: TensorParallelGroup, paths: list[Path], inputs: Inputs, qua
         else:
             results[i]["error"] = error
     graphs.clear()
+    buffers.clear()
     dist.barrier(group=group.cpu_group)
     return results

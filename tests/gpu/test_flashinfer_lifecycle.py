@@ -30,6 +30,7 @@ def _lifecycle(rank, world_size):
     from fusion import (AllReduceFusionWorkspace, FusionConfig, FusionInputError, FusionUnsupportedError,
                         allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_fp4, allreduce_residual_rmsnorm_fp8, reference)
     from layers.parallel_state import get_tp_group, init_allreduce_fusion
+    from fusion.allreduce_fusion import NO_TABLE
 
     group = get_tp_group()
     dev = group.device
@@ -121,7 +122,10 @@ def _lifecycle(rank, world_size):
 
     # The whole object: setup creates the workspace, decisions go through the cache, the kernel runs.
     group.counters.reset()
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=512), hidden, torch.bfloat16)
+    # no strategy table: past max_tokens the built-in thresholds say NCCL (a table may pick the
+    # chunked symm_mem_fused there, tests/gpu/test_strategies.py)
+    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=512, table_path=NO_TABLE),
+                                   hidden, torch.bfloat16)
     out["active"] = fusion.active
     x, res, w = _inputs(rank, 32, hidden, 8, dev)
     normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fusion.strategy(0, 32))
