@@ -3,6 +3,7 @@
 # TP2) with fusion off and on, bench_serving at concurrency 1/8/32/64, then the accuracy
 # regression (gsm8k + mmlu, fusion off vs on). Evaluation data is read from $EVAL_DATA
 # (default .evaldata: a copy of ../shared/data). Results go to $OUT (or ./out).
+# SKIP_ACCURACY=1 runs the serving benchmark only.
 #   bash benchmarks/gpu/serving_suite.sh
 set -uo pipefail
 OUT=${OUT:-out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
@@ -38,7 +39,7 @@ for fusion in off on; do
   echo "server (fusion $fusion) exit code $?"
 done
 
-timeout 300 python -m benchmarks.accuracy_regression --model-path llama3-8b --tp-size 2 \
+[ "${SKIP_ACCURACY:-0}" = 1 ] || timeout 300 python -m benchmarks.accuracy_regression --model-path llama3-8b --tp-size 2 \
   --server-args "--context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64" \
   --gsm8k-data-path "$EVAL_DATA/gsm8k/test.jsonl" --gsm8k-num-shots 2 --gsm8k-num-questions 64 \
   --mmlu-data-dir "$EVAL_DATA/mmlu" --mmlu-num-shots 1 --mmlu-examples 2 --parallel 64 --no-progress --log-dir "$LOGS" \
