@@ -41,6 +41,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, the KV slot each new token is written to
     req_to_token: torch.Tensor  # [B, max_context] int64, the slots of each sequence's tokens ([R, ...] with row_ids)
     row_ids: Optional[torch.Tensor] = None  # [B] int64, sequence i's row of req_to_token (None: row i)
+    max_extend_len: Optional[int] = None  # host int >= max(extend_lens) when known (sizes kernels without a sync)
 
     @property
     def is_decode(self) -> bool:

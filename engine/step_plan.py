@@ -73,6 +73,7 @@ class RequestTable:
             extend_lens=extend_lens_t,
             slot_mapping=slot_mapping,
             req_to_token=self.table[plan_rows, :max(plan.seq_lens)],
+            max_extend_len=max(extend_lens),
         )
 
 

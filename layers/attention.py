@@ -11,9 +11,11 @@ per query head, query head h reading KV head h // (num_heads / num_kv_heads) (GQ
 place (`store_kv`), then attends (`Attention.attend`, which only reads the cache); a caller that
 has already written them (the fused rotary kernel does) calls `attend` alone.
 
-Decode runs batched with static shapes: all sequences' keys gathered to
-``[B, max_context, ...]`` and masked by ``seq_lens`` (CUDA-graph capturable). Extend (prefill)
-loops over the sequences, each with a bottom-right-aligned causal mask.
+On GPU (fp16/bf16, power-of-two head dim, triton) both modes run Triton kernels: split-K decode
+(layers/triton_decode_attention.py) and one flash-attention launch for a whole extend batch
+(layers/triton_extend_attention.py). The torch paths, the references: decode batched with
+static shapes (all sequences' keys gathered to ``[B, max_context, ...]`` and masked by
+``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class AttentionBatch(Protocol):
     slot_mapping: torch.Tensor  # [T]
     req_to_token: torch.Tensor  # [B, max_context], or [R, max_context] with row_ids
     row_ids: Optional[torch.Tensor]  # [B]: sequence i's row of req_to_token (None: row i)
+    max_extend_len: Optional[int]  # host int >= max(extend_lens), or None (read from the device)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,8 +92,7 @@ class Attention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
         kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
-        pow2_head = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and triton_available():
+        if self._uses_triton(q):
             from layers.triton_decode_attention import decode_attention
 
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
@@ -110,8 +112,25 @@ class Attention(nn.Module):
         )  # [B, heads, 1, head_dim]
         return out.squeeze(2)
 
+    def _uses_triton(self, q: torch.Tensor) -> bool:
+        """GPU, fp16/bf16, power-of-two head dim >= 16, triton importable: the Triton kernels run."""
+        pow2_head = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and triton_available()
+
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
+        """Every sequence's new queries against all its keys, causal with the cached prefix
+        visible. Where `_uses_triton`: one Triton flash-attention launch for the whole batch
+        (layers/triton_extend_attention.py); elsewhere `_extend_torch`."""
+        if self._uses_triton(q):
+            from layers.triton_extend_attention import extend_attention
+
+            return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
+                                    self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len)
+        return self._extend_torch(q, k_cache, v_cache, batch)
+
+    def _extend_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: AttentionBatch) -> torch.Tensor:
         """Per sequence: its new queries against all its keys, causal with the cached prefix visible."""
         out = torch.empty_like(q)
         seq_slots = _sequence_slots(batch)

@@ -46,12 +46,12 @@ def _make(prefix_lens: list[int], extend_lens: list[int], seed: int):
 
 
 def _torch_extend(q, k_cache, v_cache, req_to_token, seq_lens, extend_lens, scale):
-    """The layer's per-sequence torch extend path (``Attention._extend``: one masked
+    """The layer's per-sequence torch extend path (``Attention._extend_torch``: one masked
     scaled_dot_product_attention per sequence, lengths read on the host)."""
     attention = Attention(q.shape[1], k_cache.shape[1], q.shape[2], scale)
     batch = SimpleNamespace(is_decode=False, seq_lens=seq_lens, extend_lens=extend_lens, req_to_token=req_to_token,
-                            row_ids=None)
-    return attention._extend(q, k_cache, v_cache, batch)
+                            row_ids=None, max_extend_len=None)
+    return attention._extend_torch(q, k_cache, v_cache, batch)
 
 
 def _assert_matches(out: torch.Tensor, expected: torch.Tensor, what: str) -> None:
