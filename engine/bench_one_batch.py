@@ -66,20 +66,19 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict[str, float]:
-    from engine.greedy import greedy_tokens
     from engine.static_batch import StaticBatch, random_prompts
 
     batch = StaticBatch(runner, random_prompts(bs, input_len, vocab, seed), output_len)
     _sync(runner.device)
     start = time.perf_counter()
     logits = batch.prefill()
-    tokens = greedy_tokens(logits).tolist()
+    tokens = torch.argmax(logits, dim=-1).tolist()
     prefill_s = time.perf_counter() - start
     steps = []
     for _ in range(output_len - 1):
         start = time.perf_counter()
         logits = batch.decode(tokens)
-        tokens = greedy_tokens(logits).tolist()
+        tokens = torch.argmax(logits, dim=-1).tolist()
         steps.append(time.perf_counter() - start)
     return {"prefill_ms": prefill_s * 1e3, "tpot_ms": statistics.median(steps) * 1e3 if steps else float("nan")}
 

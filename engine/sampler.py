@@ -1,7 +1,7 @@
 """Next-token sampling from fp32 logits ``[B, vocab]`` (TP rank 0 only), batched on the
 logits' device.
 
-Greedy rows take ``argmax`` (`engine.greedy`). Other rows: ``softmax(logits / temperature)`` restricted to the
+Greedy rows take ``argmax``. Other rows: ``softmax(logits / temperature)`` restricted to the
 ``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the token
 that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
 the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
@@ -15,7 +15,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.greedy import greedy_tokens
 from engine.sampling_params import SamplingParams
 
 
@@ -34,7 +33,7 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """One next token per row of ``logits``."""
-    tokens = greedy_tokens(logits)
+    tokens = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         dev = logits.device

@@ -21,18 +21,17 @@ def profile_decode_steps(runner: Any, batch_size: int, input_len: int, vocab: in
                          steps: int = PROFILE_STEPS, top: int = 25) -> dict[str, Any]:
     """Prefill a static batch, then profile ``steps`` greedy decode steps. Returns per-step
     wall, GPU-busy and idle µs, and the ``top`` kernels by time per step."""
-    from engine.greedy import greedy_tokens
     from engine.static_batch import StaticBatch, random_prompts
     from torch.profiler import ProfilerActivity, profile
 
     batch = StaticBatch(runner, random_prompts(batch_size, input_len, vocab, seed), steps + 2)
-    tokens = greedy_tokens(batch.prefill()).tolist()
-    tokens = greedy_tokens(batch.decode(tokens)).tolist()  # first replay outside the trace
+    tokens = torch.argmax(batch.prefill(), dim=-1).tolist()
+    tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()  # first replay outside the trace
     torch.cuda.synchronize(runner.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            tokens = greedy_tokens(batch.decode(tokens)).tolist()
+            tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()
         wall_us = (time.perf_counter() - start) * 1e6 / steps
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
