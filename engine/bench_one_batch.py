@@ -31,6 +31,9 @@ import torch
 
 logger = logging.getLogger("engine.bench_one_batch")
 SETTINGS = ("off", "on", "builtin")
+# rows per chunk of the fused two-shot strategy in prefills (as a server's --max-prefill-tokens):
+# 16384 x 4096 bf16 is 256 MiB of symmetric buffer per rank; larger prefills run in chunks
+SYMM_CHUNK_ROWS = 16384
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -93,7 +96,8 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     backend = args.allreduce_fusion_backend or ("flashinfer" if use_cuda else "torch")
     group = init_tensor_parallel(args.tp_size, rank, init_method, device=device, timeout_s=300)
-    base = FusionConfig(enabled=False, backend=backend, max_tokens=args.allreduce_fusion_max_tokens)
+    base = FusionConfig(enabled=False, backend=backend, max_tokens=args.allreduce_fusion_max_tokens,
+                        symm_max_tokens=max(args.allreduce_fusion_max_tokens, SYMM_CHUNK_ROWS))
     configs = {"off": base, "on": replace(base, enabled=True, table_path=args.allreduce_fusion_table),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     fusion = configs[args.fusion[0]]

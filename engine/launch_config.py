@@ -65,6 +65,7 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
         cache_size=args.allreduce_fusion_cache_size,
         deterministic=args.deterministic,
         table_path=args.allreduce_fusion_table,
+        symm_max_tokens=args.max_prefill_tokens,
     )
     runner = RunnerSettings(
         model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,

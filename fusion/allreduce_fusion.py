@@ -44,12 +44,18 @@ class FusionConfig:
     oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
     table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); None: the packaged one; "none": no table
+    # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
+    # An engine passes its largest prefill: eager chunks of a few thousand rows are host-bound
+    # (five launches per chunk), one chunk per prefill is not.
+    symm_max_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:
             raise ValueError(f"fusion backend must be one of {FUSION_BACKENDS}, got {self.backend!r}")
         if self.max_tokens < 1:
             raise ValueError(f"fusion max_tokens must be >= 1, got {self.max_tokens}")
+        if self.symm_max_tokens is not None and self.symm_max_tokens < 1:
+            raise ValueError(f"fusion symm_max_tokens must be >= 1, got {self.symm_max_tokens}")
 
 
 class AllReduceFusion:
@@ -133,7 +139,8 @@ class AllReduceFusion:
         picked = {min(row, key=row.__getitem__) for row in table.timings_us}
         tokens, hidden, dtype = self.config.max_tokens, self.hidden_size, self.dtype
         symm_tokens = tokens if st.SYMM_MEM_TWO_SHOT in picked and self.symm_mem.ensure(tokens, hidden, dtype) else 0
-        fused_tokens = tokens if st.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(tokens, hidden, dtype) else 0
+        rows = self.config.symm_max_tokens or tokens
+        fused_tokens = rows if st.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(rows, hidden, dtype) else 0
         return replace(env, table=table, symm_mem_tokens=symm_tokens, symm_fused_tokens=fused_tokens)
 
     def reserve(self, max_tokens: int) -> bool:
