@@ -24,10 +24,10 @@ from layers.triton_decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
 )
+from tests.attention_cases import PAD_SLOT, result_checker, spread_rows  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
-PAD_SLOT = 10**9  # what pads a row past seq_len: far outside any cache, so reading it would fail
 
 
 def make_case(batch: int, group: int, kv_heads: int, dim: int, context: int, dtype: torch.dtype,
@@ -80,17 +80,6 @@ ROW_ID_CASES = [
 ]
 
 
-def spread_rows(req_to_token: torch.Tensor, spare: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(table, row_ids)``: the B rows of req_to_token at random distinct rows of a table of
-    B + spare rows, whose other rows hold PAD_SLOT (reading them would fail)."""
-    g = torch.Generator().manual_seed(seed)
-    batch, context = req_to_token.shape
-    row_ids = torch.randperm(batch + spare, generator=g)[:batch].to(req_to_token.dtype)
-    table = torch.full((batch + spare, context), PAD_SLOT, dtype=req_to_token.dtype)
-    table[row_ids.long()] = req_to_token
-    return table, row_ids
-
-
 def _interpreted_cases(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: every CASES entry, then the replay check. Returns per
     key None when the kernel matched the reference, else the assertion message."""
@@ -98,13 +87,7 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
 
     assert triton.knobs.runtime.interpret, "the child must run the interpreter"
     results = {}
-
-    def check(key, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-        try:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-            results[key] = None
-        except AssertionError as e:
-            results[key] = str(e)
+    check = result_checker(results)
 
     for case in CASES:
         batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits = case

@@ -22,10 +22,10 @@ pytest.importorskip("triton")
 
 from layers.attention import Attention  # noqa: E402
 from layers.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from tests.attention_cases import PAD_SLOT, result_checker, spread_rows  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
-PAD_SLOT = 10**9  # what pads a row past seq_len: far outside any cache, so reading it would fail
 
 
 class Case(NamedTuple):
@@ -89,17 +89,6 @@ def make_case(case: Case, seed: int):
             torch.tensor(case.extend_lens, dtype=index))
 
 
-def spread_rows(req_to_token: torch.Tensor, spare: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(table, row_ids)``: the B rows of req_to_token at random distinct rows of a table of
-    B + spare rows, whose other rows hold PAD_SLOT (reading them would fail)."""
-    g = torch.Generator().manual_seed(seed)
-    batch, context = req_to_token.shape
-    row_ids = torch.randperm(batch + spare, generator=g)[:batch].to(req_to_token.dtype)
-    table = torch.full((batch + spare, context), PAD_SLOT, dtype=req_to_token.dtype)
-    table[row_ids.long()] = req_to_token
-    return table, row_ids
-
-
 def _interpreted_cases(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: every case. Returns per key None when the check passed,
     else the assertion message."""
@@ -107,13 +96,7 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
 
     assert triton.knobs.runtime.interpret, "the child must run the interpreter"
     results = {}
-
-    def check(key, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-        try:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-            results[key] = None
-        except AssertionError as e:
-            results[key] = str(e)
+    check = result_checker(results)
 
     for seed, case in enumerate(CASES):
         q, k_cache, v_cache, req_to_token, seq_lens, extend_lens = make_case(case, seed)

@@ -179,6 +179,20 @@ def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     assert calls == ["rotary_embedding", "silu_and_mul", "rotary_embedding_store_kv"]
 
 
+def _capture(step):
+    """``(graph, outputs)``: ``step`` run once on a side stream (Triton compiles outside the
+    capture), then captured into a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_cuda_graph_replay(tokens):
@@ -195,14 +209,7 @@ def test_cuda_graph_replay(tokens):
     def step():
         return (*rope(positions, q, k), act(x))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = _capture(step)
     for seed in (1, 2, 3):
         _fill(positions, qkv, x, seed)
         for out in outs:
@@ -233,14 +240,7 @@ def test_rotary_store_kv_cuda_graph_replay(tokens):
     def step() -> torch.Tensor:
         return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_out = step()
+    graph, q_out = _capture(step)
     for seed in (1, 2, 3):
         _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
         _fill_kv(k_cache, v_cache, slots, seed)
