@@ -19,6 +19,11 @@ from fusion.group import TensorParallelGroup
 from fusion.platform import is_capturing_cuda_graph
 
 logger = logging.getLogger(__name__)
+# A barrier whose peer has not arrived after this long traps on the device ("[FATAL]
+# CUDASymmetricMemory::barrier ..."), so a rank that died or took another path fails this
+# process loudly instead of spinning forever (0 would wait without end). Far above any
+# legitimate skew between ranks (a first Triton compile takes about a second).
+BARRIER_TIMEOUT_MS = 120_000
 
 
 def symm_mem_unavailable_reason(device: torch.device) -> Optional[str]:
@@ -90,8 +95,9 @@ class SymmetricBuffer:
 
     def barrier(self) -> None:
         """Every rank's previous work on this stream (its stores to peers included) is done
-        and visible before any rank's next kernel on its stream runs. Capturable."""
-        self.handle.barrier(channel=0)
+        and visible before any rank's next kernel on its stream runs. Capturable. Traps after
+        BARRIER_TIMEOUT_MS without every peer."""
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
     def destroy(self) -> None:
         self.buffer, self.handle, self.peer_ptrs = None, None, None
