@@ -2,23 +2,31 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 
-def median_us_per_call(calls: Callable[[], None], calls_per_graph: int, warmup: int = 3, trials: int = 10) -> float:
-    """``calls()`` issues ``calls_per_graph`` calls: run once eagerly on a side stream (lazy
-    init, compilation), capture it in a CUDA graph, replay ``warmup`` times, then time
-    ``trials`` replays with CUDA events. Returns the median µs of one call."""
+def capture_cuda_graph(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``(graph, outputs)``: ``step()`` run once eagerly on a side stream (lazy init, Triton and
+    JIT compilation stay outside the capture), then captured; ``outputs`` is what the captured
+    call returned (static tensors that each replay rewrites)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        calls()
+        step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        calls()
+        outputs = step()
+    return graph, outputs
+
+
+def median_us_per_call(calls: Callable[[], None], calls_per_graph: int, warmup: int = 3, trials: int = 10) -> float:
+    """``calls()`` issues ``calls_per_graph`` calls: captured by `capture_cuda_graph`, replayed
+    ``warmup`` times, then ``trials`` replays timed with CUDA events. Returns the median µs of
+    one call."""
+    graph, _ = capture_cuda_graph(calls)
     for _ in range(warmup):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

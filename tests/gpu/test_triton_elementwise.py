@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 import torch
 
-from fusion.cuda_graph_timing import median_us_per_call
+from fusion.cuda_graph_timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 
@@ -179,20 +179,6 @@ def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     assert calls == ["rotary_embedding", "silu_and_mul", "rotary_embedding_store_kv"]
 
 
-def _capture(step):
-    """``(graph, outputs)``: ``step`` run once on a side stream (Triton compiles outside the
-    capture), then captured into a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_cuda_graph_replay(tokens):
@@ -209,7 +195,7 @@ def test_cuda_graph_replay(tokens):
     def step():
         return (*rope(positions, q, k), act(x))
 
-    graph, outs = _capture(step)
+    graph, outs = capture_cuda_graph(step)
     for seed in (1, 2, 3):
         _fill(positions, qkv, x, seed)
         for out in outs:
@@ -240,7 +226,7 @@ def test_rotary_store_kv_cuda_graph_replay(tokens):
     def step() -> torch.Tensor:
         return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
 
-    graph, q_out = _capture(step)
+    graph, q_out = capture_cuda_graph(step)
     for seed in (1, 2, 3):
         _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
         _fill_kv(k_cache, v_cache, slots, seed)
