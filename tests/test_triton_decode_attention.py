@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import layers.triton_decode_attention as tda  # noqa: E402
 from layers.triton_decode_attention import (  # noqa: E402
     choose_num_splits,
     decode_attention,
@@ -63,6 +64,7 @@ CASES = [
     (3, 2, 4, 64, 300, torch.float16, torch.int64, 5),
     (3, 4, 2, 128, 520, torch.float32, torch.int32, None),
     (3, 8, 1, 128, 150, torch.float16, torch.int32, 1),
+    (4, 2, 2, 64, 200, torch.float32, torch.int64, 1),  # one split over several key blocks: out written directly
     (8, 1, 2, 128, 90, torch.float32, torch.int64, 3),
     (8, 4, 4, 128, 260, torch.float16, torch.int64, None),
     (8, 8, 2, 64, 400, torch.float32, torch.int64, 7),
@@ -71,6 +73,15 @@ CASES = [
 
 
 REPLAY_LENS = ([330, 1, 65, 64], [2, 330, 329, 128])
+
+# (dtype, num_splits, seq_lens) at B=6, G=2, KVH=2, D=64, C=700: every row runs fewer splits than
+# NUM_SPLITS (8 splits: ceil(n / chunk) = 1, 1, 2, 3, 5, 6; 64 splits: 1, 1, 1, 3, 11, 11), so
+# the last arrival must be counted among the splits that exist; each case is called twice on
+# the same arrival counters
+SHORT_ROW_CASES = [
+    (torch.float32, 8, (1, 64, 65, 129, 520, 700)),
+    (torch.float16, 64, (1, 2, 64, 130, 700, 700)),
+]
 
 # (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits) read through row ids
 ROW_ID_CASES = [
@@ -125,6 +136,19 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
         out = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=6)
         expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, lens, 0.3)
         check(("replay", tuple(lens.tolist())), out, expected, 1e-5, 1e-5)
+
+    for case in SHORT_ROW_CASES:
+        dtype, num_splits, lens = case
+        q, k_cache, v_cache, req_to_token, _ = make_case(6, 2, 2, 64, 700, dtype, torch.int64, seed=num_splits)
+        req_to_token[req_to_token == PAD_SLOT] = 0
+        lens = torch.tensor(lens)
+        first = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=num_splits)
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, lens, 0.3)
+        check((case, "reference"), first.float(), expected, *TOLERANCES[dtype])
+        again = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=num_splits)
+        check((case, "second call"), again, first, 0, 0)
+        counters = torch.cat(tda._ARRIVALS[q.device])
+        check((case, "counters at 0"), counters, torch.zeros_like(counters), 0, 0)
     return results
 
 
@@ -155,6 +179,34 @@ def test_row_ids_read_rows_of_a_larger_table(interpreted, case):
     with those rows gathered."""
     for key in ((case, "row_ids"), (case, "row_ids = gathered rows")):
         assert interpreted[key] is None, interpreted[key]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", SHORT_ROW_CASES, ids=lambda c: f"{str(c[0]).replace('torch.', '')}-{c[1]}splits")
+def test_rows_shorter_than_the_splits(interpreted, case):
+    """Rows whose later splits are empty: the last of the splits that ran merges them (as the
+    reference), a second call on the same counters gives the same output bit for bit, and every
+    counter is back at 0 after each call."""
+    for what in ("reference", "second call", "counters at 0"):
+        assert interpreted[(case, what)] is None, interpreted[(case, what)]
+
+
+def test_arrival_counters_grow_outside_capture_only(monkeypatch):
+    """Zeroed int32 counters per device, reused while large enough, grown to a power of two by
+    a new buffer (the old one kept for graphs that captured it), and never grown during capture."""
+    monkeypatch.setattr(tda, "_ARRIVALS", {})
+    cpu = torch.device("cpu")
+    small = tda._arrival_counters(cpu, 5)
+    assert small.numel() == 8 and small.dtype == torch.int32 and not small.any()
+    assert tda._arrival_counters(cpu, 8) is small
+    monkeypatch.setattr(tda, "is_capturing_cuda_graph", lambda: True)
+    assert tda._arrival_counters(cpu, 3) is small  # large enough: fine during capture
+    with pytest.raises(RuntimeError, match=re.escape("needs 9 arrival counters (batch x kv heads) on cpu but has 8")):
+        tda._arrival_counters(cpu, 9)
+    monkeypatch.setattr(tda, "is_capturing_cuda_graph", lambda: False)
+    big = tda._arrival_counters(cpu, 9)
+    assert big.numel() == 16 and not big.any()
+    assert [id(t) for t in tda._ARRIVALS[cpu]] == [id(small), id(big)]
 
 
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
