@@ -58,13 +58,14 @@ class CudaGraphRunner:
     def can_run(self, bs: int) -> bool:
         return bs <= self.sizes[-1]
 
-    def replay(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` of a decode plan (a view of the graph's static output)."""
+    def replay(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp32 logits [B, vocab], the sequences' table rows [B])`` of a decode plan: views of
+        the graph's static output and input buffer."""
         bs = plan.batch_size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         self.inputs[padded].load(plan)
         self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        return self.outputs[padded][:bs], self.inputs[padded].batch.row_ids[:bs]
 
     def destroy(self) -> None:
         self.graphs.clear()

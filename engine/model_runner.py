@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_rows = settings.max_running_requests
         self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
         self.table = RequestTable(self.max_rows, self.context_len, self.device)
+        self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
             self.graphs = CudaGraphRunner(self, min(settings.cuda_graph_max_bs, self.max_rows))
@@ -127,11 +128,34 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots). A decode
         step replayed from a CUDA graph returns the graph's static output buffer: the values
-        are valid until the next forward (copy them to keep them)."""
+        are valid until the next forward (copy them to keep them). Follow it with
+        `commit_tokens` when the plan's next tokens are to come from the device."""
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
-            return self.graphs.replay(plan)
-        batch = self.table.apply(plan)
+            logits, self._step_rows = self.graphs.replay(plan)
+            return logits
+        batch, self._step_rows = self.table.apply(plan)
         return self.model(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def commit_tokens(self, tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        """Collective over the TP group, after `forward`: rank 0's next tokens (int64 ``[B]`` on
+        the device, one per sequence of the last forward; other ranks pass None) become every
+        rank's, and each sequence's row records its token in the table's ``last_tokens`` (read
+        by the next ``tokens_on_device`` decode plan). Stream-ordered: nothing waits for the
+        GPU. Returns the tokens."""
+        if self._step_rows is None:
+            raise RuntimeError("commit_tokens needs a forward step first")
+        rows, self._step_rows = self._step_rows, None
+        if self.group.rank == 0:
+            if tokens is None or tokens.shape != rows.shape or tokens.dtype != torch.int64:
+                got = None if tokens is None else (tuple(tokens.shape), tokens.dtype)
+                raise ValueError(f"rank 0 must commit {rows.numel()} int64 tokens for the last step, got {got}")
+            tokens = tokens.to(self.device)
+        else:
+            tokens = torch.empty_like(rows)
+        self.group.broadcast(tokens, src=0)
+        self.table.commit_tokens(rows, tokens)
+        return tokens
 
     def destroy(self) -> None:
         if self.graphs is not None:

@@ -2,9 +2,13 @@
 into a `ForwardBatch`.
 
 Every rank keeps the same request-to-token table on its device (``[rows + 1, context]``, the
-last row is the padding row); a plan carries only what changed: for each sequence its table
-row, its new tokens, the slots of those new tokens and its total length. That keeps the
-broadcast small (O(new tokens)), whatever the context lengths.
+last row is the padding row) and each row's last committed token (``last_tokens``, the token a
+sampler picked for that sequence, broadcast from rank 0 on the device); a plan carries only
+what changed: for each sequence its table row, its new tokens, the slots of those new tokens
+and its total length. That keeps the broadcast small (O(new tokens)), whatever the context
+lengths. A decode plan may leave its tokens on the device (``tokens_on_device``): each
+sequence's input is then its row's last committed token, so the host can build and launch
+step n+1 before it has seen step n's tokens (the overlap schedule).
 
 `RequestTable.apply` builds a batch of any shape (its own tensors, a gathered req_to_token);
 `DecodeBuffers` refills the static buffers a CUDA-graph decode step reads, with one
@@ -26,6 +30,8 @@ class StepPlan:
     new_tokens: list[list[int]] = field(default_factory=list)
     new_slots: list[list[int]] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
+    # decode only: ``new_tokens`` is empty and each sequence's input is ``last_tokens[row]``
+    tokens_on_device: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -39,16 +45,23 @@ class RequestTable:
         self.context_len = context_len
         self.pad_row = num_rows
         self.table = torch.zeros(num_rows + 1, context_len, dtype=torch.int64, device=device)
+        self.last_tokens = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self.device = device
 
     def record(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """In place: ``table[rows[i], positions[i]] = slots[i]`` (new tokens' slots; one index_put)."""
         self.table[rows, positions] = slots
 
-    def apply(self, plan: StepPlan) -> ForwardBatch:
+    def commit_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """In place: ``last_tokens[rows[i]] = tokens[i]`` (the sampled next token of each row)."""
+        self.last_tokens[rows] = tokens
+
+    def apply(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
         """Record the plan's new slots in the table (in place) and build its batch, whose
-        ``req_to_token`` is the plan's rows gathered, as wide as its longest sequence. All the
-        plan's integers travel to the device in one copy."""
+        ``req_to_token`` is the plan's rows gathered, as wide as its longest sequence; returns
+        it and the plan's rows on the device. All the plan's integers travel to the device in
+        one copy."""
+        check_token_source(plan)
         rows, cols, slots = [], [], []
         for row, new, seq_len in zip(plan.rows, plan.new_slots, plan.seq_lens):
             if seq_len > self.context_len:
@@ -57,7 +70,7 @@ class RequestTable:
             cols.extend(range(seq_len - len(new), seq_len))
             slots.extend(new)
         input_ids = [t for toks in plan.new_tokens for t in toks]
-        extend_lens = [len(t) for t in plan.new_tokens]
+        extend_lens = [len(s) for s in plan.new_slots]
         fields = (input_ids, cols, slots, rows, plan.seq_lens, extend_lens, plan.rows)
         host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
         if self.device.type == "cuda":
@@ -65,7 +78,9 @@ class RequestTable:
         packed = torch.split(host.to(self.device, non_blocking=True), [len(f) for f in fields])
         input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = packed
         self.record(rows_t, positions, slot_mapping)
-        return ForwardBatch(
+        if plan.tokens_on_device:
+            input_ids_t = self.last_tokens[plan_rows]
+        batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE if plan.kind == "decode" else ForwardMode.EXTEND,
             input_ids=input_ids_t,
             positions=positions,
@@ -75,6 +90,18 @@ class RequestTable:
             req_to_token=self.table[plan_rows, :max(plan.seq_lens)],
             max_extend_len=max(extend_lens),
         )
+        return batch, plan_rows
+
+
+def check_token_source(plan: StepPlan) -> None:
+    """ValueError unless the plan's tokens come from exactly one place: ``tokens_on_device``
+    (decode plans only, no host tokens) or one host token list per sequence."""
+    if plan.tokens_on_device:
+        if plan.kind != "decode" or plan.new_tokens:
+            raise ValueError(f"tokens_on_device is for decode plans without host tokens, got a {plan.kind!r} plan "
+                             f"with {len(plan.new_tokens)} token lists")
+    elif len(plan.new_tokens) != plan.batch_size:
+        raise ValueError(f"the plan has {plan.batch_size} rows but {len(plan.new_tokens)} token lists")
 
 
 DECODE_FIELDS = ("input_ids", "positions", "seq_lens", "slot_mapping", "row_ids")
@@ -101,22 +128,27 @@ class DecodeBuffers:
     def load(self, plan: StepPlan) -> None:
         """Fill the buffer for a decode plan of at most ``size`` sequences with one host-to-device
         copy (from pinned memory on a GPU), then record its new slots in the table (one
-        index_put); in place, no host sync."""
+        index_put); with ``tokens_on_device``, gather the rows' last committed tokens into the
+        input ids (one more launch). In place, no host sync."""
         self.packed.copy_(self._host(plan), non_blocking=True)
         bs, batch = plan.batch_size, self.batch
         self.table.record(batch.row_ids[:bs], batch.positions[:bs], batch.slot_mapping[:bs])
+        if plan.tokens_on_device:
+            torch.index_select(self.table.last_tokens, 0, batch.row_ids[:bs], out=batch.input_ids[:bs])
 
     def _host(self, plan: StepPlan) -> torch.Tensor:
         """The buffer's contents for ``plan``, padded, on the host."""
         if plan.kind != "decode" or plan.batch_size > self.size:
             raise ValueError(f"need a decode plan of at most {self.size} sequences, got {plan.kind!r} "
                              f"of {plan.batch_size}")
+        check_token_source(plan)
         if any(len(t) != 1 for t in plan.new_tokens) or any(len(s) != 1 for s in plan.new_slots):
             raise ValueError("a decode plan has exactly one new token and one new slot per sequence")
         if any(not 1 <= n <= self.table.context_len for n in plan.seq_lens):
             raise ValueError(f"sequence lengths must be in [1, {self.table.context_len}], got {plan.seq_lens}")
         pad = self.size - plan.batch_size
-        values = ([t for (t,) in plan.new_tokens] + [0] * pad
+        tokens = [0] * plan.batch_size if plan.tokens_on_device else [t for (t,) in plan.new_tokens]
+        values = (tokens + [0] * pad
                   + [n - 1 for n in plan.seq_lens] + [0] * pad
                   + list(plan.seq_lens) + [1] * pad
                   + [s for (s,) in plan.new_slots] + [0] * pad

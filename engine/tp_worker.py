@@ -48,6 +48,7 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
             if plan.kind == "shutdown":
                 break
             runner.forward(plan)
+            runner.commit_tokens(None)  # rank 0's sampled tokens, into this rank's table
     except Exception:
         logger.exception("TP worker rank %d failed", rank)
         code = 1

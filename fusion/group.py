@@ -72,6 +72,14 @@ class TensorParallelGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: ``x`` takes rank ``src``'s values on every rank, over the device group
+        (stream-ordered on a GPU: no host sync). Returns ``x``."""
+        if self.world_size == 1:
+            return x
+        dist.broadcast(x, src=dist.get_global_rank(self.device_group, src), group=self.device_group)
+        return x
+
     def all_agree(self, ok: bool) -> bool:
         """Vote over the CPU group: True only if ``ok`` is True on every rank."""
         if self.world_size == 1:

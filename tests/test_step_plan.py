@@ -2,6 +2,8 @@
 static buffer (the plan, then padding), that the table records the new slots, and that a model
 decoding through the buffers (row ids over the whole table, a padded batch) gives the logits of
 the batch `RequestTable.apply` builds (the plan's rows gathered)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,6 +66,20 @@ def test_buffers_refuse_what_they_cannot_hold(plan, message):
     assert not table.table.any(), "a refused plan records nothing"
 
 
+@pytest.mark.parametrize("plan,message", [
+    (StepPlan("decode", rows=[0], new_tokens=[[1]], new_slots=[[1]], seq_lens=[1], tokens_on_device=True),
+     "tokens_on_device is for decode plans without host tokens"),
+    (StepPlan("extend", rows=[0], new_slots=[[1]], seq_lens=[1], tokens_on_device=True), "'extend'"),
+    (StepPlan("decode", rows=[0, 1], new_tokens=[[1]], new_slots=[[1], [2]], seq_lens=[1, 1]), "2 rows but 1 token"),
+])
+def test_a_plan_takes_its_tokens_from_one_place(plan, message):
+    table = RequestTable(ROWS, CONTEXT, CPU)
+    for load in (table.apply, DecodeBuffers(table, 4).load):
+        with pytest.raises(ValueError, match=message):
+            load(plan)
+    assert not table.table.any(), "a refused plan records nothing"
+
+
 def _decode_both_ways(rank: int, world_size: int) -> dict:
     """Prefill the three prompts, then greedy decode, once through `apply` (gathered rows) and
     once through `DecodeBuffers` of 4 (one padding row) and of 3 (none) in turn, each with its
@@ -78,15 +94,23 @@ def _decode_both_ways(rank: int, world_size: int) -> dict:
     lens = [len(p) for p in PROMPTS]
     prefill = StepPlan("extend", rows=SEQ_ROWS, new_tokens=PROMPTS, new_slots=[s[:n] for s, n in zip(slots, lens)],
                        seq_lens=lens)
-    logits = [model(table.apply(prefill), cache) for table, cache in zip(tables, caches)]
+    logits = [model(table.apply(prefill)[0], cache) for table, cache in zip(tables, caches)]
     eager, buffered = [logits[0]], [logits[1]]
     for step in range(STEPS):
         tokens = eager[-1].argmax(-1).tolist()
         lens = [n + 1 for n in lens]
         plan = decode_plan(SEQ_ROWS, tokens, [s[n - 1] for s, n in zip(slots, lens)], lens)
-        eager.append(model(tables[0].apply(plan), caches[0]))
+        # the buffered side always, the eager side every other step, reads the tokens from the
+        # rows' committed last tokens instead of the plan
+        on_device = replace(plan, new_tokens=[], tokens_on_device=True)
+        for table in tables:
+            table.commit_tokens(torch.tensor(SEQ_ROWS), torch.tensor(tokens))
+        eager_batch, eager_rows = tables[0].apply(on_device if step % 2 else plan)
+        assert eager_rows.tolist() == SEQ_ROWS and eager_batch.input_ids.tolist() == tokens
+        eager.append(model(eager_batch, caches[0]))
         step_buffers = buffers[4 if step % 2 else 3]
-        step_buffers.load(plan)
+        step_buffers.load(on_device)
+        assert step_buffers.batch.input_ids[:len(tokens)].tolist() == tokens
         buffered.append(model(step_buffers.batch, caches[1])[:len(PROMPTS)])
     used = torch.tensor([s for seq in slots for s in seq])
     return {"eager": torch.stack(eager), "buffered": torch.stack(buffered),

@@ -5,7 +5,8 @@ copy of the step's integers, one index_put into the request table), attention re
 whole table through row ids, and the fused rotary + KV-cache write. The eager path gathers the
 plan's rows (`RequestTable.apply`). The built-in tiny model with dummy weights, fp32 and bf16;
 three and four sequences in scattered table rows (three pad to the graph of four); greedy
-decode teacher-forced from the eager run. Per step, the graph's logits must be within a
+decode teacher-forced from the eager run, every other step through the graph runner's
+committed device tokens (`commit_tokens`, a ``tokens_on_device`` plan). Per step, the graph's logits must be within a
 relative L2 error of the eager ones (1e-4 in fp32; 2e-2 in bf16, where a different split of
 the decode attention or a padded GEMM rounds differently), and both runners' request tables
 must be equal, the padding row untouched.
@@ -44,12 +45,15 @@ def _run(rank: int, world_size: int, dtype: str) -> dict:
         rows, lens = ROWS[:bs], [PROMPT_LEN] * bs
         prefill = StepPlan("extend", rows, prompts, [s[:PROMPT_LEN] for s in slots], lens)
         logits = {name: [runner.forward(prefill).clone()] for name, runner in runners.items()}
-        for _ in range(STEPS):
+        for step in range(STEPS):
             tokens = logits["eager"][-1].argmax(-1).tolist()
             lens = [n + 1 for n in lens]
             plan = StepPlan("decode", rows, [[t] for t in tokens], [[s[n - 1]] for s, n in zip(slots, lens)], lens)
+            # every other step the graph reads the tokens committed on the device (the served path)
+            graphed.commit_tokens(torch.tensor(tokens, device=graphed.device))
+            plans = {"graph": replace(plan, new_tokens=[], tokens_on_device=True) if step % 2 else plan, "eager": plan}
             for name, runner in runners.items():
-                logits[name].append(runner.forward(plan).clone())  # graph outputs are overwritten by the next replay
+                logits[name].append(runner.forward(plans[name]).clone())  # graph outputs are overwritten by the next replay
         graph, ref = torch.stack(logits["graph"][1:]), torch.stack(logits["eager"][1:])  # [STEPS, bs, vocab]
         out[bs] = {
             "max_rel_err": ((graph - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item(),
