@@ -116,7 +116,8 @@ def serve(args: ServerArgs) -> int:
                                      node_rank=args.node_rank, timeout_s=launch.dist_timeout)
         runner = ModelRunner(launch.runner, group)
         scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
-                              on_failure=lambda why: _die_with_workers(workers, f"the scheduler failed ({why})"))
+                              on_failure=lambda why: _die_with_workers(workers, f"the scheduler failed ({why})"),
+                              overlap=not args.disable_overlap_schedule)
         model_name = args.served_model_name or args.model_path
 
         def info() -> dict[str, Any]:

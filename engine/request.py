@@ -25,6 +25,7 @@ class Request:
     row: Optional[int] = None  # request-to-token table row while running
     generator: Optional[torch.Generator] = None
     finish_reason: Optional[str] = None
+    tokens_in_flight: int = 0  # tokens sampled on the device by launched steps, not yet in output_ids
     text: str = ""  # output decoded so far (complete characters)
     released_text: str = ""  # the part of ``text`` already sent to the client
     released_ids: int = 0  # output ids already sent
@@ -34,6 +35,17 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def launched_len(self) -> int:
+        """``seq_len`` once the launched steps' tokens arrive: the input token of the next decode
+        step is at position ``launched_len - 1``."""
+        return self.seq_len + self.tokens_in_flight
+
+    @property
+    def wants_decode_step(self) -> bool:
+        """Still running and not every one of its ``max_tokens`` has been launched."""
+        return self.finish_reason is None and len(self.output_ids) + self.tokens_in_flight < self.params.max_tokens
 
     @property
     def reserved_tokens(self) -> int:

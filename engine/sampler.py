@@ -31,8 +31,10 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return sorted_probs * (keep_k & keep_p), order
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]) -> list[int]:
-    """One next token per row of ``logits``."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """One next token per row of ``logits``: int64 ``[B]`` on the logits' device, computed
+    without a host sync (the random numbers come from the CPU generators)."""
     tokens = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -47,4 +49,4 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         target = uniform[:, None] * cdf[:, -1:]
         pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
         tokens[rows] = order.gather(1, pick).squeeze(1)
-    return tokens.tolist()
+    return tokens

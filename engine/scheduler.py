@@ -4,7 +4,17 @@ Each step: admit waiting requests as one prefill (extend) step while they fit (f
 ``max_running_requests``, ``max_prefill_tokens`` new tokens per step, and KV slots for the
 prompt plus all of ``max_tokens``, reserved up front so a running request never runs out);
 otherwise run one decode step over every running request. Requests join and leave between
-steps. Rank 0 broadcasts each `StepPlan` to the other ranks, which run the same forward.
+steps. Rank 0 broadcasts each `StepPlan` to the other ranks, which run the same forward, then
+the sampled tokens on the device (`ModelRunner.commit_tokens`), where the next decode step
+reads them.
+
+Overlap schedule (the default, as SGLang's): step n+1 is planned and launched before step n's
+tokens reach the host, so the GPU never waits for the host's bookkeeping (detokenizing, stop
+checks, planning, the plan broadcast). The scheduler therefore learns one step late that a
+request finished: that request runs one more step whose token is dropped (its KV slot lies
+within the reservation, since a request is never launched past ``max_tokens``), and its first
+token is emitted after the next step's launch. ``overlap=False`` reads each step's tokens
+before planning the next.
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -19,6 +30,7 @@ import torch
 from engine.engine_client import GenerationChunk, TokenizerLike
 from engine.kv_pool import RowAllocator, SlotAllocator
 from engine.model_runner import ModelRunner
+from engine.pending_tokens import PendingTokens
 from engine.request import Request
 from engine.sampler import sample
 from engine.step_plan import StepPlan
@@ -26,9 +38,17 @@ from engine.step_plan import StepPlan
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose tokens are on their way to the host, and the requests they belong to."""
+
+    requests: list[Request]
+    tokens: PendingTokens
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
-                 on_failure: Callable[[str], None] = lambda reason: None) -> None:
+                 on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True) -> None:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
@@ -39,6 +59,8 @@ class Scheduler:
         self.rows = RowAllocator(runner.max_rows)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.overlap = overlap
+        self.launched: deque[LaunchedStep] = deque()
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._stopped = threading.Event()
         self.failure: Optional[str] = None
@@ -82,7 +104,7 @@ class Scheduler:
         """Step until `stop`; then tell the other ranks to shut down."""
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not (self.waiting or self.running))
+                self._drain_inbox(block=not (self.waiting or self.running or self.launched))
                 if not self._stopped.is_set():
                     self.step()
         except Exception as exc:  # fail loudly: every waiting client gets an error, the server reports unhealthy
@@ -119,22 +141,43 @@ class Scheduler:
                 self.waiting.remove(req)
         for req in list(self.running):
             if req.rid == rid:
+                req.finish_reason = "abort"  # a launched step's token for it is dropped
                 self._release_resources(req)
                 self.running.remove(req)
 
     def step(self) -> bool:
-        """One forward step; False when there was nothing to run."""
+        """Launch one forward step (if any is due), then take in the tokens of every launched
+        step but the newest (with overlap) or of all (without); False when nothing happened."""
         plan, reqs = self._plan_prefill()
         if plan is None:
             plan, reqs = self._plan_decode()
-        if plan is None:
-            return False
+        if plan is not None:
+            self._launch(plan, reqs)
+        in_flight = 1 if self.overlap and plan is not None else 0
+        took_in = bool(self.launched)
+        while len(self.launched) > in_flight:
+            self._take_in(self.launched.popleft())
+        return plan is not None or took_in
+
+    def _launch(self, plan: StepPlan, reqs: list[Request]) -> None:
+        """Broadcast the plan, run it, sample, commit the tokens on every rank and start their copy
+        to the host; no host sync."""
         if self.group.world_size > 1:
             self.group.broadcast_object(plan)
         logits = self.runner.forward(plan)
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = self.runner.commit_tokens(sample(logits, [r.params for r in reqs], [r.generator for r in reqs]))
+        for req in reqs:
+            req.tokens_in_flight += 1
+        self.launched.append(LaunchedStep(reqs, PendingTokens(tokens)))
         self.steps += 1
-        for req, token in zip(reqs, tokens):
+
+    def _take_in(self, step: LaunchedStep) -> None:
+        """Append a launched step's tokens to their requests, emit them, and retire the requests
+        that finished (a request that finished or was aborted since the launch drops its token)."""
+        for req, token in zip(step.requests, step.tokens.get()):
+            req.tokens_in_flight -= 1
+            if req.finish_reason is not None:
+                continue
             req.output_ids.append(token)
             req.check_finished(self.eos_ids, self.runner.context_len)
             chunk = req.release(self.tokenizer)
@@ -142,7 +185,6 @@ class Scheduler:
             if req.finish_reason is not None:
                 self._release_resources(req)
                 self.running.remove(req)
-        return True
 
     def _plan_prefill(self) -> tuple[Optional[StepPlan], list[Request]]:
         admitted: list[Request] = []
@@ -168,11 +210,13 @@ class Scheduler:
         return plan, admitted
 
     def _plan_decode(self) -> tuple[Optional[StepPlan], list[Request]]:
-        reqs = list(self.running)
+        """One decode step of every running request that still has tokens to launch; each reads
+        its input (its latest token, perhaps still in flight) on the device."""
+        reqs = [r for r in self.running if r.wants_decode_step]
         if not reqs:
             return None, []
-        plan = StepPlan("decode", rows=[r.row for r in reqs], new_tokens=[[r.output_ids[-1]] for r in reqs],
-                        new_slots=[[r.slots[r.seq_len - 1]] for r in reqs], seq_lens=[r.seq_len for r in reqs])
+        plan = StepPlan("decode", rows=[r.row for r in reqs], new_slots=[[r.slots[r.launched_len - 1]] for r in reqs],
+                        seq_lens=[r.launched_len for r in reqs], tokens_on_device=True)
         return plan, reqs
 
     def _release_resources(self, req: Request) -> None:

@@ -51,6 +51,7 @@ class ServerArgs(BaseModel):
     max_prefill_tokens: int = Field(8192, ge=16, description="Most tokens one prefill step takes")
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
+    disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (default: launch step n+1 first, so the GPU does not wait for the host)")
 
     # Server
     host: str = Field("127.0.0.1", description="HTTP bind address")
