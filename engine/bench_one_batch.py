@@ -9,9 +9,11 @@ Settings (``--fusion``, any of): ``off`` (NCCL + fused_add_rmsnorm), ``on`` (the
 a server runs it: the measured strategy table, packaged or ``--allreduce-fusion-table``) and
 ``builtin`` (the fused path with the built-in thresholds, no table). Gains are against ``off``.
 
-Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed), then
-``output_len`` greedy decode steps (CUDA-graph replays on GPU), each timed from the host
-(including the host-side batch building and the argmax). TPOT = median decode step.
+Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed until its tokens
+reach the host), then ``output_len - 1`` greedy decode steps (CUDA-graph replays on GPU), each
+reading the last step's tokens on the device, with the host taking each step's tokens in one
+step late as the server's overlap schedule does (``--disable-overlap-schedule``: right away).
+TPOT = the median interval between consecutive steps' tokens reaching the host.
 Each (setting, batch size) first runs once untimed (allocator blocks, kernel compiles), then
 ``--repeats`` times; the median is reported.
 """
@@ -54,6 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="default: flashinfer on GPU, torch on CPU")
     p.add_argument("--allreduce-fusion-max-tokens", type=int, default=2048)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="take each step's tokens to the host before launching the next step")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--json-file", help="append the results as one JSON object per line (rank 0)")
     p.add_argument("--profile", action="store_true",
@@ -68,22 +72,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict[str, float]:
+def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, seed: int,
+            overlap: bool = True) -> dict[str, float]:
+    """Prefill ms (until its tokens reach the host) and TPOT ms: the median interval between
+    consecutive steps' tokens reaching the host (`StaticBatch.decode_greedy`)."""
     from engine.static_batch import StaticBatch, random_prompts
 
     batch = StaticBatch(runner, random_prompts(bs, input_len, vocab, seed), output_len)
     _sync(runner.device)
     start = time.perf_counter()
-    logits = batch.prefill()
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    prefill_s = time.perf_counter() - start
-    steps = []
-    for _ in range(output_len - 1):
-        start = time.perf_counter()
-        logits = batch.decode(tokens)
-        tokens = torch.argmax(logits, dim=-1).tolist()
-        steps.append(time.perf_counter() - start)
-    return {"prefill_ms": prefill_s * 1e3, "tpot_ms": statistics.median(steps) * 1e3 if steps else float("nan")}
+    batch.prefill_greedy().get()
+    prefill_end = time.perf_counter()
+    _, arrivals = batch.decode_greedy(output_len - 1, overlap)
+    steps = [b - a for a, b in zip([prefill_end] + arrivals, arrivals)]
+    return {"prefill_ms": (prefill_end - start) * 1e3,
+            "tpot_ms": statistics.median(steps) * 1e3 if steps else float("nan")}
 
 
 def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
@@ -117,20 +120,22 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
             status = runner.fusion.status()
             for bs in args.batch_size:
                 # untimed: the caching allocator's blocks for this size, Triton compiles, first replays
-                measure(runner, bs, args.input_len, 2, runner.config.vocab_size, args.seed)
-                runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, args.seed + r)
-                        for r in range(args.repeats)]
+                overlap = not args.disable_overlap_schedule
+                measure(runner, bs, args.input_len, 2, runner.config.vocab_size, args.seed, overlap)
+                runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, args.seed + r,
+                                overlap) for r in range(args.repeats)]
                 results.append({
                     "fusion": setting, "fusion_active": status["active"],
                     "strategy_table": status["measured_strategy_table"],
-                    "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs,
+                    "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs, "overlap": overlap,
                     "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
                 })
                 if args.profile and runner.device.type == "cuda":
                     from engine.step_profile import format_profile, profile_decode_steps
 
-                    prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, args.seed)
+                    prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, args.seed,
+                                                overlap=overlap)
                     results[-1]["profile"] = prof
                     if rank == 0:
                         print(format_profile(prof, "fusion " + setting), flush=True)
@@ -157,8 +162,9 @@ def format_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> str
     compared = [s for s in measured if s != "off"] if "off" in measured else []
     head = ([f"prefill {s}" for s in measured] + [f"TPOT {s}" for s in measured]
             + [f"TPOT gain {s}" for s in compared] + [f"prefill gain {s}" for s in compared])
+    schedule = "no overlap" if args.disable_overlap_schedule else "overlap"
     lines = [f"model={args.model_path} tp={args.tp_size} input_len={args.input_len} output_len={args.output_len} "
-             f"(ms; gain = 1 - setting / off)",
+             f"{schedule} (ms; gain = 1 - setting / off)",
              f"{'batch':>5} " + " ".join(f"{h:>17}" for h in head)]
     for bs in args.batch_size:
         def cell(setting: str, key: str) -> str:

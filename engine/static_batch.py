@@ -1,12 +1,18 @@
 """`StaticBatch`: a fixed set of sequences run through a `ModelRunner` without a scheduler
 (every rank builds the same plans itself): for benchmarks and tests that step the model
-directly, like SGLang's bench_one_batch."""
+directly, like SGLang's bench_one_batch. Greedy decoding feeds each step's tokens to the next
+on the device, as the server's scheduler does."""
 from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
 
 import torch
 
 from engine.kv_pool import RowAllocator, SlotAllocator
 from engine.model_runner import ModelRunner
+from engine.pending_tokens import PendingTokens
 from engine.step_plan import StepPlan
 
 
@@ -15,8 +21,8 @@ class StaticBatch:
         if len(prompts) > runner.max_rows:
             raise ValueError(f"{len(prompts)} sequences exceed the runner's {runner.max_rows} rows")
         self.runner = runner
-        self.tokens = [list(p) for p in prompts]
-        self.prompt_lens = [len(p) for p in prompts]
+        self.prompts = [list(p) for p in prompts]
+        self.seq_lens = [len(p) for p in prompts]
         rows, slots = RowAllocator(runner.max_rows), SlotAllocator(runner.num_kv_slots)
         self.rows = [rows.allocate() for _ in prompts]
         self.slots = []
@@ -28,19 +34,44 @@ class StaticBatch:
 
     def prefill(self) -> torch.Tensor:
         """Logits ``[B, vocab]`` after the whole prompts."""
-        plan = StepPlan("extend", rows=self.rows, new_tokens=[list(t) for t in self.tokens],
-                        new_slots=[s[: len(t)] for s, t in zip(self.slots, self.tokens)],
-                        seq_lens=[len(t) for t in self.tokens])
+        plan = StepPlan("extend", rows=self.rows, new_tokens=self.prompts,
+                        new_slots=[s[:len(p)] for s, p in zip(self.slots, self.prompts)], seq_lens=list(self.seq_lens))
         return self.runner.forward(plan)
 
-    def decode(self, next_tokens: list[int]) -> torch.Tensor:
-        """Append one token per sequence and return the logits after it."""
-        for seq, tok in zip(self.tokens, next_tokens):
-            seq.append(tok)
-        plan = StepPlan("decode", rows=self.rows, new_tokens=[[t] for t in next_tokens],
-                        new_slots=[[s[len(t) - 1]] for s, t in zip(self.slots, self.tokens)],
-                        seq_lens=[len(t) for t in self.tokens])
+    def decode(self, next_tokens: Optional[list[int]] = None) -> torch.Tensor:
+        """Append one token per sequence and return the logits after it: ``next_tokens`` from
+        the host, or (None) each sequence's token committed on the device by the last step
+        (`ModelRunner.commit_tokens`), which needs no host sync."""
+        self.seq_lens = [n + 1 for n in self.seq_lens]
+        plan = StepPlan("decode", rows=self.rows, new_tokens=[] if next_tokens is None else [[t] for t in next_tokens],
+                        new_slots=[[s[n - 1]] for s, n in zip(self.slots, self.seq_lens)], seq_lens=list(self.seq_lens),
+                        tokens_on_device=next_tokens is None)
         return self.runner.forward(plan)
+
+    def prefill_greedy(self) -> PendingTokens:
+        """Prefill, then commit each sequence's argmax token (rank 0's, on every rank)."""
+        return PendingTokens(self.runner.commit_tokens(self._greedy(self.prefill())))
+
+    def decode_greedy(self, steps: int, overlap: bool = True) -> tuple[list[list[int]], list[float]]:
+        """``steps`` greedy decode steps, each reading the tokens the last step committed on the
+        device. Each step's tokens are taken to the host (as a server must, to detokenize and
+        check stops) one step late with ``overlap`` (step n+1 is launched first), else right
+        after its launch. Returns each step's tokens and the ``time.perf_counter()`` at which
+        they arrived."""
+        launched: deque[PendingTokens] = deque()
+        tokens: list[list[int]] = []
+        arrivals: list[float] = []
+        for step in range(steps):
+            launched.append(PendingTokens(self.runner.commit_tokens(self._greedy(self.decode()))))
+            keep = 1 if overlap and step < steps - 1 else 0
+            while len(launched) > keep:
+                tokens.append(launched.popleft().get())
+                arrivals.append(time.perf_counter())
+        return tokens, arrivals
+
+    def _greedy(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """Rank 0's next tokens (argmax); other ranks receive them in `commit_tokens`."""
+        return torch.argmax(logits, dim=-1) if self.runner.group.rank == 0 else None
 
 
 def random_prompts(batch_size: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

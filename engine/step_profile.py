@@ -3,7 +3,8 @@ profiler (CUPTI records the kernels of a replayed CUDA graph one by one), agains
 wall time from the host. For `engine.bench_one_batch --profile`.
 
     gpu_busy_us  = sum of kernel durations per step (kernels do not overlap on one stream)
-    wall_us      = host time per step (plan, copies, replay, argmax, .tolist())
+    wall_us      = host time per step (`StaticBatch.decode_greedy`: plan, copies, replay, argmax,
+                   token commit, tokens to the host; one step late with overlap)
     idle_us      = wall_us - gpu_busy_us: launch gaps and host work the GPU waits for
 """
 from __future__ import annotations
@@ -18,20 +19,19 @@ PROFILE_STEPS = 10  # decode steps traced per batch size (the batch needs PROFIL
 
 
 def profile_decode_steps(runner: Any, batch_size: int, input_len: int, vocab: int, seed: int,
-                         steps: int = PROFILE_STEPS, top: int = 25) -> dict[str, Any]:
+                         steps: int = PROFILE_STEPS, top: int = 25, overlap: bool = True) -> dict[str, Any]:
     """Prefill a static batch, then profile ``steps`` greedy decode steps. Returns per-step
     wall, GPU-busy and idle µs, and the ``top`` kernels by time per step."""
     from engine.static_batch import StaticBatch, random_prompts
     from torch.profiler import ProfilerActivity, profile
 
     batch = StaticBatch(runner, random_prompts(batch_size, input_len, vocab, seed), steps + 2)
-    tokens = torch.argmax(batch.prefill(), dim=-1).tolist()
-    tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()  # first replay outside the trace
+    batch.prefill_greedy()
+    batch.decode_greedy(1, overlap)  # first replay outside the trace
     torch.cuda.synchronize(runner.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
-            tokens = torch.argmax(batch.decode(tokens), dim=-1).tolist()
+        batch.decode_greedy(steps, overlap)
         wall_us = (time.perf_counter() - start) * 1e6 / steps
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():

@@ -26,3 +26,15 @@ def test_bench_one_batch_rejects_an_unknown_setting():
     proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--fusion", "fast"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_bench_one_batch_without_overlap_records_it(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench_one_batch", "--batch-size", "2", "--input-len", "4", "--output-len", "3",
+         "--repeats", "1", "--fusion", "on", "--disable-overlap-schedule", "--json-file", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no overlap" in proc.stdout
+    (row,) = json.loads(out.read_text().splitlines()[-1])["results"]
+    assert row["overlap"] is False and row["tpot_ms"] > 0
