@@ -1,0 +1,82 @@
+"""Sweep the Triton decode attention's launch parameters on one GPU: split count, keys per block,
+warps and pipeline stages, per (batch, context), at llama3-8b TP2 head shapes (16 query heads,
+4 KV heads, head dim 128, bf16). Each time is `time_decode_attention` (µs per call, a CUDA
+graph of 32 calls cycling over caches larger than L2). Prints, per shape, the shape-based
+default's time and the fastest setting found, and writes every point as JSON.
+
+    python -m benchmarks.kernels.sweep_decode_attention --batch 1 8 32 128 --context 544 2048 \\
+        --json-file out.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+
+import layers.triton_decode_attention as attn
+
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> float:
+    """µs per call with the module's launch constants set to ``block``/``warps``/``stages``
+    (restored afterwards); ``splits`` None: the shape-based choice."""
+    saved = attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES
+    attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = block, warps, stages
+    try:
+        fn = attn.decode_attention if splits is None else (
+            lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits))
+        return attn.time_decode_attention(batch, context, attention_fn=fn)
+    finally:
+        attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = saved
+
+
+def sweep_shape(batch: int, context: int) -> dict[str, Any]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default_splits = attn.choose_num_splits(batch, 4, context, sms)
+    base = (attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES)
+    points = [{"splits": default_splits, "block": base[0], "warps": base[1], "stages": base[2],
+               "us": time_setting(batch, context, None, *base), "default": True}]
+    for splits in SPLITS:
+        if splits != default_splits and splits * 16 <= context:
+            points.append({"splits": splits, "block": base[0], "warps": base[1], "stages": base[2],
+                           "us": time_setting(batch, context, splits, *base)})
+    best_splits = min(points, key=lambda p: p["us"])["splits"]
+    for block, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        if (block, warps, stages) != base:
+            try:
+                us = time_setting(batch, context, best_splits, block, warps, stages)
+            except Exception as exc:  # a config the compiler refuses (shared memory): skip it
+                print(f"  skip B={batch} C={context} block={block} warps={warps} stages={stages}: {exc}")
+                continue
+            points.append({"splits": best_splits, "block": block, "warps": warps, "stages": stages, "us": us})
+    return {"batch": batch, "context": context, "points": points}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--context", type=int, nargs="+", default=[544])
+    p.add_argument("--json-file")
+    args = p.parse_args(argv)
+    results = []
+    print(f"{'B':>4} {'C':>6} {'default us':>11} {'(splits)':>9} {'best us':>9}  best setting")
+    for batch, context in itertools.product(args.batch, args.context):
+        r = sweep_shape(batch, context)
+        results.append(r)
+        default = next(p for p in r["points"] if p.get("default"))
+        best = min(r["points"], key=lambda p: p["us"])
+        print(f"{batch:>4} {context:>6} {default['us']:>11.2f} {default['splits']:>9} {best['us']:>9.2f}  "
+              f"splits={best['splits']} block={best['block']} warps={best['warps']} stages={best['stages']}",
+              flush=True)
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
