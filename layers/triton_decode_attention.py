@@ -53,20 +53,25 @@ concurrently on two streams.
 
 NUM_SPLITS is a compile-time constant chosen on the host from shapes only (B, KVH, the width C
 of req_to_token, the SM count): floor(WAVES * SMs / (B * KVH)) splits, so that about WAVES
-programs per SM are in flight, at most one split per BLOCK_N keys of C, between 1 and
-MAX_SPLITS. It never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
+programs per SM are in flight, at most one split per MIN_KEYS_PER_SPLIT keys of C, between 1
+and MAX_SPLITS; BLOCK_N is BLOCK_N_SPLIT with more than one split, else BLOCK_N_WHOLE. It
+never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
 [B, H, NUM_SPLITS] fp32, none with one split) are sized from shapes only, so a call is
 CUDA-graph capturable (the arrival counters must already exist for B * KVH pairs: any eager
 call of that size or larger on the device, such as the warm-up before capture, makes them);
 replays with other seq_lens re-split each row on the device.
 
-Tuning (H200, bf16, H=16 KVH=4 D=128, CUDA graph of 32 calls, full context; measured with the
-merge still a separate kernel, grid (B, H), launched after this one): a sweep of
-num_splits put the optimum at about 512 programs (= 4 per SM) for every B from 4 to 128 (B=32
-C=8192: 4 splits 130 us, 1 split 234 us; B=128: 1 split best), and at the most splits for B=1
-(C=8192: 64 splits 13 us, 8 splits 32 us). BLOCK_N=64 with 4 warps and 3 pipeline stages was
-within a few % of the best of (32/64/128 keys, 4/8 warps, 2-4 stages) at every shape; 2 stages
-instead of 3 cost 30-45% (B=128 C=8192: 712 against 489 us, i.e. 3.0 against 4.4 TB/s of K+V).
+Tuning (H200, bf16, H=16 KVH=4 D=128, CUDA graph of 32 calls, every row at the full width C,
+caches larger than L2; `benchmarks/kernels/sweep_decode_attention.py`). With the merge in this
+kernel, at C=544 (bench_one_batch's shape), µs per call, best split count at BLOCK_N=64:
+B=1 6 splits 8.98 (9 splits: 9.03, 1: 14.85); B=8 6 splits 10.93 (9 splits: 16.74; splits
+padded past 8 make every merge load 16 wide); B=32 2 splits 18.37 (4 splits: 19.29); B=128 and
+256 1 split, 40.0 and 75.5 (3.6 and 3.8 TB/s of K+V). So WAVES = 2 and at least
+MIN_KEYS_PER_SPLIT = 96 keys per split. 128 keys per block helped split rows (B=1 7.76,
+B=32 17.19; B=8 11.99 against 10.93) and cost 11% on whole rows (B=128 44.4), hence the two
+block sizes; 4 warps and 3 stages were within a few % of the best of (4/8 warps, 2-4 stages).
+An earlier sweep, with the merge still a second kernel, found 2 stages instead of 3 cost
+30-45% on long rows (B=128 C=8192: 712 against 489 us).
 """
 from __future__ import annotations
 
@@ -81,10 +86,12 @@ import triton.language as tl
 from fusion.cuda_graph_timing import median_us_per_call
 from fusion.platform import is_capturing_cuda_graph
 
-BLOCK_N = 64  # keys per inner-loop step
+BLOCK_N_WHOLE = 64  # keys per inner-loop step with one split per row
+BLOCK_N_SPLIT = 128  # keys per inner-loop step with more than one split per row
 NUM_WARPS = 4
 NUM_STAGES = 3  # software-pipelining depth of the key loop
-WAVES = 4  # target programs per call: WAVES * SM count
+WAVES = 2  # target programs per call: WAVES * SM count
+MIN_KEYS_PER_SPLIT = 96
 MAX_SPLITS = 64
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -198,11 +205,11 @@ def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
 
 def choose_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
     """Splits per row from shapes only: floor(WAVES * num_sms / (batch * kv heads)) programs per
-    (sequence, kv head), at most one per BLOCK_N keys of the width ``context``, between 1 and
+    (sequence, kv head), at most one per MIN_KEYS_PER_SPLIT keys of the width ``context``, between 1 and
     MAX_SPLITS. Rows shorter than the width use fewer (see the module docstring); with 1, each
     program writes the output directly (no partials, no arrival counter)."""
     wanted = WAVES * num_sms // (batch * num_kv_heads)
-    return max(1, min(wanted, -(-context // BLOCK_N), MAX_SPLITS))
+    return max(1, min(wanted, -(-context // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -272,7 +279,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), context,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK=BLOCK_N,
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK=BLOCK_N_SPLIT if splits > 1 else BLOCK_N_WHOLE,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_ROW_IDS=row_ids is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

@@ -2,7 +2,8 @@
 # Session-3 GPU evidence (2 GPUs), in parts that fit one device call each:
 #   PART=tests  bash benchmarks/gpu/overlap_suite.sh   GPU tests of the changed kernels and paths,
 #                                                       then the decode-attention launch sweep
-#   PART=bench  bash benchmarks/gpu/overlap_suite.sh   bench_one_batch (llama3-8b dummy, TP2) fusion
+#   PART=bench  bash benchmarks/gpu/overlap_suite.sh   the decode-attention GPU tests, then
+#                                                       bench_one_batch (llama3-8b dummy, TP2) fusion
 #                                                       off/on with the overlap schedule, then
 #                                                       without it, then the decode-step profile
 set -uo pipefail
@@ -19,6 +20,8 @@ if [ "$PART" = tests ]; then
   grep -v "^  skip" "$OUT/sweep.log" | tail -12
 fi
 if [ "$PART" = bench ]; then
+  timeout 120 python -m pytest tests/gpu/test_triton_decode_attention.py -q -p no:cacheprovider \
+    > "$OUT/attention-tests.log" 2>&1; echo "attention tests rc=$?"; tail -1 "$OUT/attention-tests.log"
   timeout 300 "${BENCH[@]}" --fusion off on --batch-size 1 8 32 64 128 256 --repeats 3 \
     --json-file "$OUT/bench_overlap.jsonl" > "$OUT/bench_overlap.log" 2>&1; echo "bench overlap rc=$?"
   grep -v "^INFO\|Warning\|warn" "$OUT/bench_overlap.log" | tail -9
