@@ -29,6 +29,11 @@ from tests.attention_cases import PAD_SLOT, result_checker, spread_rows  # noqa:
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
+# fp32, 330 keys: the online softmax over 128-key blocks (split rows) sums in another order than
+# torch's softmax; measured up to 2.2e-5 absolute at |out| ~ 1 (the project's fp32 default,
+# 1e-5 + 1e-5 * |out|, held with 64-key blocks)
+REPLAY_FP32_TOL = (3e-5, 3e-5)
+
 
 
 def make_case(batch: int, group: int, kv_heads: int, dim: int, context: int, dtype: torch.dtype,
@@ -135,7 +140,7 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
         lens = torch.tensor(lens)
         out = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=6)
         expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, lens, 0.3)
-        check(("replay", tuple(lens.tolist())), out, expected, 1e-5, 1e-5)
+        check(("replay", tuple(lens.tolist())), out, expected, *REPLAY_FP32_TOL)
 
     for case in SHORT_ROW_CASES:
         dtype, num_splits, lens = case
@@ -210,10 +215,11 @@ def test_arrival_counters_grow_outside_capture_only(monkeypatch):
 
 
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
-    (1, 4, 8192, 64),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
-    (1, 4, 128, 2),  # at most one split per 64-key block of the width
-    (8, 4, 2048, 16),
-    (32, 4, 8192, 4),  # floor(528 / 128)
+    (1, 4, 8192, 64),  # 66 wanted for 2 programs per SM on 132 SMs, capped at MAX_SPLITS
+    (1, 4, 544, 6),  # at most one split per 96 keys of the width
+    (1, 4, 128, 2),
+    (8, 4, 2048, 8),  # floor(264 / 32)
+    (32, 4, 8192, 2),  # floor(264 / 128)
     (128, 4, 8192, 1),
     (256, 4, 8192, 1),  # already more programs than wanted
 ])
