@@ -23,55 +23,42 @@ Split s of row b (all in-kernel, from seq_lens on the device, so no host sync):
 
     chunk_b = max(BLOCK_N, round_up(ceil(n_b / NUM_SPLITS), BLOCK_N)),  keys [s*chunk_b, min((s+1)*chunk_b, n_b))
 
-Only the ran_b = ceil(n_b / chunk_b) <= NUM_SPLITS splits whose chunk starts before n_b do
-any work: a program whose chunk starts at or past n_b exits at once, writing nothing and
-touching no counter. Within its chunk a program runs the online softmax over blocks of
-BLOCK_N keys (in base 2: x = scale*log2(e)*q.k, so exp2 replaces exp): running max m, running
-sum l = sum_j 2^(x_j - m), running acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new)
-when the max grows. With NUM_SPLITS = 1 it writes out = acc / l directly. Otherwise it stores
-the normalised partial output o_s = acc_s / l_s and its log-sum-exp lse_s = m_s + log2(l_s)
-(PartOut, PartLse).
+A program whose chunk starts at or past n_b exits at once and writes nothing; the combine
+kernel reads only the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Within its chunk a
+program runs the online softmax over blocks of BLOCK_N keys (in base 2: x = scale*log2(e)*q.k,
+so exp2 replaces exp): running max m, running sum l = sum_j 2^(x_j - m), running
+acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max grows. With
+NUM_SPLITS = 1 it writes out = acc / l itself and there is no combine. Otherwise it stores the
+normalised partial output o_s = acc_s / l_s and its log-sum-exp lse_s = m_s + log2(l_s).
 
-Merge, in the same kernel (no second launch). Since 2^(lse_s) = sum_{j in s} 2^(x_j),
+Combine (second kernel, grid (B, H)). Since 2^(lse_s) = sum_{j in s} 2^(x_j),
 
     out = sum_j 2^(x_j) v_j / sum_j 2^(x_j) = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s)
         = sum_s w_s o_s / sum_s w_s,      w_s = 2^(lse_s - M),  M = max_s lse_s
 
 (subtracting M keeps every w_s in (0, 1] with at least one w_s = 1: no overflow, no 0/0).
-After storing its partials, each working program of (b, kv head) adds 1 to that pair's int32
-arrival counter, arrivals[b * KVH + kh], and gets the old value. The one that gets ran_b - 1
-is the last: every other working split's partials are stored, so it reads the ran_b partials of
-its G heads (in split order, whichever program arrives last: results do not depend on timing),
-writes out for those heads, and stores 0 to the counter, leaving it ready for the next call or
-CUDA-graph replay (nothing else resets it). Ordering: a CTA barrier (``tl.debug_barrier``) puts
-every thread's partial stores before the counter update, which Triton issues from one thread
-as ``atom.acq_rel.gpu`` (release: the stores are visible at gpu scope before the increment;
-acquire: the last program's later reads see every earlier release); the merge reads the
-partials with ``.cg`` loads (L2, the coherence point, not the SM's L1). The counters are one
-zeroed buffer per device (`_arrival_counters`), so calls on one device must not run
-concurrently on two streams.
 
 NUM_SPLITS is a compile-time constant chosen on the host from shapes only (B, KVH, the width C
 of req_to_token, the SM count): floor(WAVES * SMs / (B * KVH)) splits, so that about WAVES
-programs per SM are in flight, at most one split per MIN_KEYS_PER_SPLIT keys of C, between 1
-and MAX_SPLITS; BLOCK_N is BLOCK_N_SPLIT with more than one split, else BLOCK_N_WHOLE. It
-never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
+programs per SM are in flight, at most one split per BLOCK_N keys of C, between 1 and
+MAX_SPLITS. It never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
 [B, H, NUM_SPLITS] fp32, none with one split) are sized from shapes only, so a call is
-CUDA-graph capturable (the arrival counters must already exist for B * KVH pairs: any eager
-call of that size or larger on the device, such as the warm-up before capture, makes them);
-replays with other seq_lens re-split each row on the device.
+CUDA-graph capturable; replays with other seq_lens re-split each row on the device.
 
-Tuning (H200, bf16, H=16 KVH=4 D=128, CUDA graph of 32 calls, every row at the full width C,
-caches larger than L2; `benchmarks/kernels/sweep_decode_attention.py`). With the merge in this
-kernel, at C=544 (bench_one_batch's shape), µs per call, best split count at BLOCK_N=64:
-B=1 6 splits 8.98 (9 splits: 9.03, 1: 14.85); B=8 6 splits 10.93 (9 splits: 16.74; splits
-padded past 8 make every merge load 16 wide); B=32 2 splits 18.37 (4 splits: 19.29); B=128 and
-256 1 split, 40.0 and 75.5 (3.6 and 3.8 TB/s of K+V). So WAVES = 2 and at least
-MIN_KEYS_PER_SPLIT = 96 keys per split. 128 keys per block helped split rows (B=1 7.76,
-B=32 17.19; B=8 11.99 against 10.93) and cost 11% on whole rows (B=128 44.4), hence the two
-block sizes; 4 warps and 3 stages were within a few % of the best of (4/8 warps, 2-4 stages).
-An earlier sweep, with the merge still a second kernel, found 2 stages instead of 3 cost
-30-45% on long rows (B=128 C=8192: 712 against 489 us).
+Tuning (H200, bf16, H=16 KVH=4 D=128, CUDA graph of 32 calls, full context): a sweep of
+num_splits put the optimum at about 512 programs (= 4 per SM) for every B from 4 to 128 (B=32
+C=8192: 4 splits 130 us, 1 split 234 us; B=128: 1 split best), and at the most splits for B=1
+(C=8192: 64 splits 13 us, 8 splits 32 us). BLOCK_N=64 with 4 warps and 3 pipeline stages was
+within a few % of the best of (32/64/128 keys, 4/8 warps, 2-4 stages) at every shape; 2 stages
+instead of 3 cost 30-45% (B=128 C=8192: 712 against 489 us, i.e. 3.0 against 4.4 TB/s of K+V).
+
+Measured alternatives (same timing, `benchmarks/kernels/sweep_decode_attention.py` and an A/B
+run, µs per call at C=544 / 4096). Writing the output from the split kernel when there is one
+split: B=128 43.1 -> 39.9, B=256 81.1 -> 75.8 (kept). Merging the splits inside the split kernel
+(the last program of a (b, kv head) to arrive on an atomic counter merges its G heads) instead
+of the combine launch: slower wherever there are several splits, the merge being one serial
+program per (b, kv head) after every split has finished: B=1 6.3 -> 7.9 (C=544) and
+10.0 -> 13.6 (C=4096), B=8 9.8 -> 11.9, B=32 17.6 -> 17.0 (reverted).
 """
 from __future__ import annotations
 
@@ -84,48 +71,23 @@ import triton
 import triton.language as tl
 
 from fusion.cuda_graph_timing import median_us_per_call
-from fusion.platform import is_capturing_cuda_graph
 
-BLOCK_N_WHOLE = 64  # keys per inner-loop step with one split per row
-BLOCK_N_SPLIT = 128  # keys per inner-loop step with more than one split per row
+BLOCK_N = 64  # keys per inner-loop step
 NUM_WARPS = 4
 NUM_STAGES = 3  # software-pipelining depth of the key loop
-WAVES = 2  # target programs per call: WAVES * SM count
-MIN_KEYS_PER_SPLIT = 96
+WAVES = 4  # target programs per call: WAVES * SM count
 MAX_SPLITS = 64
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Per device, every arrival-counter buffer made so far, the last one the largest: CUDA graphs
-# captured with an older one keep replaying on it, so none is ever freed.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
-def _merge_splits(PartOut, PartLse, Out, stride_oh, part_row, ran,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr):
-    """For each of the GROUP heads g at ``Out + g * stride_oh``, whose splits are rows
-    ``part_row + g * NUM_SPLITS + s`` of PartOut / PartLse: out = sum_s w_s o_s / sum_s w_s over
-    the ``ran`` splits that ran, w_s = 2^(lse_s - max_s lse_s). Writes Out only."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < ran
-    for g in tl.static_range(GROUP):
-        rows = part_row + g * NUM_SPLITS + offs_s
-        lse = tl.load(PartLse + rows, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
-        o = tl.load(PartOut + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-        tl.store(Out + g * stride_oh + offs_d, out.to(Out.dtype.element_ty))
-
-
-@triton.jit
-def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Arrivals, Out, qk_scale_log2,
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
-                  context, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr):
+                  context,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_ROW_IDS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,21 +123,33 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Arriva
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
-        if NUM_SPLITS == 1:  # the whole row in one chunk: its normalised output is the answer
-            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     (acc / l[:, None]).to(Out.dtype.element_ty), mask=g_mask[:, None])
+        if NUM_SPLITS == 1:  # the whole row: the output itself (PartOut and PartLse are unused)
+            out = (acc / l[:, None]).to(Out.dtype.element_ty)
+            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=g_mask[:, None])
         else:
             row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
             tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
             tl.store(PartLse + row, m + tl.log2(l), mask=g_mask)
-            tl.debug_barrier()  # all threads' stores before the one-thread release below
-            arrivals = Arrivals + b * (NUM_HEADS // GROUP) + kvh
-            ran = tl.cdiv(seq_len, chunk)  # splits whose chunk starts before seq_len
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == ran - 1:  # the last to arrive
-                _merge_splits(PartOut, PartLse, Out + b * stride_ob + kvh * GROUP * stride_oh, stride_oh,
-                              (b * NUM_HEADS + kvh * GROUP) * NUM_SPLITS, ran,
-                              GROUP, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
-                tl.store(arrivals, 0)  # every working split has arrived: reset for the next call
+
+
+@triton.jit
+def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context,
+                    HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    ran = tl.cdiv(seq_len, chunk)  # splits whose chunk started before seq_len
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < ran
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
+    o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,31 +159,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The int32 arrival counters of ``device``: at least ``needed`` of them, all zero between
-    calls (each call leaves them at zero). Made lazily, grown to the next power of two >= needed
-    by making a new zeroed buffer (the old ones stay alive for graphs captured with them). Raises
-    RuntimeError if that would happen during CUDA-graph capture: the buffer must be made by an
-    eager call first."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= needed:
-        return buffers[-1]
-    if is_capturing_cuda_graph():
-        have = buffers[-1].numel() if buffers else 0
-        raise RuntimeError(f"decode_attention needs {needed} arrival counters (batch x kv heads) on {device} but "
-                           f"has {have}, and cannot allocate them during CUDA-graph capture: call it once eagerly "
-                           f"with batch x kv heads >= {needed} on this device before capturing")
-    buffers.append(torch.zeros(triton.next_power_of_2(needed), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
     """Splits per row from shapes only: floor(WAVES * num_sms / (batch * kv heads)) programs per
-    (sequence, kv head), at most one per MIN_KEYS_PER_SPLIT keys of the width ``context``, between 1 and
-    MAX_SPLITS. Rows shorter than the width use fewer (see the module docstring); with 1, each
-    program writes the output directly (no partials, no arrival counter)."""
+    (sequence, kv head), at most one per BLOCK_N keys of the width ``context``, between 1 and
+    MAX_SPLITS."""
     wanted = WAVES * num_sms // (batch * num_kv_heads)
-    return max(1, min(wanted, -(-context // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+    return max(1, min(wanted, -(-context // BLOCK_N), MAX_SPLITS))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -253,13 +208,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
-    its inputs only; returns a new tensor of q's dtype. With more than one split it also counts
-    arrivals in the device's shared counters (back at zero when the kernel ends), so calls on
-    one device must not run concurrently on two streams, and a CUDA-graph capture needs an
-    eager call of at least B x KVH pairs on the device first (RuntimeError otherwise).
-    ``num_splits`` overrides the shape-based choice (tests, tuning). Requires 1 <= seq_lens[b]
-    and 0 <= row_ids[b] < R (not checked: that would sync); values of seq_lens above C are
-    clamped to C."""
+    only; returns a new tensor of q's dtype. ``num_splits`` overrides the shape-based choice
+    (tests, tuning). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
+    sync); values of seq_lens above C are clamped to C."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -267,22 +218,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     context = req_to_token.shape[1]
     splits = num_splits or choose_num_splits(batch, kv_heads, context, _sm_count(q.device))
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    if splits == 1:  # the kernel writes out directly: no partials, no counters (out stands in, unread)
-        part_out = part_lse = arrivals = out
+    if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
+        part_out = part_lse = out
     else:
         part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-        arrivals = _arrival_counters(q.device, batch * kv_heads)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
-        arrivals, out, scale * math.log2(math.e),
+        out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), context,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK=BLOCK_N_SPLIT if splits > 1 else BLOCK_N_WHOLE,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_ROW_IDS=row_ids is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        NUM_SPLITS=splits, BLOCK=BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_ROW_IDS=row_ids is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    if splits > 1:
+        _combine_kernel[(batch, heads)](
+            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context,
+            HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            BLOCK=BLOCK_N, num_warps=4,
+        )
     return out
 
 

@@ -22,23 +22,22 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> float:
-    """µs per call with the module's launch constants set to ``block`` (keys per block, split
-    or not)/``warps``/``stages`` (restored afterwards); ``splits`` None: the shape-based choice."""
-    saved = attn.BLOCK_N_WHOLE, attn.BLOCK_N_SPLIT, attn.NUM_WARPS, attn.NUM_STAGES
-    attn.BLOCK_N_WHOLE, attn.BLOCK_N_SPLIT, attn.NUM_WARPS, attn.NUM_STAGES = block, block, warps, stages
+    """µs per call with the module's launch constants set to ``block``/``warps``/``stages``
+    (restored afterwards); ``splits`` None: the shape-based choice."""
+    saved = attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES
+    attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = block, warps, stages
     try:
         fn = attn.decode_attention if splits is None else (
             lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits))
         return attn.time_decode_attention(batch, context, attention_fn=fn)
     finally:
-        attn.BLOCK_N_WHOLE, attn.BLOCK_N_SPLIT, attn.NUM_WARPS, attn.NUM_STAGES = saved
+        attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = saved
 
 
 def sweep_shape(batch: int, context: int) -> dict[str, Any]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default_splits = attn.choose_num_splits(batch, 4, context, sms)
-    block = attn.BLOCK_N_SPLIT if default_splits > 1 else attn.BLOCK_N_WHOLE
-    base = (block, attn.NUM_WARPS, attn.NUM_STAGES)
+    base = (attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES)
     points = [{"splits": default_splits, "block": base[0], "warps": base[1], "stages": base[2],
                "us": time_setting(batch, context, None, *base), "default": True}]
     for splits in SPLITS:
