@@ -3,7 +3,9 @@
 # TP2) with fusion off and on, bench_serving at concurrency 1/8/32/64, then the accuracy
 # regression (gsm8k + mmlu, fusion off vs on). Evaluation data is read from $EVAL_DATA
 # (default .evaldata: a copy of ../shared/data). Results go to $OUT (or ./out).
-# SKIP_ACCURACY=1 runs the serving benchmark only.
+# SKIP_ACCURACY=1 runs the serving benchmark only. SETTINGS (default "off on"; "builtin" is fusion
+# on with the built-in thresholds instead of the measured table) and CONCURRENCY (default
+# "1 8 32 64") choose the serving runs.
 #   bash benchmarks/gpu/serving_suite.sh
 set -uo pipefail
 OUT=${OUT:-out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
@@ -20,13 +22,18 @@ wait_healthy() {
   return 1
 }
 
-for fusion in off on; do
-  flag=(); [ "$fusion" = on ] && flag=(--enable-flashinfer-allreduce-fusion)
+for fusion in ${SETTINGS:-off on}; do
+  case $fusion in
+    off) flag=() ;;
+    on) flag=(--enable-flashinfer-allreduce-fusion) ;;
+    builtin) flag=(--enable-flashinfer-allreduce-fusion --allreduce-fusion-table none) ;;
+    *) echo "unknown setting $fusion"; exit 2 ;;
+  esac
   python -m engine.launch_server "${SERVER[@]}" "${flag[@]}" --port $PORT > "$LOGS/server_$fusion.log" 2>&1 &
   pid=$!
   if wait_healthy $pid; then
     curl -s "localhost:$PORT/get_server_info" > "$LOGS/server_info_$fusion.json"
-    for c in 1 8 32 64; do
+    for c in ${CONCURRENCY:-1 8 32 64}; do
       n=$(( c * 3 < 16 ? 16 : c * 3 ))
       timeout 120 python -m benchmarks.bench_serving --port $PORT --random-input-len 256 --random-output-len 128 \
         --random-range-ratio 1 --num-prompts $n --max-concurrency $c --warmup-requests 2 --no-progress \
