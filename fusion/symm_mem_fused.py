@@ -1,14 +1,15 @@
 """`SymmMemFusedAllReduceNorm`: all-reduce + residual add + RMSNorm as our own two-shot kernels
 over one symmetric buffer per TP group (the ``symm_mem_fused`` strategy).
 
-The math and the three phases are in `fusion.two_shot_norm_kernels`; this module sizes the
-buffer, cuts the tokens into shards and runs phase 1, barrier, phase 2, barrier, phase 3 on the
-current stream (CUDA-graph capturable once the buffer exists).
+The math and the two launches are in `fusion.two_shot_norm_kernels`; this module sizes the
+buffer, cuts the tokens into shards and runs launch 1, barrier, launch 2 on the current stream
+(CUDA-graph capturable once the buffer exists).
 
-Buffer (elements of the model dtype): ``world * S_max * hidden`` of scatter slots followed by
-``max_tokens * hidden`` of gathered rows, ``S_max = ceil(max_tokens / world)``. A batch of more
-than ``max_tokens`` rows runs as consecutive chunks of at most ``max_tokens`` rows (every step
-of the op is row-wise), so the buffer bounds memory, not the batch.
+Buffer: ``world * S_max * hidden`` elements of the model dtype of scatter slots, then
+``max_tokens * hidden`` of gathered rows, then (from the next 4-byte boundary) ``max_tokens``
+int32 ready flags, zeroed when the buffer is made, ``S_max = ceil(max_tokens / world)``. A
+batch of more than ``max_tokens`` rows runs as consecutive chunks of at most ``max_tokens``
+rows (every step of the op is row-wise), so the buffer bounds memory, not the batch.
 """
 from __future__ import annotations
 
@@ -49,13 +50,21 @@ class ShardLayout:
         return self.tokens - self.own_rows
 
 
-def buffer_elements(max_tokens: int, hidden: int, world: int) -> int:
-    """Scatter slots then gathered rows (see the module docstring)."""
-    return world * math.ceil(max_tokens / world) * hidden + max_tokens * hidden
-
-
 def gather_offset(max_tokens: int, hidden: int, world: int) -> int:
+    """Element offset of the gathered rows."""
     return world * math.ceil(max_tokens / world) * hidden
+
+
+def flags_offset(max_tokens: int, hidden: int, world: int, element_size: int) -> int:
+    """int32 offset of the ready flags: the first 4-byte boundary after the gathered rows."""
+    data_bytes = (gather_offset(max_tokens, hidden, world) + max_tokens * hidden) * element_size
+    return math.ceil(data_bytes / 4)
+
+
+def buffer_elements(max_tokens: int, hidden: int, world: int, element_size: int) -> int:
+    """Elements of the model dtype for scatter slots, gathered rows and flags (module docstring)."""
+    flags_end = (flags_offset(max_tokens, hidden, world, element_size) + max_tokens) * 4
+    return math.ceil(flags_end / element_size)
 
 
 def row_chunks(tokens: int, max_tokens: int) -> list[slice]:
@@ -75,7 +84,7 @@ def fused_unavailable_reason(hidden: int) -> Optional[str]:
 
 
 def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
-    """Phase 1: this rank's rows of every other shard into their owners' slot ``rank``."""
+    """Launch 1: this rank's rows of every other shard into their owners' slot ``rank``."""
     from fusion.two_shot_norm_kernels import num_warps_for, push_shards_kernel
     import triton
 
@@ -86,34 +95,19 @@ def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -
             BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
 
 
-def reduce_own_rows(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor, residual_out: torch.Tensor,
-                    weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor, layout: ShardLayout,
-                    gather_at: int) -> None:
-    """Phase 2: sum this rank's shard, push it to every peer's gathered rows, add + norm it here."""
-    from fusion.two_shot_norm_kernels import num_warps_for, reduce_own_rows_kernel
+def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                      residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
+                      layout: ShardLayout, gather_at: int, flags_at: int) -> None:
+    """Launch 2: sum this rank's shard, push it with its flags to every peer and add + norm it
+    here; add + norm each peer row once its owner's flag is up."""
+    from fusion.two_shot_norm_kernels import num_warps_for, reduce_and_finish_kernel
     import triton
 
     hidden = x.shape[1]
-    if layout.own_rows:
-        reduce_own_rows_kernel[(layout.own_rows,)](
-            x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
-            layout.shard_rows, layout.own_start, gather_at, eps, WORLD=layout.world,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
-
-
-def finish_peer_rows(residual: Optional[torch.Tensor], out: torch.Tensor, residual_out: torch.Tensor,
-                     weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor, layout: ShardLayout,
-                     gather_at: int) -> None:
-    """Phase 3: add + norm the rows the other ranks reduced (read from this rank's gathered rows)."""
-    from fusion.two_shot_norm_kernels import finish_peer_rows_kernel, num_warps_for
-    import triton
-
-    hidden = out.shape[1]
-    if layout.peer_rows:
-        finish_peer_rows_kernel[(layout.peer_rows,)](
-            residual if residual is not None else out, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
-            layout.own_start, layout.own_rows, gather_at, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+    reduce_and_finish_kernel[(layout.tokens,)](
+        x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
+        layout.shard_rows, layout.own_start, layout.own_rows, gather_at, flags_at, eps, WORLD=layout.world,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
 
 
 def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +141,13 @@ class SymmMemFusedAllReduceNorm:
         if self.ready and self.symmetric.buffer.dtype == dtype and hidden == self.hidden and max_tokens <= self.max_tokens:
             return True
         world = self.group.world_size
-        ok = self.symmetric.ensure(buffer_elements(max_tokens, hidden, world), dtype, fused_unavailable_reason(hidden))
+        size = torch.empty((), dtype=dtype).element_size()
+        ok = self.symmetric.ensure(buffer_elements(max_tokens, hidden, world, size), dtype,
+                                   fused_unavailable_reason(hidden))
         self.max_tokens, self.hidden = (max_tokens, hidden) if ok else (0, 0)
+        if ok:  # every flag down before any peer can raise one (after the next call's barrier)
+            start = flags_offset(max_tokens, hidden, world, size) * 4
+            self.symmetric.buffer.view(torch.uint8)[start:start + 4 * max_tokens].zero_()
         return ok
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -174,15 +173,15 @@ class SymmMemFusedAllReduceNorm:
 
     def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                    residual_out: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-        """The three phases for at most ``max_tokens`` rows (contiguous row slices)."""
-        layout = ShardLayout(x.shape[0], self.group.world_size, self.group.rank)
-        at = gather_offset(self.max_tokens, self.hidden, self.group.world_size)
+        """The two launches for at most ``max_tokens`` rows (contiguous row slices)."""
+        world = self.group.world_size
+        layout = ShardLayout(x.shape[0], world, self.group.rank)
+        gather_at = gather_offset(self.max_tokens, self.hidden, world)
+        flags_at = flags_offset(self.max_tokens, self.hidden, world, x.element_size())
         ptrs = self.symmetric.peer_ptrs
         push_shards(x, ptrs, layout)
         self.symmetric.barrier()
-        reduce_own_rows(x, residual, out, residual_out, weight, eps, ptrs, layout, at)
-        self.symmetric.barrier()
-        finish_peer_rows(residual, out, residual_out, weight, eps, ptrs, layout, at)
+        reduce_and_finish(x, residual, out, residual_out, weight, eps, ptrs, layout, gather_at, flags_at)
 
     def destroy(self) -> None:
         self.symmetric.destroy()
