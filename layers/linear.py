@@ -14,9 +14,6 @@
 Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it checks the full
 (unsharded) checkpoint tensor's shape, takes this rank's shard and copies it into ``param``
 (casting to the parameter's dtype). A shape mismatch raises ValueError with both shapes.
-
-The product itself is `linear`: F.linear, or on a GPU for decode-sized inputs (at most
-``MAX_M`` rows) the Triton skinny GEMM of `layers.triton_skinny_gemm`.
 """
 from __future__ import annotations
 
@@ -27,21 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.parallel_state import get_tp_group
-from layers.triton_support import triton_available
 
 ShardId = Optional[Union[int, str]]
-SKINNY_MAX_M = 64  # layers.triton_skinny_gemm.MAX_M, kept here so CPU runs need not import triton
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight^T + bias``: the Triton skinny GEMM for CUDA inputs of at most SKINNY_MAX_M
-    rows (decode steps; it skips cuBLAS's split-K reduce launches), else F.linear."""
-    if x.is_cuda and x.numel() <= SKINNY_MAX_M * x.shape[-1] and triton_available():
-        from layers.triton_skinny_gemm import skinny_gemm_unavailable_reason, skinny_linear
-
-        if skinny_gemm_unavailable_reason(x, weight) is None:
-            return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -94,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -201,7 +185,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = linear(x, self.weight, bias)
+        out = F.linear(x, self.weight, bias)
         if self.reduce_results:
             get_tp_group().all_reduce(out)
         return out

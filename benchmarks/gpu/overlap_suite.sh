@@ -5,8 +5,6 @@
 #   PART=final  bash benchmarks/gpu/overlap_suite.sh   GPU tests of the final kernels and the model,
 #                                                       bench_one_batch off/on/builtin (5 repeats,
 #                                                       64 tokens), the decode-step profile
-#   PART=skinny bash benchmarks/gpu/overlap_suite.sh   the skinny-GEMM GPU tests and its sweep
-#                                                       against cuBLAS, then bench_one_batch on/off
 #   PART=bench  bash benchmarks/gpu/overlap_suite.sh   the decode-attention GPU tests, then
 #                                                       bench_one_batch (llama3-8b dummy, TP2) fusion
 #                                                       off/on with the overlap schedule, then
@@ -47,13 +45,4 @@ if [ "$PART" = final ]; then
   timeout 100 "${BENCH[@]}" --fusion on --batch-size 1 32 128 --output-len 4 --repeats 1 --profile \
     > "$OUT/profile_final.log" 2>&1; echo "profile rc=$?"
   grep -E "^\[profile|^ +[0-9.]+ us" "$OUT/profile_final.log" | head -45
-fi
-if [ "$PART" = skinny ]; then
-  timeout 120 python -m pytest tests/gpu/test_triton_skinny_gemm.py -q -p no:cacheprovider \
-    > "$OUT/skinny-tests.log" 2>&1; echo "skinny tests rc=$?"; tail -3 "$OUT/skinny-tests.log"
-  timeout 200 python -m benchmarks.kernels.sweep_skinny_gemm --m 1 32 64 --json-file "$OUT/sweep_skinny_gemm.json" \
-    > "$OUT/sweep_skinny.log" 2>&1; echo "sweep rc=$?"; grep -v "^  skip" "$OUT/sweep_skinny.log" | tail -14
-  timeout 200 "${BENCH[@]}" --fusion off on --batch-size 1 8 32 64 128 --repeats 3 \
-    --json-file "$OUT/bench_skinny.jsonl" > "$OUT/bench_skinny.log" 2>&1; echo "bench rc=$?"
-  grep -v "^INFO\|Warning\|warn" "$OUT/bench_skinny.log" | tail -7
 fi
