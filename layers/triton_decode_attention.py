@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from fusion.cuda_graph_timing import median_us_per_call
+from layers.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
 NUM_WARPS = 4
@@ -96,10 +97,7 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, q
     start = split * chunk
     if start < seq_len:
         end = tl.minimum(start + chunk, seq_len)
-        if HAS_ROW_IDS:  # else RowIds is unused
-            slot_row = ReqToToken + tl.load(RowIds + b).to(tl.int64) * stride_rb
-        else:
-            slot_row = ReqToToken + b.to(tl.int64) * stride_rb
+        slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK)

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.triton_slot_rows import sequence_slot_row
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -114,10 +116,7 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, Extend
         seq_len = tl.load(SeqLens + b).to(tl.int32)
         prefix = seq_len - extend_len
         q_start = tl.load(ExtendStarts + b).to(tl.int64)
-        if HAS_ROW_IDS:  # else RowIds is unused
-            slot_row = ReqToToken + tl.load(RowIds + b).to(tl.int64) * stride_rb
-        else:
-            slot_row = ReqToToken + b.to(tl.int64) * stride_rb
+        slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
         offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         token = t0 + offs_r // HEADS  # index among the sequence's new tokens
