@@ -141,7 +141,7 @@ class SymmMemFusedAllReduceNorm:
         if self.ready and self.symmetric.buffer.dtype == dtype and hidden == self.hidden and max_tokens <= self.max_tokens:
             return True
         world = self.group.world_size
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         ok = self.symmetric.ensure(buffer_elements(max_tokens, hidden, world, size), dtype,
                                    fused_unavailable_reason(hidden))
         self.max_tokens, self.hidden = (max_tokens, hidden) if ok else (0, 0)
