@@ -55,6 +55,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--allreduce-fusion-backend", choices=["flashinfer", "torch"], default=None,
                    help="default: flashinfer on GPU, torch on CPU")
     p.add_argument("--allreduce-fusion-max-tokens", type=int, default=2048)
+    p.add_argument("--allreduce-fusion-disable-pdl", action="store_true",
+                   help="launch the flashinfer fused kernel without programmatic dependent launch")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="take each step's tokens to the host before launching the next step")
@@ -100,7 +102,8 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
     backend = args.allreduce_fusion_backend or ("flashinfer" if use_cuda else "torch")
     group = init_tensor_parallel(args.tp_size, rank, init_method, device=device, timeout_s=300)
     base = FusionConfig(enabled=False, backend=backend, max_tokens=args.allreduce_fusion_max_tokens,
-                        symm_max_tokens=max(args.allreduce_fusion_max_tokens, SYMM_CHUNK_ROWS))
+                        symm_max_tokens=max(args.allreduce_fusion_max_tokens, SYMM_CHUNK_ROWS),
+                        launch_with_pdl=not args.allreduce_fusion_disable_pdl)
     configs = {"off": base, "on": replace(base, enabled=True, table_path=args.allreduce_fusion_table),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     fusion = configs[args.fusion[0]]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.step_plan import DecodeBuffers, StepPlan
+from layers.sharded_logits import ShardedLogits
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -32,7 +33,7 @@ class CudaGraphRunner:
             self.sizes.append(max_bs)
         self.inputs = {bs: DecodeBuffers(runner.table, bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, ShardedLogits] = {}
         runner.fusion.reserve(self.sizes[-1])
         self._capture_all()
 
@@ -58,9 +59,9 @@ class CudaGraphRunner:
     def can_run(self, bs: int) -> bool:
         return bs <= self.sizes[-1]
 
-    def replay(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp32 logits [B, vocab], the sequences' table rows [B])`` of a decode plan: views of
-        the graph's static output and input buffer."""
+    def replay(self, plan: StepPlan) -> tuple[ShardedLogits, torch.Tensor]:
+        """``(the logits, the sequences' table rows [B])`` of a decode plan: views of the graph's
+        static output and input buffers."""
         bs = plan.batch_size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         self.inputs[padded].load(plan)

@@ -18,6 +18,7 @@ from engine.forward_batch import KVCache
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
+from engine.sampler import StepLogits
 from engine.step_plan import RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
 from fusion import FusionConfig
@@ -125,16 +126,18 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, self.graphs.sizes[-1])
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` of the plan's sequences (records its KV slots). A decode
-        step replayed from a CUDA graph returns the graph's static output buffer: the values
+    def forward(self, plan: StepPlan) -> StepLogits:
+        """The greedy tokens of the plan's sequences, with their fp32 logits ``[B, vocab]`` if
+        ``plan.gather_logits`` (a collective either way; records the plan's KV slots). A decode
+        step replayed from a CUDA graph returns the graph's static output buffers: the values
         are valid until the next forward (copy them to keep them). Follow it with
         `commit_tokens` when the plan's next tokens are to come from the device."""
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
-            return logits
-        batch, self._step_rows = self.table.apply(plan)
-        return self.model(batch, self.kv_cache)
+        else:
+            batch, self._step_rows = self.table.apply(plan)
+            logits = self.model(batch, self.kv_cache)
+        return StepLogits(logits.greedy_tokens, logits.gather() if plan.gather_logits else None)
 
     @torch.inference_mode()
     def commit_tokens(self, tokens: Optional[torch.Tensor]) -> torch.Tensor:

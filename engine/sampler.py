@@ -1,7 +1,8 @@
-"""Next-token sampling from fp32 logits ``[B, vocab]`` (TP rank 0 only), batched on the
-logits' device.
+"""Next-token sampling (TP rank 0 only) from a step's `StepLogits`, batched on the device.
 
-Greedy rows take ``argmax``. Other rows: ``softmax(logits / temperature)`` restricted to the
+Greedy rows take the step's greedy tokens (the argmax over the vocabulary, found without
+gathering the logits: `layers.sharded_logits`). Other rows need the step's full fp32 logits
+``[B, vocab]`` (gathered when the step's plan asked for them, ``StepPlan.gather_logits``): ``softmax(logits / temperature)`` restricted to the
 ``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the token
 that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
 the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
@@ -11,11 +12,20 @@ batch, while the filtering and the search run for all rows at once on the GPU.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What a forward step gives the sampler, on the device."""
+
+    greedy_tokens: torch.Tensor  # [B] int64: argmax of each row over the whole vocabulary
+    full: Optional[torch.Tensor] = None  # fp32 [B, vocab]: only when the step gathered it
 
 
 def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -31,13 +41,18 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return sorted_probs * (keep_k & keep_p), order
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+def sample(step: StepLogits, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
-    """One next token per row of ``logits``: int64 ``[B]`` on the logits' device, computed
-    without a host sync (the random numbers come from the CPU generators)."""
-    tokens = torch.argmax(logits, dim=-1)
+    """One next token per row: int64 ``[B]`` on the device (a new tensor), computed without a
+    host sync (the random numbers come from the CPU generators). Raises ValueError if a row
+    samples but the step has no full logits."""
+    tokens = step.greedy_tokens.clone()  # a replayed graph's output buffer: do not write into it
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
+        if step.full is None:
+            raise ValueError(f"{len(rows)} row(s) sample with a temperature, but the step did not gather its logits "
+                             "(StepPlan.gather_logits)")
+        logits = step.full
         dev = logits.device
         sub = [params[i] for i in rows]
         temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)

@@ -206,7 +206,7 @@ class Scheduler:
             return None, []
         plan = StepPlan("extend", rows=[r.row for r in admitted], new_tokens=[list(r.prompt_ids) for r in admitted],
                         new_slots=[r.slots[: len(r.prompt_ids)] for r in admitted],
-                        seq_lens=[len(r.prompt_ids) for r in admitted])
+                        seq_lens=[len(r.prompt_ids) for r in admitted], gather_logits=_any_sampled(admitted))
         return plan, admitted
 
     def _plan_decode(self) -> tuple[Optional[StepPlan], list[Request]]:
@@ -216,7 +216,8 @@ class Scheduler:
         if not reqs:
             return None, []
         plan = StepPlan("decode", rows=[r.row for r in reqs], new_slots=[[r.slots[r.launched_len - 1]] for r in reqs],
-                        seq_lens=[r.launched_len for r in reqs], tokens_on_device=True)
+                        seq_lens=[r.launched_len for r in reqs], tokens_on_device=True,
+                        gather_logits=_any_sampled(reqs))
         return plan, reqs
 
     def _release_resources(self, req: Request) -> None:
@@ -229,3 +230,8 @@ class Scheduler:
         self._release_resources(req)
         req.finish_reason = req.finish_reason or reason
         req.emit(GenerationChunk("", [], len(req.prompt_ids), len(req.output_ids), req.finish_reason))
+
+
+def _any_sampled(reqs: list[Request]) -> bool:
+    """Whether a step of these requests needs the full logits (a row samples with a temperature)."""
+    return any(not r.params.greedy for r in reqs)

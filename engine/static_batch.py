@@ -13,6 +13,7 @@ import torch
 from engine.kv_pool import RowAllocator, SlotAllocator
 from engine.model_runner import ModelRunner
 from engine.pending_tokens import PendingTokens
+from engine.sampler import StepLogits
 from engine.step_plan import StepPlan
 
 
@@ -32,20 +33,23 @@ class StaticBatch:
                 raise ValueError(f"the KV cache ({runner.num_kv_slots} slots) cannot hold this batch")
             self.slots.append(taken)
 
-    def prefill(self) -> torch.Tensor:
-        """Logits ``[B, vocab]`` after the whole prompts."""
+    def prefill(self, gather_logits: bool = False) -> StepLogits:
+        """The greedy tokens after the whole prompts (and the fp32 logits ``[B, vocab]`` with
+        ``gather_logits``)."""
         plan = StepPlan("extend", rows=self.rows, new_tokens=self.prompts,
-                        new_slots=[s[:len(p)] for s, p in zip(self.slots, self.prompts)], seq_lens=list(self.seq_lens))
+                        new_slots=[s[:len(p)] for s, p in zip(self.slots, self.prompts)], seq_lens=list(self.seq_lens),
+                        gather_logits=gather_logits)
         return self.runner.forward(plan)
 
-    def decode(self, next_tokens: Optional[list[int]] = None) -> torch.Tensor:
-        """Append one token per sequence and return the logits after it: ``next_tokens`` from
-        the host, or (None) each sequence's token committed on the device by the last step
-        (`ModelRunner.commit_tokens`), which needs no host sync."""
+    def decode(self, next_tokens: Optional[list[int]] = None, gather_logits: bool = False) -> StepLogits:
+        """Append one token per sequence and return the greedy tokens after it (and the logits
+        with ``gather_logits``): ``next_tokens`` from the host, or (None) each sequence's token
+        committed on the device by the last step (`ModelRunner.commit_tokens`), which needs no
+        host sync."""
         self.seq_lens = [n + 1 for n in self.seq_lens]
         plan = StepPlan("decode", rows=self.rows, new_tokens=[] if next_tokens is None else [[t] for t in next_tokens],
                         new_slots=[[s[n - 1]] for s, n in zip(self.slots, self.seq_lens)], seq_lens=list(self.seq_lens),
-                        tokens_on_device=next_tokens is None)
+                        tokens_on_device=next_tokens is None, gather_logits=gather_logits)
         return self.runner.forward(plan)
 
     def prefill_greedy(self) -> PendingTokens:
@@ -69,9 +73,9 @@ class StaticBatch:
                 arrivals.append(time.perf_counter())
         return tokens, arrivals
 
-    def _greedy(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+    def _greedy(self, logits: StepLogits) -> Optional[torch.Tensor]:
         """Rank 0's next tokens (argmax); other ranks receive them in `commit_tokens`."""
-        return torch.argmax(logits, dim=-1) if self.runner.group.rank == 0 else None
+        return logits.greedy_tokens if self.runner.group.rank == 0 else None
 
 
 def random_prompts(batch_size: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

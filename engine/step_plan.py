@@ -32,6 +32,9 @@ class StepPlan:
     seq_lens: list[int] = field(default_factory=list)
     # decode only: ``new_tokens`` is empty and each sequence's input is ``last_tokens[row]``
     tokens_on_device: bool = False
+    # some sequence samples with a temperature: every rank gathers the full logits (a
+    # collective); greedy steps take the argmax without gathering them
+    gather_logits: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -4,8 +4,9 @@ Rank r holds rows ``[r*V/tp, (r+1)*V/tp)`` of the ``[V, hidden]`` embedding tabl
 
     VocabParallelEmbedding  e = sum over ranks of (E_r[id - start_r] if id in rank r's range else 0)
                             (a masked local lookup, then an all-reduce over the TP group)
-    ParallelLMHead          logits = concat over ranks of (h @ E_r^T): the full ``[N, V]``,
-                            gathered over the TP group; its weight is its own or the embedding's
+    ParallelLMHead          logits = concat over ranks of (h @ E_r^T) = [N, V]: each rank keeps
+                            its slice h @ E_r^T, with the greedy tokens of the whole vocabulary
+                            (`layers.sharded_logits`); its weight is its own or the embedding's
                             (tied word embeddings)
 """
 from __future__ import annotations
@@ -13,23 +14,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import ShardId, check_shape, divide
 from layers.parallel_state import get_tp_group
-
-
-def tensor_model_parallel_all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dim, in rank order (out of place)."""
-    group = get_tp_group()
-    if group.world_size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group.world_size)]
-    dist.all_gather(parts, x, group=group.device_group)
-    return torch.cat(parts, dim=-1)
+from layers.sharded_logits import ShardedLogits, sharded_logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -81,6 +71,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         shared = None if tied is None else tied.weight
         super().__init__(num_embeddings, embedding_dim, dtype, device, shared_weight=shared)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, V]``: the local slice ``h @ E_r^T``, all-gathered over TP."""
-        return tensor_model_parallel_all_gather(F.linear(hidden_states, self.weight))
+    def forward(self, hidden_states: torch.Tensor) -> ShardedLogits:
+        """Collective: ``[N, hidden] ->`` this rank's logits ``h @ E_r^T [N, V/tp]`` and the
+        greedy tokens of the whole vocabulary; ``.gather()`` gives the full ``[N, V]``."""
+        return sharded_logits(F.linear(hidden_states, self.weight), self.vocab_start)

@@ -52,10 +52,12 @@ def _run(model, steps: int) -> dict:
             slots[s].extend(free.pop() for _ in new)
         batch = ForwardBatch.from_lists([new for _, new in chunks], [slots[s] for s, _ in chunks])
         out = model(batch, cache)
-        assert out.dtype == torch.float32 and out.shape == (len(chunks), model.config.vocab_size)
+        full = out.gather()
+        assert full.dtype == torch.float32 and full.shape == (len(chunks), model.config.vocab_size)
+        assert out.greedy_tokens.tolist() == full.argmax(dim=-1).tolist(), "greedy over the shards = argmax of the whole"
         rows.extend((s, len(slots[s]) - 1) for s, _ in chunks)
-        logits.append(out)
-        return out.argmax(dim=-1).tolist()
+        logits.append(full)
+        return out.greedy_tokens.tolist()
 
     first = step([(0, seqs[0]), (1, seqs[1]), (2, seqs[2][:4])])
     for s in (0, 1):

@@ -1,7 +1,8 @@
 """Sampling: greedy, temperature, top-k, top-p, seeded reproducibility, batch independence."""
+import pytest
 import torch
 
-from engine.sampler import filtered_sorted_probs, sample
+from engine.sampler import StepLogits, filtered_sorted_probs, sample
 from engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
@@ -11,10 +12,15 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def step(logits: torch.Tensor) -> StepLogits:
+    """A step that gathered its logits (greedy tokens: their argmax)."""
+    return StepLogits(logits.argmax(-1), logits)
+
+
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(4, 50, generator=gen(0))
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1)] * 2
-    assert sample(logits, params, [None] * 4).tolist() == logits.argmax(-1).tolist()
+    assert sample(step(logits), params, [None] * 4).tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_and_top_p_filter_the_sorted_distribution():
@@ -30,7 +36,7 @@ def test_sampling_matches_the_softmax_distribution():
     g = gen(3)
     counts = torch.zeros(5)
     for _ in range(4000):
-        counts[sample(LOGITS, params, [g])[0].item()] += 1
+        counts[sample(step(LOGITS), params, [g])[0].item()] += 1
     expected = torch.softmax(LOGITS / 0.7, -1)[0]
     torch.testing.assert_close(counts / counts.sum(), expected, atol=0.03, rtol=0)
 
@@ -38,14 +44,26 @@ def test_sampling_matches_the_softmax_distribution():
 def test_filtered_tokens_are_never_sampled():
     params = [SamplingParams(temperature=1.0, top_k=2)]
     g = gen(4)
-    assert {sample(LOGITS, params, [g])[0].item() for _ in range(300)} <= {0, 1}
+    assert {sample(step(LOGITS), params, [g])[0].item() for _ in range(300)} <= {0, 1}
 
 
 def test_seeded_request_is_independent_of_the_batch():
     logits = torch.randn(3, 100, generator=gen(5))
-    alone = [sample(logits[1:2], [SamplingParams(temperature=1.0, seed=7)], [gen(7)])[0].item() for _ in range(1)]
-    batched = sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=7),
+    alone = [sample(step(logits[1:2]), [SamplingParams(temperature=1.0, seed=7)], [gen(7)])[0].item() for _ in range(1)]
+    batched = sample(step(logits), [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=7),
                               SamplingParams(temperature=0.5)], [None, gen(7), gen(8)])
     assert batched[1].item() == alone[0]
-    assert torch.equal(sample(logits, [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)]),
-                       sample(logits, [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)]))
+    assert torch.equal(sample(step(logits), [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)]),
+                       sample(step(logits), [SamplingParams(temperature=1.0)] * 3, [gen(1), gen(2), gen(3)]))
+
+
+def test_greedy_tokens_come_from_the_step_and_stay_untouched():
+    greedy = torch.tensor([3, 1])
+    out = sample(StepLogits(greedy), [SamplingParams(temperature=0)] * 2, [None, None])
+    assert out.tolist() == [3, 1] and out.data_ptr() != greedy.data_ptr(), "a copy: graph outputs are reused"
+
+
+def test_sampling_without_gathered_logits_is_refused():
+    with pytest.raises(ValueError, match="did not gather its logits"):
+        sample(StepLogits(torch.tensor([0, 0])), [SamplingParams(temperature=0), SamplingParams(temperature=0.7)],
+               [None, gen(1)])

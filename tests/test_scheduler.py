@@ -7,6 +7,7 @@ import torch
 
 from engine.engine_client import GenerationChunk
 from engine.request import Request
+from engine.sampler import StepLogits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_plan import RequestTable
@@ -26,6 +27,7 @@ class FakeRunner:
         self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
         self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
         self.inputs: list[list[int]] = []  # each step's input tokens
+        self.gathered: list[bool] = []  # each step's plan.gather_logits
         self._rows = None
 
     def forward(self, plan):
@@ -35,10 +37,11 @@ class FakeRunner:
         batch, self._rows = self.table.apply(plan)
         self.inputs.append(batch.input_ids.tolist())
         self.batch_sizes.append((plan.kind, plan.batch_size))
+        self.gathered.append(plan.gather_logits)
         logits = torch.zeros(plan.batch_size, VOCAB)
         for i, seq_len in enumerate(plan.seq_lens):
             logits[i, seq_len % 200 + 10] = 1.0
-        return logits
+        return StepLogits(logits.argmax(-1), logits if plan.gather_logits else None)
 
     def commit_tokens(self, tokens):
         self.table.commit_tokens(self._rows, tokens)
@@ -64,6 +67,22 @@ def test_requests_join_and_leave_between_steps():
     assert max(bs for _, bs in runner.batch_sizes) == 2, "max_running_requests (rows) bounds the batch"
     assert ("extend", 1) in runner.batch_sizes, "the third request joined while the others decoded"
     assert s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2, "all KV slots freed"
+
+
+def test_only_steps_with_a_sampled_request_gather_the_logits():
+    runner = FakeRunner(rows=2)
+    s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64)
+    greedy, sampled = collect(), collect()
+    s.submit(Request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), emit=greedy[1]))
+    s._drain_inbox(block=False)
+    s.step()  # the greedy request's prefill, alone
+    s.submit(Request([4, 5], SamplingParams(max_tokens=2, temperature=0.8, seed=1, ignore_eos=True), emit=sampled[1]))
+    s._drain_inbox(block=False)
+    while s.step():
+        pass
+    assert greedy[0][-1].completion_tokens == 6 and sampled[0][-1].completion_tokens == 2
+    # greedy prefill; sampled prefill; a decode of both; then the greedy request alone
+    assert runner.gathered[:3] == [False, True, True] and not any(runner.gathered[3:]), runner.gathered
 
 
 def test_a_request_that_can_never_fit_is_refused_with_numbers():

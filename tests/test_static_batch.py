@@ -19,9 +19,9 @@ def _decode_three_ways(rank: int, world_size: int) -> dict:
     runner = ModelRunner(settings, get_tp_group())
     prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
     host_fed = StaticBatch(runner, prompts, STEPS + 1)
-    tokens = [torch.argmax(host_fed.prefill(), -1).tolist()]
+    tokens = [torch.argmax(host_fed.prefill(gather_logits=True).full, -1).tolist()]
     for _ in range(STEPS):
-        tokens.append(torch.argmax(host_fed.decode(tokens[-1]), -1).tolist())
+        tokens.append(torch.argmax(host_fed.decode(tokens[-1], gather_logits=True).full, -1).tolist())
     out = {"host_fed": tokens}
     for overlap in (False, True):
         batch = StaticBatch(runner, prompts, STEPS + 1)

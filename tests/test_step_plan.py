@@ -94,7 +94,7 @@ def _decode_both_ways(rank: int, world_size: int) -> dict:
     lens = [len(p) for p in PROMPTS]
     prefill = StepPlan("extend", rows=SEQ_ROWS, new_tokens=PROMPTS, new_slots=[s[:n] for s, n in zip(slots, lens)],
                        seq_lens=lens)
-    logits = [model(table.apply(prefill)[0], cache) for table, cache in zip(tables, caches)]
+    logits = [model(table.apply(prefill)[0], cache).gather() for table, cache in zip(tables, caches)]
     eager, buffered = [logits[0]], [logits[1]]
     for step in range(STEPS):
         tokens = eager[-1].argmax(-1).tolist()
@@ -107,11 +107,11 @@ def _decode_both_ways(rank: int, world_size: int) -> dict:
             table.commit_tokens(torch.tensor(SEQ_ROWS), torch.tensor(tokens))
         eager_batch, eager_rows = tables[0].apply(on_device if step % 2 else plan)
         assert eager_rows.tolist() == SEQ_ROWS and eager_batch.input_ids.tolist() == tokens
-        eager.append(model(eager_batch, caches[0]))
+        eager.append(model(eager_batch, caches[0]).gather())
         step_buffers = buffers[4 if step % 2 else 3]
         step_buffers.load(on_device)
         assert step_buffers.batch.input_ids[:len(tokens)].tolist() == tokens
-        buffered.append(model(step_buffers.batch, caches[1])[:len(PROMPTS)])
+        buffered.append(model(step_buffers.batch, caches[1]).gather()[:len(PROMPTS)])
     used = torch.tensor([s for seq in slots for s in seq])
     return {"eager": torch.stack(eager), "buffered": torch.stack(buffered),
             "tables_equal": torch.equal(tables[0].table, tables[1].table),

@@ -6,6 +6,11 @@ default's time and the fastest setting found, and writes every point as JSON.
 
     python -m benchmarks.kernels.sweep_decode_attention --batch 1 8 32 128 --context 544 2048 \\
         --json-file out.json
+
+By default the split count is swept at the module's launch constants, then (block, warps,
+stages) at the best split count. ``--grid`` times the full product of ``--splits``,
+``--blocks``, ``--warps`` and ``--stages`` instead (larger blocks with one pipeline stage load a
+program's whole chunk at once, which is what mid-size batches with short chunks may want).
 """
 from __future__ import annotations
 
@@ -34,12 +39,37 @@ def time_setting(batch: int, context: int, splits: Optional[int], block: int, wa
         attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = saved
 
 
-def sweep_shape(batch: int, context: int) -> dict[str, Any]:
+def time_or_none(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> Optional[float]:
+    """`time_setting`, or None (printed) for a config the compiler refuses (shared memory)."""
+    try:
+        return time_setting(batch, context, splits, block, warps, stages)
+    except Exception as exc:
+        print(f"  skip B={batch} C={context} splits={splits} block={block} warps={warps} stages={stages}: {exc}")
+        return None
+
+
+def default_point(batch: int, context: int) -> dict[str, Any]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default_splits = attn.choose_num_splits(batch, 4, context, sms)
+    return {"splits": attn.choose_num_splits(batch, 4, context, sms), "block": attn.BLOCK_N, "warps": attn.NUM_WARPS,
+            "stages": attn.NUM_STAGES, "us": time_setting(batch, context, None, attn.BLOCK_N, attn.NUM_WARPS,
+                                                          attn.NUM_STAGES), "default": True}
+
+
+def sweep_grid(batch: int, context: int, splits: Sequence[int], blocks: Sequence[int], warps: Sequence[int],
+               stages: Sequence[int]) -> dict[str, Any]:
+    """Every (splits, block, warps, stages) of the given lists, plus the default."""
+    points = [default_point(batch, context)]
+    for s, b, w, st in itertools.product(splits, blocks, warps, stages):
+        us = time_or_none(batch, context, s, b, w, st)
+        if us is not None:
+            points.append({"splits": s, "block": b, "warps": w, "stages": st, "us": us})
+    return {"batch": batch, "context": context, "points": points}
+
+
+def sweep_shape(batch: int, context: int) -> dict[str, Any]:
     base = (attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES)
-    points = [{"splits": default_splits, "block": base[0], "warps": base[1], "stages": base[2],
-               "us": time_setting(batch, context, None, *base), "default": True}]
+    points = [default_point(batch, context)]
+    default_splits = points[0]["splits"]
     for splits in SPLITS:
         if splits != default_splits and splits * 16 <= context:
             points.append({"splits": splits, "block": base[0], "warps": base[1], "stages": base[2],
@@ -47,12 +77,9 @@ def sweep_shape(batch: int, context: int) -> dict[str, Any]:
     best_splits = min(points, key=lambda p: p["us"])["splits"]
     for block, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
         if (block, warps, stages) != base:
-            try:
-                us = time_setting(batch, context, best_splits, block, warps, stages)
-            except Exception as exc:  # a config the compiler refuses (shared memory): skip it
-                print(f"  skip B={batch} C={context} block={block} warps={warps} stages={stages}: {exc}")
-                continue
-            points.append({"splits": best_splits, "block": block, "warps": warps, "stages": stages, "us": us})
+            us = time_or_none(batch, context, best_splits, block, warps, stages)
+            if us is not None:
+                points.append({"splits": best_splits, "block": block, "warps": warps, "stages": stages, "us": us})
     return {"batch": batch, "context": context, "points": points}
 
 
@@ -60,12 +87,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--context", type=int, nargs="+", default=[544])
+    p.add_argument("--grid", action="store_true", help="time the full product of the four lists below")
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--json-file")
     args = p.parse_args(argv)
     results = []
     print(f"{'B':>4} {'C':>6} {'default us':>11} {'(splits)':>9} {'best us':>9}  best setting")
     for batch, context in itertools.product(args.batch, args.context):
-        r = sweep_shape(batch, context)
+        r = (sweep_grid(batch, context, args.splits, args.blocks, args.warps, args.stages) if args.grid
+             else sweep_shape(batch, context))
         results.append(r)
         default = next(p for p in r["points"] if p.get("default"))
         best = min(r["points"], key=lambda p: p["us"])

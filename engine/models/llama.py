@@ -36,6 +36,7 @@ from layers.linear import (
     default_weight_loader,
 )
 from layers.rotary_embedding import RotaryEmbedding
+from layers.sharded_logits import ShardedLogits
 from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 # checkpoint projection name -> (this model's merged parameter, shard id)
@@ -167,7 +168,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(batch, kv_cache) -> [B, vocab]`` fp32 logits of each sequence's last new token."""
+    """``forward(batch, kv_cache) ->`` the logits of each sequence's last new token, as
+    `ShardedLogits` (this rank's vocabulary slice and the greedy tokens; ``.gather()``: fp32
+    ``[B, vocab]``)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> None:
@@ -189,10 +192,10 @@ class LlamaForCausalLM(nn.Module):
                                 self.config.head_dim, self.dtype, self.device)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ShardedLogits:
         hidden_states = self.model(batch, kv_cache)
         last = hidden_states if batch.is_decode else hidden_states[batch.last_token_indices()]  # decode: one token each
-        return self.lm_head(last).float()
+        return self.lm_head(last)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,7 +9,8 @@ decode teacher-forced from the eager run, every other step through the graph run
 committed device tokens (`commit_tokens`, a ``tokens_on_device`` plan). Per step, the graph's logits must be within a
 relative L2 error of the eager ones (1e-4 in fp32; 2e-2 in bf16, where a different split of
 the decode attention or a padded GEMM rounds differently), and both runners' request tables
-must be equal, the padding row untouched.
+must be equal, the padding row untouched. Every step's greedy tokens (taken over the
+vocabulary shards inside the graph) must be the argmax of its gathered logits.
 """
 import pytest
 import torch
@@ -43,23 +44,28 @@ def _run(rank: int, world_size: int, dtype: str) -> dict:
         allocator = SlotAllocator(graphed.num_kv_slots)
         slots = [allocator.allocate(PROMPT_LEN + STEPS) for _ in prompts]
         rows, lens = ROWS[:bs], [PROMPT_LEN] * bs
-        prefill = StepPlan("extend", rows, prompts, [s[:PROMPT_LEN] for s in slots], lens)
-        logits = {name: [runner.forward(prefill).clone()] for name, runner in runners.items()}
+        prefill = StepPlan("extend", rows, prompts, [s[:PROMPT_LEN] for s in slots], lens, gather_logits=True)
+        logits = {name: [runner.forward(prefill).full.clone()] for name, runner in runners.items()}
+        greedy_is_argmax = True
         for step in range(STEPS):
             tokens = logits["eager"][-1].argmax(-1).tolist()
             lens = [n + 1 for n in lens]
-            plan = StepPlan("decode", rows, [[t] for t in tokens], [[s[n - 1]] for s, n in zip(slots, lens)], lens)
+            plan = StepPlan("decode", rows, [[t] for t in tokens], [[s[n - 1]] for s, n in zip(slots, lens)], lens,
+                            gather_logits=True)
             # every other step the graph reads the tokens committed on the device (the served path)
             graphed.commit_tokens(torch.tensor(tokens, device=graphed.device))
             plans = {"graph": replace(plan, new_tokens=[], tokens_on_device=True) if step % 2 else plan, "eager": plan}
             for name, runner in runners.items():
-                logits[name].append(runner.forward(plans[name]).clone())  # graph outputs are overwritten by the next replay
+                step_logits = runner.forward(plans[name])
+                greedy_is_argmax &= torch.equal(step_logits.greedy_tokens, step_logits.full.argmax(-1))
+                logits[name].append(step_logits.full.clone())  # graph outputs are overwritten by the next replay
         graph, ref = torch.stack(logits["graph"][1:]), torch.stack(logits["eager"][1:])  # [STEPS, bs, vocab]
         out[bs] = {
             "max_rel_err": ((graph - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item(),
             "agreement": (graph.argmax(-1) == ref.argmax(-1)).float().mean().item(),
             "tables_equal": torch.equal(graphed.table.table, eager.table.table),
             "pad_row_zero": not graphed.table.table[graphed.table.pad_row].any().item(),
+            "greedy_is_argmax": greedy_is_argmax,
         }
     graphed.destroy()
     eager.destroy()
@@ -72,5 +78,5 @@ def test_graph_decode_matches_eager_decode(dtype):
     result = run_distributed(_run, world_size=1, args=(dtype,), device_kind="cuda", timeout_s=240)[0]
     print(f"\n{dtype}: {result}")
     for bs, r in result.items():
-        assert r["tables_equal"] and r["pad_row_zero"], (bs, r)
+        assert r["tables_equal"] and r["pad_row_zero"] and r["greedy_is_argmax"], (bs, r)
         assert r["max_rel_err"] <= MAX_REL_ERR[dtype], (bs, r)

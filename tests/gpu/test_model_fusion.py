@@ -21,9 +21,9 @@ def _logits_for(runner, prompts, tokens):
     from engine.static_batch import StaticBatch
 
     batch = StaticBatch(runner, prompts, STEPS + 1)
-    out = [batch.prefill().clone()]
+    out = [batch.prefill(gather_logits=True).full.clone()]
     for step in range(STEPS):
-        out.append(batch.decode(tokens[step]).clone())
+        out.append(batch.decode(tokens[step], gather_logits=True).full.clone())
     return torch.stack(out)  # [STEPS+1, B, vocab]
 
 
@@ -45,10 +45,10 @@ def _run(rank, world_size):
     fp32 = ModelRunner(base, group)
     prompts = random_prompts(PROMPTS, PROMPT_LEN, fp32.config.vocab_size, seed=1)
     batch = StaticBatch(fp32, prompts, STEPS + 1)
-    step_logits = [batch.prefill().clone()]
+    step_logits = [batch.prefill(gather_logits=True).full.clone()]
     tokens = [torch.argmax(step_logits[-1], -1).tolist()]
     for _ in range(STEPS):
-        step_logits.append(batch.decode(tokens[-1]).clone())
+        step_logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
         tokens.append(torch.argmax(step_logits[-1], -1).tolist())
     reference = torch.stack(step_logits)
     fp32.destroy()
