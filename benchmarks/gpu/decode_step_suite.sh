@@ -47,6 +47,13 @@ for line in open(sys.argv[1]):
         print(f"  {r['fusion']:>8} bs={r['batch_size']:>4} TPOT {r['tpot_ms']:.3f} ms prefill {r['prefill_ms']:.1f} ms")
 PY
 }
+#   PART=midgrid bash benchmarks/gpu/decode_step_suite.sh  decode-attention splits x block at batch
+#                                                          16-64, short and long context
+if [ "$PART" = midgrid ]; then
+  timeout 300 python -m benchmarks.kernels.sweep_decode_attention --grid --batch 16 32 48 64 --context 544 4096 \
+    --splits 1 2 4 8 --blocks 64 128 --warps 4 --stages 3 --json-file "$OUT/midgrid.json" > "$OUT/midgrid.log" 2>&1
+  echo "midgrid rc=$?"; top5 "$OUT/midgrid.json"
+fi
 if [ "$PART" = power ]; then
   timeout 200 python -m pytest tests/gpu/test_cuda_graph_decode.py -q -s -p no:cacheprovider \
     > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; grep -E "passed|failed|greedy" "$OUT/gpu-tests.log" | tail -4
