@@ -87,6 +87,7 @@ class ModelRunner:
         self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
         self.table = RequestTable(self.max_rows, self.context_len, self.device)
         self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
+        self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
             self.graphs = CudaGraphRunner(self, min(settings.cuda_graph_max_bs, self.max_rows))
@@ -137,6 +138,7 @@ class ModelRunner:
         else:
             batch, self._step_rows = self.table.apply(plan)
             logits = self.model(batch, self.kv_cache)
+        self._step_greedy = None if plan.gather_logits else logits.greedy_tokens
         return StepLogits(logits.greedy_tokens, logits.gather() if plan.gather_logits else None)
 
     @torch.inference_mode()
@@ -144,19 +146,28 @@ class ModelRunner:
         """Collective over the TP group, after `forward`: rank 0's next tokens (int64 ``[B]`` on
         the device, one per sequence of the last forward; other ranks pass None) become every
         rank's, and each sequence's row records its token in the table's ``last_tokens`` (read
-        by the next ``tokens_on_device`` decode plan). Stream-ordered: nothing waits for the
-        GPU. Returns the tokens."""
+        by the next ``tokens_on_device`` decode plan). A step that sampled nothing (its plan did
+        not gather the logits) left the same greedy tokens on every rank: rank 0 must commit
+        that step's ``greedy_tokens`` tensor itself (what `sample` returns for it), and no
+        broadcast is needed. Stream-ordered: nothing waits for the GPU. Returns the tokens."""
         if self._step_rows is None:
             raise RuntimeError("commit_tokens needs a forward step first")
         rows, self._step_rows = self._step_rows, None
+        greedy, self._step_greedy = self._step_greedy, None
         if self.group.rank == 0:
             if tokens is None or tokens.shape != rows.shape or tokens.dtype != torch.int64:
                 got = None if tokens is None else (tuple(tokens.shape), tokens.dtype)
                 raise ValueError(f"rank 0 must commit {rows.numel()} int64 tokens for the last step, got {got}")
+            if greedy is not None and tokens is not greedy:
+                raise ValueError("the last step sampled nothing (its plan did not gather the logits): commit its "
+                                 "greedy_tokens, which every rank already holds")
             tokens = tokens.to(self.device)
+        elif greedy is not None:
+            tokens = greedy
         else:
             tokens = torch.empty_like(rows)
-        self.group.broadcast(tokens, src=0)
+        if greedy is None:
+            self.group.broadcast(tokens, src=0)
         self.table.commit_tokens(rows, tokens)
         return tokens
 

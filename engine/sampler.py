@@ -43,25 +43,26 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 def sample(step: StepLogits, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
-    """One next token per row: int64 ``[B]`` on the device (a new tensor), computed without a
-    host sync (the random numbers come from the CPU generators). Raises ValueError if a row
-    samples but the step has no full logits."""
-    tokens = step.greedy_tokens.clone()  # a replayed graph's output buffer: do not write into it
+    """One next token per row: int64 ``[B]`` on the device, computed without a host sync (the
+    random numbers come from the CPU generators). With no sampled row, that is the step's
+    ``greedy_tokens`` tensor itself (valid until the next forward: a replayed graph's output),
+    else a new tensor. Raises ValueError if a row samples but the step has no full logits."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        if step.full is None:
-            raise ValueError(f"{len(rows)} row(s) sample with a temperature, but the step did not gather its logits "
-                             "(StepPlan.gather_logits)")
-        logits = step.full
-        dev = logits.device
-        sub = [params[i] for i in rows]
-        temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in sub], device=dev)
-        top_p = torch.tensor([p.top_p for p in sub], device=dev, dtype=torch.float32)
-        uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)
-        probs, order = filtered_sorted_probs(logits[rows].float(), temperature, top_k, top_p)
-        cdf = torch.cumsum(probs, dim=-1)
-        target = uniform[:, None] * cdf[:, -1:]
-        pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
-        tokens[rows] = order.gather(1, pick).squeeze(1)
+    if not rows:
+        return step.greedy_tokens
+    if step.full is None:
+        raise ValueError(f"{len(rows)} row(s) sample with a temperature, but the step did not gather its logits "
+                         "(StepPlan.gather_logits)")
+    tokens = step.greedy_tokens.clone()  # a replayed graph's output buffer: do not write into it
+    dev = step.full.device
+    sub = [params[i] for i in rows]
+    temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in sub], device=dev)
+    top_p = torch.tensor([p.top_p for p in sub], device=dev, dtype=torch.float32)
+    uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)
+    probs, order = filtered_sorted_probs(step.full[rows], temperature, top_k, top_p)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+    tokens[rows] = order.gather(1, pick).squeeze(1)
     return tokens

@@ -17,15 +17,15 @@ K/V row is read from HBM once for all G heads), padded to GROUP_PAD = max(16, ne
 so that q.K^T and p.V are ``tl.dot`` tensor-core products (tl.dot needs M >= 16). The padding
 costs tensor-core flops, not bytes: decode is memory-bound (about 16 flops per K/V byte with
 GROUP_PAD=16, against ~200 flop/byte where an H200 turns compute-bound), and the broadcast
-multiply + sum alternative would hold a [G, BLOCK_N, D] fp32 tile in registers.
+multiply + sum alternative would hold a [G, BLOCK, D] fp32 tile in registers.
 
 Split s of row b (all in-kernel, from seq_lens on the device, so no host sync):
 
-    chunk_b = max(BLOCK_N, round_up(ceil(n_b / NUM_SPLITS), BLOCK_N)),  keys [s*chunk_b, min((s+1)*chunk_b, n_b))
+    chunk_b = max(BLOCK, round_up(ceil(n_b / NUM_SPLITS), BLOCK)),  keys [s*chunk_b, min((s+1)*chunk_b, n_b))
 
 A program whose chunk starts at or past n_b exits at once and writes nothing; the combine
 kernel reads only the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Within its chunk a
-program runs the online softmax over blocks of BLOCK_N keys (in base 2: x = scale*log2(e)*q.k,
+program runs the online softmax over blocks of BLOCK keys (in base 2: x = scale*log2(e)*q.k,
 so exp2 replaces exp): running max m, running sum l = sum_j 2^(x_j - m), running
 acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max grows. With
 NUM_SPLITS = 1 it writes out = acc / l itself and there is no combine. Otherwise it stores the
@@ -38,10 +38,12 @@ Combine (second kernel, grid (B, H)). Since 2^(lse_s) = sum_{j in s} 2^(x_j),
 
 (subtracting M keeps every w_s in (0, 1] with at least one w_s = 1: no overflow, no 0/0).
 
-NUM_SPLITS is a compile-time constant chosen on the host from shapes only (B, KVH, the width C
-of req_to_token, the SM count): floor(WAVES * SMs / (B * KVH)) splits, so that about WAVES
-programs per SM are in flight, at most one split per BLOCK_N keys of C, between 1 and
-MAX_SPLITS. It never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
+NUM_SPLITS and BLOCK are compile-time constants chosen on the host from shapes only (B, KVH,
+the width C of req_to_token, the SM count; `choose_launch`): floor(WAVES * SMs / (B * KVH))
+splits of 64-key blocks, so that about WAVES = 4 programs per SM are in flight, at most one split
+per block of C, between 1 and MAX_SPLITS; except for mid-size batches (64 <= B * KVH <= 2 * SMs,
+e.g. 16-64 sequences at KVH=4), which take 128-key blocks and about 2 programs per SM. The
+choice never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
 [B, H, NUM_SPLITS] fp32, none with one split) are sized from shapes only, so a call is
 CUDA-graph capturable; replays with other seq_lens re-split each row on the device.
 
@@ -51,6 +53,12 @@ C=8192: 4 splits 130 us, 1 split 234 us; B=128: 1 split best), and at the most s
 (C=8192: 64 splits 13 us, 8 splits 32 us). BLOCK_N=64 with 4 warps and 3 pipeline stages was
 within a few % of the best of (32/64/128 keys, 4/8 warps, 2-4 stages) at every shape; 2 stages
 instead of 3 cost 30-45% (B=128 C=8192: 712 against 489 us, i.e. 3.0 against 4.4 TB/s of K+V).
+
+Mid-size batches (session 4, `sweep_decode_attention --grid`, µs per call, C = 544 / 4096):
+halving the 4-wave split count and doubling the block gives B=16 13.06 -> 12.48 / 40.31 -> 40.70,
+B=32 17.81 -> 16.86 / 71.94 -> 71.45, B=64 25.65 -> 24.24 / 132.5 -> 129.8; at B=48 (2 -> 1
+split) 22.26 -> 22.17 / 103.3 -> 108.2, and at B=128 a 128-key block loses (39.9 -> 44.2), so
+batches past 2 * SMs programs keep the 64-key block.
 
 Measured alternatives (same timing, `benchmarks/kernels/sweep_decode_attention.py` and an A/B
 run, µs per call at C=544 / 4096). Writing the output from the split kernel when there is one
@@ -77,6 +85,8 @@ BLOCK_N = 64  # keys per inner-loop step
 NUM_WARPS = 4
 NUM_STAGES = 3  # software-pipelining depth of the key loop
 WAVES = 4  # target programs per call: WAVES * SM count
+MID_BLOCK_N, MID_WAVES = 128, 2  # mid-size batches: 64 <= B * KVH <= MID_WAVES * SM count
+MID_MIN_ROWS = 64
 MAX_SPLITS = 64
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -157,12 +167,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, context: int, num_sms: int) -> int:
-    """Splits per row from shapes only: floor(WAVES * num_sms / (batch * kv heads)) programs per
-    (sequence, kv head), at most one per BLOCK_N keys of the width ``context``, between 1 and
-    MAX_SPLITS."""
-    wanted = WAVES * num_sms // (batch * num_kv_heads)
-    return max(1, min(wanted, -(-context // BLOCK_N), MAX_SPLITS))
+def choose_launch(batch: int, num_kv_heads: int, context: int, num_sms: int) -> tuple[int, int]:
+    """``(splits per row, keys per block)`` from shapes only: floor(waves * num_sms / (batch *
+    kv heads)) programs per (sequence, kv head), at most one per block of the width ``context``,
+    between 1 and MAX_SPLITS; waves and block are (MID_WAVES, MID_BLOCK_N) for mid-size batches
+    (MID_MIN_ROWS <= batch * kv heads <= MID_WAVES * num_sms), else (WAVES, BLOCK_N)."""
+    rows = batch * num_kv_heads
+    waves, block = (MID_WAVES, MID_BLOCK_N) if MID_MIN_ROWS <= rows <= MID_WAVES * num_sms else (WAVES, BLOCK_N)
+    return max(1, min(waves * num_sms // rows, -(-context // block), MAX_SPLITS)), block
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -202,19 +214,26 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
-                     row_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
-    only; returns a new tensor of q's dtype. ``num_splits`` overrides the shape-based choice
-    (tests, tuning). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
+    only; returns a new tensor of q's dtype. ``num_splits`` and ``block`` (keys per block, a
+    power of two >= 16; BLOCK_N when only ``num_splits`` is given) override the shape-based
+    choice (tests, tuning). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
     sync); values of seq_lens above C are clamped to C."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     context = req_to_token.shape[1]
-    splits = num_splits or choose_num_splits(batch, kv_heads, context, _sm_count(q.device))
+    if num_splits is None:
+        splits, chosen_block = choose_launch(batch, kv_heads, context, _sm_count(q.device))
+        block = block or chosen_block
+    else:
+        splits, block = num_splits, block or BLOCK_N
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16 (tl.dot), got {block}")
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
         part_out = part_lse = out
@@ -227,14 +246,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), context,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
-        NUM_SPLITS=splits, BLOCK=BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_ROW_IDS=row_ids is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if splits > 1:
         _combine_kernel[(batch, heads)](
             part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context,
             HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK=BLOCK_N, num_warps=4,
+            BLOCK=block, num_warps=4,
         )
     return out
 

@@ -59,8 +59,11 @@ def test_seeded_request_is_independent_of_the_batch():
 
 def test_greedy_tokens_come_from_the_step_and_stay_untouched():
     greedy = torch.tensor([3, 1])
-    out = sample(StepLogits(greedy), [SamplingParams(temperature=0)] * 2, [None, None])
-    assert out.tolist() == [3, 1] and out.data_ptr() != greedy.data_ptr(), "a copy: graph outputs are reused"
+    assert sample(StepLogits(greedy), [SamplingParams(temperature=0)] * 2, [None, None]) is greedy
+    logits = torch.randn(2, 5, generator=gen(2))
+    out = sample(StepLogits(greedy, logits), [SamplingParams(temperature=0), SamplingParams(temperature=1.0)],
+                 [None, gen(3)])
+    assert out[0].item() == 3 and greedy.tolist() == [3, 1], "sampled rows go into a copy: graph outputs are reused"
 
 
 def test_sampling_without_gathered_logits_is_refused():

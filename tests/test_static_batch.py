@@ -29,6 +29,14 @@ def _decode_three_ways(rank: int, world_size: int) -> dict:
         steps, arrivals = batch.decode_greedy(STEPS, overlap)
         out[f"overlap={overlap}"] = [first] + steps
         out[f"arrivals_sorted={overlap}"] = arrivals == sorted(arrivals) and len(arrivals) == STEPS
+    # a greedy-only step commits without a broadcast, so rank 0 must commit the step's own greedy tokens
+    StaticBatch(runner, prompts, 1).prefill()
+    other = torch.zeros(PROMPTS, dtype=torch.int64) if rank == 0 else None
+    try:
+        runner.commit_tokens(other)
+        out["other_tokens_refused"] = rank != 0
+    except ValueError as exc:
+        out["other_tokens_refused"] = rank == 0 and "greedy_tokens" in str(exc)
     runner.destroy()
     return out
 
@@ -42,3 +50,4 @@ def test_device_fed_greedy_decoding_matches_the_host_fed_loop_on_every_rank():
         for overlap in (False, True):
             assert r[f"overlap={overlap}"] == reference, (rank, overlap)
             assert r[f"arrivals_sorted={overlap}"]
+        assert r["other_tokens_refused"], rank

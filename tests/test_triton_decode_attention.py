@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from layers.triton_decode_attention import (  # noqa: E402
-    choose_num_splits,
+    choose_launch,
     decode_attention,
     decode_attention_reference,
 )
@@ -70,6 +70,12 @@ CASES = [
     (3, 4, 4, 64, 1100, torch.float16, torch.int64, 64),
 ]
 
+# (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits, block): 128-key blocks
+BLOCK_CASES = [
+    (2, 4, 2, 64, 300, torch.float16, torch.int64, 2, 128),  # chunks of 256 keys: two blocks, then one partial
+    (3, 2, 2, 64, 200, torch.float32, torch.int32, 1, 128),  # one split: out written directly
+    (16, 1, 4, 64, 150, torch.float32, torch.int64, None, None),  # 64 rows: the mid-size choice, (2, 128)
+]
 
 REPLAY_LENS = ([330, 1, 65, 64], [2, 330, 329, 128])
 
@@ -111,6 +117,14 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
         if batch > 1:  # seq_len 1: the softmax of one key is 1, so the output is that key's value row
             v0 = v_cache[req_to_token[0, 0].long()].float().repeat_interleave(group, dim=0)
             check((case, "seq_len 1"), out[0].float(), v0, rtol, atol)
+
+    for case in BLOCK_CASES:
+        batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits, block = case
+        q, k_cache, v_cache, req_to_token, seq_lens = make_case(
+            batch, group, kv_heads, dim, context, dtype, index_dtype, seed=batch * 100 + group * 10 + dim + 2)
+        out = decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, 0.3, num_splits=num_splits, block=block)
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, 0.3)
+        check(case, out.float(), expected, *TOLERANCES[dtype])
 
     for case in ROW_ID_CASES:
         batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits = case
@@ -167,6 +181,11 @@ def test_strided_q_and_new_seq_lens_with_fixed_splits(interpreted, lens):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_128_key_blocks(interpreted, case):
+    assert interpreted[case] is None, interpreted[case]
+
+
 @pytest.mark.parametrize("case", ROW_ID_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 def test_row_ids_read_rows_of_a_larger_table(interpreted, case):
     """Row b reads ``req_to_token[row_ids[b]]``: as the reference, and bit for bit as the call
@@ -183,15 +202,20 @@ def test_rows_shorter_than_the_splits(interpreted, case):
 
 
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
-    (1, 4, 8192, 64),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
-    (1, 4, 128, 2),  # at most one split per 64-key block of the width
-    (8, 4, 2048, 16),
-    (32, 4, 8192, 4),  # floor(528 / 128)
-    (128, 4, 8192, 1),
-    (256, 4, 8192, 1),  # already more programs than wanted
+    (1, 4, 8192, (64, 64)),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
+    (1, 4, 128, (2, 64)),  # at most one split per 64-key block of the width
+    (8, 4, 2048, (16, 64)),
+    (15, 4, 8192, (8, 64)),  # 60 (sequence, kv head) rows: still a small batch
+    (16, 4, 8192, (4, 128)),  # mid-size: 128-key blocks, floor(264 / 64) splits
+    (32, 4, 8192, (2, 128)),
+    (32, 4, 200, (2, 128)),  # two 128-key blocks of width
+    (66, 4, 8192, (1, 128)),  # 264 rows: the last mid-size batch
+    (67, 4, 8192, (1, 64)),
+    (128, 4, 8192, (1, 64)),
+    (256, 4, 8192, (1, 64)),  # already more programs than wanted
 ])
-def test_choose_num_splits_from_shapes(batch, kv_heads, context, expected):
-    assert choose_num_splits(batch, kv_heads, context, num_sms=132) == expected
+def test_choose_launch_from_shapes(batch, kv_heads, context, expected):
+    assert choose_launch(batch, kv_heads, context, num_sms=132) == expected
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -207,6 +231,9 @@ def test_bad_inputs_raise_clear_errors():
     for message, args in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             decode_attention(*args, scale=0.125)
+    for block in (8, 96):
+        with pytest.raises(ValueError, match="block must be a power of two >= 16"):
+            decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, 0.125, num_splits=1, block=block)
     table, row_ids = spread_rows(req_to_token, spare=2, seed=3)
     bad_rows = {
         "row_ids [B]": row_ids[:1],

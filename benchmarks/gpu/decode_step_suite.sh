@@ -70,6 +70,21 @@ if [ "$PART" = power ]; then
     --output-len 64 --repeats 3 --json-file "$OUT/bench_tunableop.jsonl" > "$OUT/bench_tunableop.log" 2>&1
   echo "bench tunableop rc=$?"; print_bench "$OUT/bench_tunableop.jsonl"; grep -iE "error|tunable" "$OUT/bench_tunableop.log" | head -5
 fi
+#   PART=final bash benchmarks/gpu/decode_step_suite.sh   every GPU test, then bench_one_batch
+#                                                         off/on/builtin (5 repeats, 64 tokens)
+#   PART=profile bash benchmarks/gpu/decode_step_suite.sh the decode-step profile, fusion off/on
+if [ "$PART" = final ]; then
+  timeout 330 python -m pytest tests/gpu -q -p no:cacheprovider > "$OUT/gpu-tests-all.log" 2>&1
+  echo "gpu tests rc=$?"; tail -1 "$OUT/gpu-tests-all.log"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-all.log" | head
+  timeout 250 "${BENCH[@]}" --fusion off on builtin --batch-size 1 8 32 64 128 256 --repeats 5 --output-len 64 \
+    --json-file "$OUT/bench_final.jsonl" > "$OUT/bench_final.log" 2>&1; echo "bench rc=$?"
+  grep -v "^INFO\|Warning\|warn" "$OUT/bench_final.log" | tail -9
+fi
+if [ "$PART" = profile ]; then
+  timeout 150 "${BENCH[@]}" --fusion off on --batch-size 1 32 128 --output-len 4 --repeats 1 --profile \
+    > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
+  grep -E "^\[profile|^ +[0-9.]+ us" "$OUT/profile.log" | head -120
+fi
 if [ "$PART" = order ]; then
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 250 > "$OUT/clocks.csv" 2>&1 &

@@ -27,16 +27,17 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> float:
-    """µs per call with the module's launch constants set to ``block``/``warps``/``stages``
-    (restored afterwards); ``splits`` None: the shape-based choice."""
-    saved = attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES
-    attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = block, warps, stages
+    """µs per call with ``splits`` splits of ``block`` keys and the module's launch constants set
+    to ``warps``/``stages`` (restored afterwards); ``splits`` None: the shape-based choice of
+    splits and block."""
+    saved = attn.NUM_WARPS, attn.NUM_STAGES
+    attn.NUM_WARPS, attn.NUM_STAGES = warps, stages
     try:
         fn = attn.decode_attention if splits is None else (
-            lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits))
+            lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits, block=block))
         return attn.time_decode_attention(batch, context, attention_fn=fn)
     finally:
-        attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES = saved
+        attn.NUM_WARPS, attn.NUM_STAGES = saved
 
 
 def time_or_none(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> Optional[float]:
@@ -50,9 +51,9 @@ def time_or_none(batch: int, context: int, splits: Optional[int], block: int, wa
 
 def default_point(batch: int, context: int) -> dict[str, Any]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return {"splits": attn.choose_num_splits(batch, 4, context, sms), "block": attn.BLOCK_N, "warps": attn.NUM_WARPS,
-            "stages": attn.NUM_STAGES, "us": time_setting(batch, context, None, attn.BLOCK_N, attn.NUM_WARPS,
-                                                          attn.NUM_STAGES), "default": True}
+    splits, block = attn.choose_launch(batch, 4, context, sms)
+    return {"splits": splits, "block": block, "warps": attn.NUM_WARPS, "stages": attn.NUM_STAGES,
+            "us": time_setting(batch, context, None, block, attn.NUM_WARPS, attn.NUM_STAGES), "default": True}
 
 
 def sweep_grid(batch: int, context: int, splits: Sequence[int], blocks: Sequence[int], warps: Sequence[int],
@@ -67,9 +68,9 @@ def sweep_grid(batch: int, context: int, splits: Sequence[int], blocks: Sequence
 
 
 def sweep_shape(batch: int, context: int) -> dict[str, Any]:
-    base = (attn.BLOCK_N, attn.NUM_WARPS, attn.NUM_STAGES)
     points = [default_point(batch, context)]
     default_splits = points[0]["splits"]
+    base = (points[0]["block"], attn.NUM_WARPS, attn.NUM_STAGES)
     for splits in SPLITS:
         if splits != default_splits and splits * 16 <= context:
             points.append({"splits": splits, "block": base[0], "warps": base[1], "stages": base[2],

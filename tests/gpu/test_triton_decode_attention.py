@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from fusion.cuda_graph_timing import capture_cuda_graph  # noqa: E402
 from layers.attention import Attention  # noqa: E402
 from layers.triton_decode_attention import (  # noqa: E402
-    choose_num_splits,
+    choose_launch,
     decode_attention,
     decode_attention_reference,
     time_decode_attention,
@@ -183,8 +183,8 @@ def test_print_timing_table():
             triton_us = time_decode_attention(batch, context, HEADS, KV_HEADS, HEAD_DIM, DTYPE)
             torch_us = time_decode_attention(batch, context, HEADS, KV_HEADS, HEAD_DIM, DTYPE, attention_fn=_torch_decode)
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-            splits = choose_num_splits(batch, KV_HEADS, context, sms)
-            lines.append(f"{batch:>4} {context:>7} {splits:>6} {triton_us:>10.1f} {kv_bytes / triton_us / 1e3:>6.0f} "
+            splits, block = choose_launch(batch, KV_HEADS, context, sms)
+            lines.append(f"{batch:>4} {context:>7} {f'{splits}x{block}':>6} {triton_us:>10.1f} {kv_bytes / triton_us / 1e3:>6.0f} "
                          f"{torch_us:>10.1f} {torch_us / triton_us:>6.1f}x")
             if not 0 < triton_us < torch_us:
                 slower.append(lines[-1])
