@@ -64,7 +64,7 @@ def _row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the largest of those. The first maximum of the first such piece is the row's first maximum."""
     rows, width = x.shape
     chunks = _chunks(width)
-    piece_max, piece_arg = torch.max(x.view(rows, chunks, width // chunks), dim=-1)  # [B, c]
+    piece_max, piece_arg = torch.max(x.reshape(rows, chunks, width // chunks), dim=-1)  # [B, c]
     best, piece = torch.max(piece_max, dim=-1)  # [B]: first piece holding the row max
     return best, piece * (width // chunks) + piece_arg.gather(1, piece[:, None]).squeeze(1)
 

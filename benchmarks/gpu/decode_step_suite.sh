@@ -85,6 +85,16 @@ if [ "$PART" = profile ]; then
     > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
   grep -E "^\[profile|^ +[0-9.]+ us" "$OUT/profile.log" | head -120
 fi
+#   PART=context bash benchmarks/gpu/decode_step_suite.sh the fusion gain against the prompt length
+#                                                         (input 128 and 2048; 512 is PART=final)
+if [ "$PART" = context ]; then
+  for len in 128 2048; do
+    timeout 240 python -m engine.bench_one_batch --model-path llama3-8b --tp-size 2 --dtype bfloat16 \
+      --allreduce-fusion-max-tokens 4096 --input-len $len --output-len 64 --fusion off on --batch-size 32 128 \
+      --repeats 3 --json-file "$OUT/bench_input$len.jsonl" > "$OUT/bench_input$len.log" 2>&1
+    echo "input $len rc=$?"; grep -v "^INFO\|Warning\|warn" "$OUT/bench_input$len.log" | tail -3
+  done
+fi
 if [ "$PART" = order ]; then
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 250 > "$OUT/clocks.csv" 2>&1 &
