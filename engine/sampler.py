@@ -2,9 +2,9 @@
 
 Greedy rows take the step's greedy tokens (the argmax over the vocabulary, found without
 gathering the logits: `layers.sharded_logits`). Other rows need the step's full fp32 logits
-``[B, vocab]`` (gathered when the step's plan asked for them, ``StepPlan.gather_logits``): ``softmax(logits / temperature)`` restricted to the
-``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the token
-that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
+``[B, vocab]`` (gathered when the step's plan asked for them, ``StepPlan.gather_logits``):
+``softmax(logits / temperature)`` restricted to the ``top_k`` largest and then to the smallest
+set whose probability reaches ``top_p`` (the token that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
 the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
 the request's own ``torch.Generator`` on the CPU (seeded from its ``seed``, else from the
 engine's seed and its id), so a seeded request gives the same tokens whatever else is in the

@@ -27,13 +27,16 @@ import torch.distributed as dist
 from layers.parallel_state import get_tp_group
 
 MAX_CHUNKS = 256  # first-level pieces per row of the two-level row maximum
-# one all-gather into a flat tensor (concatenated along dim 0): newer torch names it
-# all_gather_single and deprecates all_gather_into_tensor; the GPU image's torch has only the latter
+MAX_VOCAB = 2 ** 24  # token ids travel as fp32: exact below this
+# one all-gather into a flat tensor (concatenated along dim 0): newer torch (2.13) names it
+# all_gather_single and deprecates all_gather_into_tensor; use whichever this torch has
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
 class ShardedLogits:
+    """One step's logits on one rank: its vocabulary slice and the whole vocabulary's argmax."""
+
     local: torch.Tensor  # [B, V/tp], model dtype: this rank's vocabulary slice
     greedy_tokens: torch.Tensor  # [B] int64: the argmax over the whole vocabulary, the same on every rank
 
@@ -72,11 +75,15 @@ def _row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sharded_logits(local: torch.Tensor, vocab_start: int) -> ShardedLogits:
     """Collective over the TP group: wrap this rank's slice ``local [B, V/tp]`` (columns from
     ``vocab_start``) with the greedy tokens of the whole vocabulary (see the module docstring).
-    No host sync; CUDA-graph capturable."""
-    best, index = _row_max(local)
+    No host sync; CUDA-graph capturable. Raises ValueError above MAX_VOCAB ids over TP ranks."""
     group = get_tp_group()
+    best, index = _row_max(local)
     if group.world_size == 1:
         return ShardedLogits(local, index)
+    vocab = local.shape[-1] * group.world_size
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"a vocabulary of {vocab} ids does not fit the fp32 token ids of the sharded argmax "
+                         f"(at most {MAX_VOCAB})")
     pair = torch.stack([best.float(), (index + vocab_start).float()], dim=-1)  # [B, 2]
     pairs = torch.empty((group.world_size * pair.shape[0], 2), dtype=pair.dtype, device=pair.device)
     _all_gather_flat(pairs, pair, group=group.device_group)

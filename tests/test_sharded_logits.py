@@ -38,6 +38,19 @@ def test_sharded_greedy_equals_the_argmax_of_the_gathered_logits(world):
         assert torch.equal(r["gathered"], full_logits()), rank
 
 
+def _too_large(rank: int, world: int) -> str:
+    try:
+        sharded_logits(torch.randn(1, 2 ** 23 + 1), rank * (2 ** 23 + 1))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_vocabulary_past_fp32_ids_is_refused_on_every_rank():
+    for message in run_distributed(_too_large, world_size=2, timeout_s=60):
+        assert "16777218 ids does not fit the fp32 token ids" in message, message
+
+
 def test_single_rank_needs_no_group_but_the_tp1_one():
     results = run_distributed(_greedy_on_rank, world_size=1, timeout_s=60)
     assert results[0]["greedy"] == full_logits().argmax(-1).tolist()
