@@ -64,7 +64,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json-file", help="append the results as one JSON object per line (rank 0)")
     p.add_argument("--profile", action="store_true",
                    help="GPU only: after timing, profile 10 decode steps per batch size and setting and print "
-                        "the kernel time per step (engine/step_profile.py)")
+                        "the kernel time per step (benchmarks/step_profile.py)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -78,7 +78,7 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
             overlap: bool = True) -> dict[str, float]:
     """Prefill ms (until its tokens reach the host) and TPOT ms: the median interval between
     consecutive steps' tokens reaching the host (`StaticBatch.decode_greedy`)."""
-    from engine.static_batch import StaticBatch, random_prompts
+    from engine.scheduling.static_batch import StaticBatch, random_prompts
 
     batch = StaticBatch(runner, random_prompts(bs, input_len, vocab, seed), output_len)
     _sync(runner.device)
@@ -92,7 +92,7 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
 
 
 def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
-    from engine.model_runner import ModelRunner, RunnerSettings
+    from engine.runtime.model_runner import ModelRunner, RunnerSettings
     from fusion import FusionConfig
     from fusion.allreduce_fusion import NO_TABLE
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
@@ -107,7 +107,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
     configs = {"off": base, "on": replace(base, enabled=True, table_path=args.allreduce_fusion_table),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     fusion = configs[args.fusion[0]]
-    from engine.step_profile import PROFILE_STEPS
+    from benchmarks.step_profile import PROFILE_STEPS
 
     decode_tokens = max(args.output_len, PROFILE_STEPS + 2) if args.profile else args.output_len
     settings = RunnerSettings(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
@@ -135,7 +135,7 @@ def run_rank(args: argparse.Namespace, rank: int, init_method: str) -> list[dict
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
                 })
                 if args.profile and runner.device.type == "cuda":
-                    from engine.step_profile import format_profile, profile_decode_steps
+                    from benchmarks.step_profile import format_profile, profile_decode_steps
 
                     prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, args.seed,
                                                 overlap=overlap)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import RunnerSettings
+from engine.runtime.model_runner import RunnerSettings
 from fusion import FusionConfig
 from server_args import ServerArgs
 

@@ -29,7 +29,7 @@ class WorkerSet:
     """The spawned TP worker processes of this node, watched by a monitor thread."""
 
     def __init__(self, launch: Any, ranks: Sequence[int]) -> None:
-        from engine.tp_worker import worker_main
+        from engine.runtime.tp_worker import worker_main
 
         ctx = mp.get_context("spawn")
         self.procs = {r: ctx.Process(target=worker_main, args=(launch, r), name=f"tp-worker-{r}") for r in ranks}
@@ -85,12 +85,12 @@ def serve(args: ServerArgs) -> int:
     import torch
     import uvicorn
 
-    from engine.engine import Engine
+    from engine.server.engine import Engine
     from engine.launch_config import launch_config
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.runtime.model_runner import ModelRunner
+    from engine.scheduling.scheduler import Scheduler
     from engine.server.app import build_app
-    from engine.serving_tokenizer import load_serving_tokenizer
+    from engine.tokenizers.serving import load_serving_tokenizer
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     # SIGTERM unwinds like Ctrl-C, so the cleanup below runs (uvicorn re-raises the signal it

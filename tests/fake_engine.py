@@ -17,8 +17,8 @@ import asyncio
 import itertools
 from typing import Any, AsyncGenerator, Iterator, Optional
 
-from engine.engine_client import GenerationChunk
-from engine.sampling_params import SamplingParams
+from engine.server.engine_client import GenerationChunk
+from engine.scheduling.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
 

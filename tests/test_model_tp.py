@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.forward_batch import ForwardBatch
+from engine.runtime.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.weights.dummy import dummy_weights

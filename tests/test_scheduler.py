@@ -5,13 +5,13 @@ import types
 import pytest
 import torch
 
-from engine.engine_client import GenerationChunk
-from engine.request import Request
-from engine.sampler import StepLogits
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_plan import RequestTable
-from engine.tokenizer import build_tiny_tokenizer
+from engine.server.engine_client import GenerationChunk
+from engine.scheduling.request import Request
+from engine.runtime.sampler import StepLogits
+from engine.scheduling.sampling_params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
+from engine.runtime.step_plan import RequestTable
+from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from fusion.group import TensorParallelGroup
 
 VOCAB = 264

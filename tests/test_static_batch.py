@@ -9,8 +9,8 @@ PROMPTS, PROMPT_LEN, STEPS = 3, 7, 6
 
 
 def _decode_three_ways(rank: int, world_size: int) -> dict:
-    from engine.model_runner import ModelRunner, RunnerSettings
-    from engine.static_batch import StaticBatch, random_prompts
+    from engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from engine.scheduling.static_batch import StaticBatch, random_prompts
     from fusion import FusionConfig
     from layers.parallel_state import get_tp_group
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.runtime.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
-from engine.step_plan import DecodeBuffers, RequestTable, StepPlan
+from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
 from tests.dist_utils import run_distributed
 from tests.tolerances import assert_close

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from engine.models.config import ModelConfig
-from engine.tokenizer import build_tiny_tokenizer
+from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 
 def tiny_config() -> ModelConfig:

@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch, KVCache
+from engine.runtime.forward_batch import ForwardBatch, KVCache
 from engine.models.config import ModelConfig
 from layers.activation import SiluAndMul
 from layers.attention import Attention

@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine.engine_client import EngineClient, GenerationChunk
-from engine.sampling_params import SamplingParams
+from engine.server.engine_client import EngineClient, GenerationChunk
+from engine.scheduling.sampling_params import SamplingParams
 from engine.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, GenerateRequest, SamplingFields,

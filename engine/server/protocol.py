@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.sampling_params import SamplingParams
+from engine.scheduling.sampling_params import SamplingParams
 
 # OpenAI's error "type" per HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_error", 503: "service_unavailable"}

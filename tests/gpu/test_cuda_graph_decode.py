@@ -25,10 +25,10 @@ MAX_REL_ERR = {"float32": 1e-4, "bfloat16": 2e-2}
 def _run(rank: int, world_size: int, dtype: str) -> dict:
     from dataclasses import replace
 
-    from engine.kv_pool import SlotAllocator
-    from engine.model_runner import ModelRunner, RunnerSettings
-    from engine.static_batch import random_prompts
-    from engine.step_plan import StepPlan
+    from engine.scheduling.kv_pool import SlotAllocator
+    from engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from engine.scheduling.static_batch import random_prompts
+    from engine.runtime.step_plan import StepPlan
     from fusion import FusionConfig
     from layers.parallel_state import get_tp_group
 

@@ -18,7 +18,7 @@ PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
 
 def _logits_for(runner, prompts, tokens):
     """Teacher-forced logits (copied: graph outputs are overwritten by the next replay)."""
-    from engine.static_batch import StaticBatch
+    from engine.scheduling.static_batch import StaticBatch
 
     batch = StaticBatch(runner, prompts, STEPS + 1)
     out = [batch.prefill(gather_logits=True).full.clone()]
@@ -30,8 +30,8 @@ def _logits_for(runner, prompts, tokens):
 def _run(rank, world_size):
     from dataclasses import replace
 
-    from engine.model_runner import ModelRunner, RunnerSettings
-    from engine.static_batch import StaticBatch, random_prompts
+    from engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from engine.scheduling.static_batch import StaticBatch, random_prompts
     from fusion import FusionConfig
     from layers.parallel_state import get_tp_group
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncGenerator, Callable
 
-from engine.engine_client import GenerationChunk, TokenizerLike
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.server.engine_client import GenerationChunk, TokenizerLike
+from engine.scheduling.request import Request
+from engine.scheduling.sampling_params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 
 
 class Engine:

@@ -27,13 +27,13 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.engine_client import GenerationChunk, TokenizerLike
-from engine.kv_pool import RowAllocator, SlotAllocator
-from engine.model_runner import ModelRunner
-from engine.pending_tokens import PendingTokens
-from engine.request import Request
-from engine.sampler import sample
-from engine.step_plan import StepPlan
+from engine.server.engine_client import GenerationChunk, TokenizerLike
+from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+from engine.runtime.model_runner import ModelRunner
+from engine.scheduling.pending_tokens import PendingTokens
+from engine.scheduling.request import Request
+from engine.runtime.sampler import sample
+from engine.runtime.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

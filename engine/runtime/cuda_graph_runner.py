@@ -6,44 +6,55 @@ which attention reads through the row ids. A step picks the smallest captured si
 batch, refills that buffer with one host-to-device copy, records the new slots in the table
 (one index_put) and replays the graph. Padding rows point at the padding row of the request
 table (all slot 0, the scratch slot) with length 1, so they compute something harmless. The
-fusion workspace is reserved for the largest size before the first capture, and capture runs
-each forward once, so every dispatch decision is made (and cached) there.
+caller reserves the fusion workspace for the largest size before it builds the runner (capture
+runs no collective setup), and capture runs each forward once, so every dispatch decision is
+made (and cached) there.
 """
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from engine.step_plan import DecodeBuffers, StepPlan
+from engine.runtime.forward_batch import ForwardBatch, KVCache
+from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from layers.sharded_logits import ShardedLogits
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+Model = Callable[[ForwardBatch, KVCache], ShardedLogits]
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def capture_sizes(max_bs: int) -> list[int]:
+    """The padded decode batch sizes captured for a largest batch of ``max_bs``."""
+    sizes = [bs for bs in CAPTURE_SIZES if bs <= max_bs]
+    if not sizes or sizes[-1] < max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
 class CudaGraphRunner:
-    def __init__(self, runner: "ModelRunner", max_bs: int) -> None:
-        self.runner = runner
-        self.sizes = [bs for bs in CAPTURE_SIZES if bs <= max_bs]
-        if not self.sizes or self.sizes[-1] < max_bs:
-            self.sizes.append(max_bs)
-        self.inputs = {bs: DecodeBuffers(runner.table, bs) for bs in self.sizes}
+    """The decode graphs of one model over one KV cache and request table, on ``device``."""
+
+    def __init__(self, model: Model, kv_cache: KVCache, table: RequestTable, device: torch.device,
+                 max_bs: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.sizes = capture_sizes(max_bs)
+        self.inputs = {bs: DecodeBuffers(table, bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ShardedLogits] = {}
-        runner.fusion.reserve(self.sizes[-1])
         self._capture_all()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        model, kv = self.runner.model, self.runner.kv_cache
+        model, kv = self.model, self.kv_cache
         pool = None
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             batch = self.inputs[bs].batch
-            stream = torch.cuda.Stream(self.runner.device)
+            stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -54,7 +65,7 @@ class CudaGraphRunner:
                 self.outputs[bs] = model(batch, kv)
             pool = graph.pool()
             self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.sizes[-1]

@@ -8,8 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.engine_client import GenerationChunk, TokenizerLike
-from engine.sampling_params import SamplingParams
+from engine.server.engine_client import GenerationChunk, TokenizerLike
+from engine.scheduling.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

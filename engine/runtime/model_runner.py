@@ -13,13 +13,13 @@ from typing import Optional
 
 import torch
 
-from engine.cuda_graph_runner import CudaGraphRunner
-from engine.forward_batch import KVCache
+from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
+from engine.runtime.forward_batch import KVCache
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
-from engine.sampler import StepLogits
-from engine.step_plan import RequestTable, StepPlan
+from engine.runtime.sampler import StepLogits
+from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
 from fusion import FusionConfig
 from layers.parallel_state import ModelParallelGroup, init_allreduce_fusion
@@ -90,7 +90,12 @@ class ModelRunner:
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
-            self.graphs = CudaGraphRunner(self, min(settings.cuda_graph_max_bs, self.max_rows))
+            self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
+
+    def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
+        """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
+        self.fusion.reserve(capture_sizes(max_bs)[-1])
+        return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
 
     @property
     def num_kv_slots(self) -> int:
@@ -124,7 +129,7 @@ class ModelRunner:
             self.graphs.destroy()
         self.fusion = init_allreduce_fusion(config, self.config.hidden_size, self.dtype)
         if self.graphs is not None:
-            self.graphs = CudaGraphRunner(self, self.graphs.sizes[-1])
+            self.graphs = self._capture_graphs(self.graphs.sizes[-1])
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine.launch_config import LaunchConfig
-from engine.model_runner import ModelRunner
+from engine.runtime.model_runner import ModelRunner
 from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from engine.kv_pool import RowAllocator, SlotAllocator
-from engine.model_runner import ModelRunner
-from engine.pending_tokens import PendingTokens
-from engine.sampler import StepLogits
-from engine.step_plan import StepPlan
+from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+from engine.runtime.model_runner import ModelRunner
+from engine.scheduling.pending_tokens import PendingTokens
+from engine.runtime.sampler import StepLogits
+from engine.runtime.step_plan import StepPlan
 
 
 class StaticBatch:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.scheduling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

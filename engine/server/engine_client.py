@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Protocol
 
-from engine.sampling_params import SamplingParams
+from engine.scheduling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Optional
 from tokenizers import AddedToken
 
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
-from engine.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
 
 
 def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

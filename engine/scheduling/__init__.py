@@ -1,0 +1,1 @@
+"""Request admission and batching: the scheduler, requests, KV slots, static batches."""

@@ -1,0 +1,1 @@
+"""Tokenizers: HF tokenizer.json, the byte tokenizer of built-in models, and the serving wrapper."""
