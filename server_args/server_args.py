@@ -79,9 +79,13 @@ class ServerArgs(BaseModel):
     @classmethod
     def from_cli(cls, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> "ServerArgs":
         """Parse ``argv`` (default: sys.argv[1:]); raises `ServerArgsError` naming the option."""
-        parser = cls.build_parser(prog)
-        namespace = parser.parse_args(argv)
-        given = {k: v for k, v in vars(namespace).items() if v is not None}
+        return cls.from_namespace(cls.build_parser(prog).parse_args(argv))
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "ServerArgs":
+        """The options given in ``namespace`` (a parser from `build_parser`, perhaps with a
+        tool's own flags added: those are ignored here); raises `ServerArgsError`."""
+        given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields and v is not None}
         return cls.validated(**given)
 
     @classmethod
