@@ -72,13 +72,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from fusion.cuda_graph_timing import median_us_per_call
 from layers.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
@@ -277,35 +276,3 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bhc,bchd->bhd", torch.softmax(scores, dim=-1), values)
 
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-def time_decode_attention(batch: int, context: int, num_heads: int = 16, num_kv_heads: int = 4, head_dim: int = 128,
-                          dtype: torch.dtype = torch.bfloat16, attention_fn: AttentionFn = decode_attention,
-                          calls_per_graph: int = 32, repeats: int = 10, seed: int = 0) -> float:
-    """Microseconds per call of ``attention_fn`` (default: ``decode_attention``) at full context
-    (every row attends to ``context`` keys in scattered slots), on the current CUDA device.
-
-    One CUDA graph of ``calls_per_graph`` calls is captured and replayed ``repeats`` times, each
-    replay timed with CUDA events; returns the median / calls_per_graph. The calls cycle over
-    several K/V caches (like a model's layers) so that, together, they exceed the L2 cache."""
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    slots = batch * context
-    cache_bytes = 2 * slots * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    num_caches = max(1, min(calls_per_graph, -(-256 * 2**20 // cache_bytes)))
-    caches = [(torch.randn(slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype),
-               torch.randn(slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype))
-              for _ in range(num_caches)]
-    q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    req_to_token = torch.randperm(slots, generator=gen, device=device).view(batch, context)
-    seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
-    scale = head_dim ** -0.5
-
-    def calls() -> None:
-        for i in range(calls_per_graph):
-            k, v = caches[i % num_caches]
-            attention_fn(q, k, v, req_to_token, seq_lens, scale)
-
-    return median_us_per_call(calls, calls_per_graph, warmup=1, trials=repeats)

@@ -48,10 +48,8 @@ tiles for wider heads and fp32, so that the registers do not spill. Not tuned on
 """
 from __future__ import annotations
 
-import functools
 import math
-import statistics
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -290,50 +288,3 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         start += new
     return out
 
-
-ExtendAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                              float], torch.Tensor]
-
-
-def time_extend_attention(prefix_lens: list[int], extend_lens: list[int], num_heads: int = 16, num_kv_heads: int = 4,
-                          head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                          attention_fn: Optional[ExtendAttentionFn] = None, calls: int = 8, repeats: int = 10,
-                          seed: int = 0) -> float:
-    """Microseconds per eager call of ``attention_fn(q, k_cache, v_cache, req_to_token, seq_lens,
-    extend_lens, scale)`` (default: ``extend_attention`` given ``max_extend_len``, so without a
-    host sync) on the current CUDA device, for sequences of ``prefix_lens[i]`` cached and
-    ``extend_lens[i]`` new tokens in scattered slots.
-
-    Eager, not a CUDA graph: prefill runs eagerly in the engine, and a per-sequence torch loop
-    that reads its lengths on the host cannot be captured. After one warm-up call (compilation),
-    ``repeats`` trials of ``calls`` back-to-back calls are timed with CUDA events; returns the
-    median / calls."""
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    seq_lens_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    batch, context, tokens = len(seq_lens_list), max(seq_lens_list), sum(extend_lens)
-    num_slots = batch * context
-    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    req_to_token = torch.randperm(num_slots, generator=gen, device=device).view(batch, context)
-    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int64, device=device)
-    extend = torch.tensor(extend_lens, dtype=torch.int64, device=device)
-    scale = head_dim ** -0.5
-    if attention_fn is None:
-        attention_fn = functools.partial(extend_attention, max_extend_len=max(extend_lens))
-
-    def run() -> None:
-        for _ in range(calls):
-            attention_fn(q, k_cache, v_cache, req_to_token, seq_lens, extend, scale)
-
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(samples)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 import layers.triton_decode_attention as attn
+from benchmarks.kernels.attention_timing import time_decode_attention
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
@@ -35,7 +36,7 @@ def time_setting(batch: int, context: int, splits: Optional[int], block: int, wa
     try:
         fn = attn.decode_attention if splits is None else (
             lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits, block=block))
-        return attn.time_decode_attention(batch, context, attention_fn=fn)
+        return time_decode_attention(batch, context, attention_fn=fn)
     finally:
         attn.NUM_WARPS, attn.NUM_STAGES = saved
 

@@ -9,14 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernels.attention_timing import time_decode_attention  # noqa: E402
 from fusion.cuda_graph_timing import capture_cuda_graph  # noqa: E402
 from layers.attention import Attention  # noqa: E402
-from layers.triton_decode_attention import (  # noqa: E402
-    choose_launch,
-    decode_attention,
-    decode_attention_reference,
-    time_decode_attention,
-)
+from layers.triton_decode_attention import choose_launch, decode_attention, decode_attention_reference  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128

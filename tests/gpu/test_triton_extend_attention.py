@@ -10,12 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernels.attention_timing import time_extend_attention  # noqa: E402
 from layers.attention import Attention  # noqa: E402
-from layers.triton_extend_attention import (  # noqa: E402
-    extend_attention,
-    extend_attention_reference,
-    time_extend_attention,
-)
+from layers.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
