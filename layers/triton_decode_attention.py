@@ -9,64 +9,40 @@ r_b = row_ids[b] when row ids are given, else b):
 Row ids let a CUDA-graph runner pass its whole request table (one row per request slot) and the
 batch's rows, instead of copying a gathered ``[B, C]`` table into a static buffer every step.
 
-Why split-K. At decode there is one query row per (b, h): a grid of (B, KVH) programs is only
-4 programs for B=1 at llama3-8b TP2 (KVH=4), on a GPU of 132 SMs, each walking up to 8192 keys
-alone. So the key range of each row is cut into NUM_SPLITS chunks and the grid is
-(B, KVH, NUM_SPLITS). Each program loads the G query heads that share its kv head (GQA: every
-K/V row is read from HBM once for all G heads), padded to GROUP_PAD = max(16, next_pow2(G)) rows
-so that q.K^T and p.V are ``tl.dot`` tensor-core products (tl.dot needs M >= 16). The padding
-costs tensor-core flops, not bytes: decode is memory-bound (about 16 flops per K/V byte with
-GROUP_PAD=16, against ~200 flop/byte where an H200 turns compute-bound), and the broadcast
-multiply + sum alternative would hold a [G, BLOCK, D] fp32 tile in registers.
-
-Split s of row b (all in-kernel, from seq_lens on the device, so no host sync):
+Split kernel, grid (B, KVH, NUM_SPLITS). A (B, KVH) grid alone would leave most SMs idle at
+small batches, so the key range of each row is cut into NUM_SPLITS chunks, from seq_lens on the
+device (no host sync):
 
     chunk_b = max(BLOCK, round_up(ceil(n_b / NUM_SPLITS), BLOCK)),  keys [s*chunk_b, min((s+1)*chunk_b, n_b))
 
-A program whose chunk starts at or past n_b exits at once and writes nothing; the combine
-kernel reads only the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Within its chunk a
-program runs the online softmax over blocks of BLOCK keys (in base 2: x = scale*log2(e)*q.k,
-so exp2 replaces exp): running max m, running sum l = sum_j 2^(x_j - m), running
-acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max grows. With
+A program whose chunk starts at or past n_b exits at once and writes nothing. A program loads
+the G query heads that share its kv head (every K/V row is read once for all G heads), padded
+to GROUP_PAD = max(16, next_pow2(G)) rows so that q.K^T and p.V are ``tl.dot`` tensor-core
+products (tl.dot needs M >= 16), and runs the online softmax over blocks of BLOCK keys in base
+2 (x = scale*log2(e)*q.k, exp2 for exp): running max m, running sum l = sum_j 2^(x_j - m),
+running acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max grows. With
 NUM_SPLITS = 1 it writes out = acc / l itself and there is no combine. Otherwise it stores the
 normalised partial output o_s = acc_s / l_s and its log-sum-exp lse_s = m_s + log2(l_s).
 
-Combine (second kernel, grid (B, H)). Since 2^(lse_s) = sum_{j in s} 2^(x_j),
+Combine kernel, grid (B, H), over the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Since
+2^(lse_s) = sum_{j in s} 2^(x_j):
 
-    out = sum_j 2^(x_j) v_j / sum_j 2^(x_j) = sum_s 2^(lse_s) o_s / sum_s 2^(lse_s)
-        = sum_s w_s o_s / sum_s w_s,      w_s = 2^(lse_s - M),  M = max_s lse_s
+    out = sum_s w_s o_s / sum_s w_s,      w_s = 2^(lse_s - M),  M = max_s lse_s
 
-(subtracting M keeps every w_s in (0, 1] with at least one w_s = 1: no overflow, no 0/0).
+(every w_s lies in (0, 1] and one is 1: no overflow, no 0/0).
 
-NUM_SPLITS and BLOCK are compile-time constants chosen on the host from shapes only (B, KVH,
-the width C of req_to_token, the SM count; `choose_launch`): floor(WAVES * SMs / (B * KVH))
-splits of 64-key blocks, so that about WAVES = 4 programs per SM are in flight, at most one split
-per block of C, between 1 and MAX_SPLITS; except for mid-size batches (64 <= B * KVH <= 2 * SMs,
-e.g. 16-64 sequences at KVH=4), which take 128-key blocks and about 2 programs per SM. The
-choice never reads seq_lens, and the scratch buffers ([B, H, NUM_SPLITS, D] and
-[B, H, NUM_SPLITS] fp32, none with one split) are sized from shapes only, so a call is
-CUDA-graph capturable; replays with other seq_lens re-split each row on the device.
+Launch choice (`choose_launch`), from shapes only (B, KVH, the width C of req_to_token, the SM
+count): floor(WAVES * SMs / (B * KVH)) splits of BLOCK_N keys, i.e. about WAVES programs per
+SM, at most one split per block of C, between 1 and MAX_SPLITS; mid-size batches
+(MID_MIN_ROWS <= B * KVH <= MID_WAVES * SMs) take MID_BLOCK_N-key blocks and about MID_WAVES
+programs per SM instead.
 
-Tuning (H200, bf16, H=16 KVH=4 D=128, CUDA graph of 32 calls, full context): a sweep of
-num_splits put the optimum at about 512 programs (= 4 per SM) for every B from 4 to 128 (B=32
-C=8192: 4 splits 130 us, 1 split 234 us; B=128: 1 split best), and at the most splits for B=1
-(C=8192: 64 splits 13 us, 8 splits 32 us). BLOCK_N=64 with 4 warps and 3 pipeline stages was
-within a few % of the best of (32/64/128 keys, 4/8 warps, 2-4 stages) at every shape; 2 stages
-instead of 3 cost 30-45% (B=128 C=8192: 712 against 489 us, i.e. 3.0 against 4.4 TB/s of K+V).
-
-Mid-size batches (session 4, `sweep_decode_attention --grid`, µs per call, C = 544 / 4096):
-halving the 4-wave split count and doubling the block gives B=16 13.06 -> 12.48 / 40.31 -> 40.70,
-B=32 17.81 -> 16.86 / 71.94 -> 71.45, B=64 25.65 -> 24.24 / 132.5 -> 129.8; at B=48 (2 -> 1
-split) 22.26 -> 22.17 / 103.3 -> 108.2, and at B=128 a 128-key block loses (39.9 -> 44.2), so
-batches past 2 * SMs programs keep the 64-key block.
-
-Measured alternatives (same timing, `benchmarks/kernels/sweep_decode_attention.py` and an A/B
-run, µs per call at C=544 / 4096). Writing the output from the split kernel when there is one
-split: B=128 43.1 -> 39.9, B=256 81.1 -> 75.8 (kept). Merging the splits inside the split kernel
-(the last program of a (b, kv head) to arrive on an atomic counter merges its G heads) instead
-of the combine launch: slower wherever there are several splits, the merge being one serial
-program per (b, kv head) after every split has finished: B=1 6.3 -> 7.9 (C=544) and
-10.0 -> 13.6 (C=4096), B=8 9.8 -> 11.9, B=32 17.6 -> 17.0 (reverted).
+Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
+dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
+[B, H, NUM_SPLITS]); nothing else is written. Launch and buffers depend on shapes only, never on
+seq_lens, so a call is CUDA-graph capturable and a replay with other seq_lens re-splits each row
+on the device. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
+sync); seq_lens above C are clamped to C.
 """
 from __future__ import annotations
 

@@ -44,7 +44,10 @@ req_to_token, sum e_i = T).
 
 Block sizes (`choose_block_config`): (BLOCK_M, BLOCK_N, warps, stages) = (128, 64, 8, 3) for
 fp16/bf16 with D <= 128 (the usual flash-attention forward tiling for D = 128 on sm90), smaller
-tiles for wider heads and fp32, so that the registers do not spill. Not tuned on hardware yet.
+tiles for wider heads and fp32, so that the registers do not spill.
+
+Effects: reads q, the caches and the index tensors; writes only a new ``[T, H, D]`` output of
+q's dtype.
 """
 from __future__ import annotations
 
@@ -145,8 +148,7 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, Extend
 def choose_block_config(dtype: torch.dtype, head_dim: int) -> BlockConfig:
     """Tiles from the element size and head_dim: (128, 64, 8 warps, 3 stages) for 2-byte types
     with head_dim <= 128; (32, 32, 4, 2) for wider 2-byte heads; (16, 16, 4, 2) for fp32 (no
-    tensor cores; the layer runs fp32 in torch). Chosen so that the sm90 build does not spill
-    registers (the main one uses 255 per thread with none spilled), not tuned on hardware."""
+    tensor cores; the layer runs fp32 in torch), so that the sm90 build does not spill registers."""
     if dtype.itemsize == 2:
         if head_dim <= 128:
             return BlockConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
