@@ -17,6 +17,8 @@ import torch
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.gpus(1)  # one rank, TP1
+
 PROMPT_LEN, STEPS, CONTEXT = 16, 32, 64
 ROWS = [5, 2, 7, 0]  # of 8: sequence b does not sit in row b
 MAX_REL_ERR = {"float32": 1e-4, "bfloat16": 2e-2}

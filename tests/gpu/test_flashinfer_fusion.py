@@ -10,6 +10,8 @@ import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
 
+pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the world
+
 DTYPES = [torch.bfloat16, torch.float16]
 HIDDENS = [1024, 4096, 8192]
 TOKENS = [1, 7, 128, 1024, 4096]

@@ -5,6 +5,8 @@ import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
 
+pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the world
+
 EPS = 1e-6
 
 

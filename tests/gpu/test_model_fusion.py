@@ -13,6 +13,8 @@ import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
 
+pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the world
+
 PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
 
 

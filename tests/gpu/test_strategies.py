@@ -5,6 +5,8 @@ import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
 
+pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the world
+
 HIDDEN, EPS = 4096, 1e-6
 TOKENS = (1, 128, 1024)
 STRATEGIES = ("nccl", "flashinfer_oneshot", "flashinfer_twoshot", "symm_mem_two_shot", "symm_mem_fused")

@@ -41,10 +41,9 @@ def _rank(rank: int, port: int) -> None:
     os._exit(EXIT_WITHOUT_ERROR)
 
 
+@pytest.mark.gpus(2)  # the test starts its two ranks itself
 @pytest.mark.timeout(120)
 def test_a_barrier_without_its_peer_fails_instead_of_hanging(capfd):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port), daemon=True) for r in range(2)]

@@ -15,6 +15,8 @@ from layers.attention import Attention  # noqa: E402
 from layers.triton_decode_attention import choose_launch, decode_attention, decode_attention_reference  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
+pytestmark = pytest.mark.gpus(1)
+
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM ** -0.5

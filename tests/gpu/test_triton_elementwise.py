@@ -32,6 +32,8 @@ from layers.triton_activation import silu_and_mul  # noqa: E402
 from layers.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
 
+pytestmark = pytest.mark.gpus(1)
+
 HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16, 4, 128, 7168
 QKV_WIDTH = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 TOKENS = (1, 32, 256, 4096)
