@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fusion.config import DEFAULT_CACHE_SIZE
+
 
 class ServerArgsError(ValueError):
     """An invalid option; the message names the option."""
@@ -41,8 +43,9 @@ class ServerArgs(BaseModel):
     enable_flashinfer_allreduce_fusion: bool = Field(False, description="Fuse each TP all-reduce with the residual add and RMSNorm that follow it")
     allreduce_fusion_backend: Literal["flashinfer", "torch"] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
-    allreduce_fusion_cache_size: int = Field(4096, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
-    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table (JSON from python -m fusion.tune; default: the one shipped in fusion/tables; 'none': no table); configurations it lacks use the built-in thresholds")
+    allreduce_fusion_cache_size: int = Field(DEFAULT_CACHE_SIZE, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
+    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table (JSON from python -m engine.tune_fusion; default: the one shipped in fusion/tables; 'none': no table); configurations it lacks use the built-in rule")
+    allreduce_fusion_disable_pdl: bool = Field(False, description="Launch the flashinfer fused kernel without programmatic dependent launch")
     deterministic: bool = Field(False, description="Keep NCCL's summation order: disables all-reduce fusion")
 
     # Memory and scheduling
