@@ -1,0 +1,300 @@
+#!/usr/bin/env bash
+# The GPU machine's one entry point: bash benchmarks/gpu/run.sh PART [N]
+#
+# Each part fits one 10-minute device call: every command runs under `timeout`, within
+# BUDGET_S seconds for the whole part (default 570). A part sources .gpu/env.sh (staged by
+# `bash ../shared/gpu/prepare.sh`), prints `nvidia-smi -L`, writes its log ($OUT/PART.log) and
+# a few result files under $OUT (default ./out), and exits non-zero when its main command
+# failed (124: out of time). TP (default 2) is the GPU count of the multi-GPU parts.
+#
+#   tests          python -m pytest tests/gpu: with 2 GPUs every test; with 1 the single-GPU
+#                  tests, the others skipped with their reason. TESTS picks files (default
+#                  tests/gpu); ARFUSION_GPU_WORLD is the collective tests' world (default 2).
+#   kernels        benchmark_fused_collective.py, no quantization, with residual, at HIDDEN
+#                  (default 4096) x SEQ_LENS (default 1 32 128 512 1024 2048 4096).
+#   table          python -m fusion.tune at HIDDEN (default 896 1024 1536 2048 2560 2880 3584
+#                  4096 5120 7168 8192; pass a subset per call if they do not fit one) into
+#                  $OUT/strategy_table.json; TABLE_BASE=FILE starts from a copy of FILE (e.g.
+#                  fusion/tables/strategy_table.json) and merges into it.
+#   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
+#                  (default 1 32 128), FUSION (default off on), input 128 / output 64;
+#                  PROFILE=1 adds --profile.
+#   serving        the server with fusion off and on, interleaved, REPEATS (default 3) times
+#                  each; bench_serving at CONCURRENCY (default 1 32), input 512 / output 1024,
+#                  NUM_PROMPTS (default 2 x concurrency, at least 4) into $OUT/serving.jsonl.
+#   accuracy       benchmarks.accuracy_regression (fusion off vs on) on MODEL (default
+#                  /tmp/model.gguf, see model-piece) for TP_SIZES (default 2), plus TP 1 when
+#                  TP1=1, with the evaluation data carried in .data/ (gsm8k/, mmlu/).
+#   model-piece N  appends the carried .model/part-0N to /tmp/model.gguf (0 starts it afresh),
+#                  prints its size and, after the last piece, checks its sha256.
+#
+# EXTRA_ARGS: more flags for the main command of kernels, table, engine and accuracy.
+# SAVE_JIT=1: after the part, save flashinfer's JIT cache to $OUT/jit-cache.tgz (keep it as
+# .gpu/jit-extra.tgz when the run built a module that .gpu/ lacked).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+OUT=${OUT:-out}
+BUDGET_S=${BUDGET_S:-570}
+TP=${TP:-2}
+read -ra EXTRA <<< "${EXTRA_ARGS:-}"
+TABLE_HIDDEN="896 1024 1536 2048 2560 2880 3584 4096 5120 7168 8192"
+# The model of ../shared/models/qwen2.5-coder-0.5b.sh: its 60 MiB pieces and its checksum.
+PIECE_BYTES=62914560
+MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+
+usage() {
+  sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+# ---- shared helpers ---------------------------------------------------------------------------
+
+left() {  # seconds left of the part's budget
+  echo $((BUDGET_S - SECONDS))
+}
+
+run_timed() {  # run_timed LIMIT CMD...: CMD under timeout (LIMIT s, or what is left); returns its status
+  local limit=$1 rc
+  shift
+  (($(left) < limit)) && limit=$(left)
+  if ((limit < 5)); then
+    echo "!! no time left for: $*"
+    return 124
+  fi
+  echo "+ [timeout ${limit}s] $*"
+  timeout -k 15 "$limit" "$@"
+  rc=$?
+  echo "+ exit status $rc"
+  return "$rc"
+}
+
+need_gpus() {  # need_gpus N: fails when fewer than N GPUs are visible
+  local found
+  found=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ')
+  ((found >= $1)) && return 0
+  echo "!! this part needs $1 GPUs, found $found"
+  return 2
+}
+
+start_part() {  # the environment, and which GPUs this machine has
+  if [ ! -f .gpu/env.sh ]; then
+    echo "!! .gpu/env.sh is missing: run 'bash ../shared/gpu/prepare.sh' in the project root first"
+    return 2
+  fi
+  # shellcheck source=/dev/null
+  source .gpu/env.sh
+  nvidia-smi -L
+}
+
+# ---- parts ------------------------------------------------------------------------------------
+
+part_tests() {
+  local tests
+  read -ra tests <<< "${TESTS:-tests/gpu}"
+  echo "ARFUSION_GPU_WORLD=${ARFUSION_GPU_WORLD:-2}"
+  run_timed 560 python -m pytest "${tests[@]}" -q -s -p no:cacheprovider --junitxml="$OUT/tests.xml"
+}
+
+part_kernels() {
+  local hidden seq_lens
+  read -ra hidden <<< "${HIDDEN:-4096}"
+  read -ra seq_lens <<< "${SEQ_LENS:-1 32 128 512 1024 2048 4096}"
+  need_gpus "$TP" || return
+  run_timed 560 torchrun --nproc_per_node="$TP" benchmarks/kernels/benchmark_fused_collective.py \
+    --hidden-dim "${hidden[@]}" --seq-lens "${seq_lens[@]}" --no-quant --residual-only \
+    --output-file "$OUT/fused_collective.md" --json-file "$OUT/fused_collective.json" "${EXTRA[@]}"
+}
+
+part_table() {
+  local hidden
+  read -ra hidden <<< "${HIDDEN:-$TABLE_HIDDEN}"
+  need_gpus "$TP" || return
+  if [ -n "${TABLE_BASE:-}" ]; then
+    cp "$TABLE_BASE" "$OUT/strategy_table.json" || return 2
+  fi
+  # fusion.tune rewrites the file after each hidden size: a timeout keeps the sizes it finished
+  run_timed 560 torchrun --nproc_per_node="$TP" -m fusion.tune --hidden "${hidden[@]}" \
+    --output "$OUT/strategy_table.json" "${EXTRA[@]}"
+}
+
+part_engine() {
+  local batch fusion args
+  read -ra batch <<< "${BATCH:-1 32 128}"
+  read -ra fusion <<< "${FUSION:-off on}"
+  need_gpus "$TP" || return
+  args=(--model-path "${MODEL:-llama3-8b}" --tp-size "$TP" --batch-size "${batch[@]}" --fusion "${fusion[@]}"
+        --input-len 128 --output-len 64 --json-file "$OUT/bench_one_batch.jsonl")
+  [ "${PROFILE:-0}" = 1 ] && args+=(--profile)
+  run_timed 560 python -m engine.bench_one_batch "${args[@]}" "${EXTRA[@]}"
+}
+
+wait_healthy() {  # wait_healthy PORT PID SECONDS: until GET /health answers; fails if PID dies
+  local port=$1 pid=$2 i
+  for ((i = 0; i < $3; i++)); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && return 0
+    kill -0 "$pid" 2> /dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+
+stop_server() {  # stop_server PID: SIGTERM to the server's process group (led by its timeout), SIGKILL after 30 s
+  local pid=$1 i
+  kill -TERM "$pid" 2> /dev/null
+  for ((i = 0; i < 30; i++)); do
+    kill -0 -- "-$pid" 2> /dev/null || break
+    sleep 1
+  done
+  kill -KILL -- "-$pid" 2> /dev/null
+  wait "$pid" 2> /dev/null
+  echo "server stopped (exit status $?)"
+}
+
+serve_and_measure() {  # serve_and_measure SETTING REPEAT PORT: one server, bench_serving at every concurrency
+  local setting=$1 repeat=$2 port=$3 flags=() server_args concurrency pid c n rc=0
+  local runs=/tmp/serving_run.jsonl
+  read -ra server_args <<< "${SERVER_ARGS:---context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64}"
+  read -ra concurrency <<< "${CONCURRENCY:-1 32}"
+  [ "$setting" = on ] && flags=(--enable-flashinfer-allreduce-fusion)
+  echo "== fusion $setting, repeat $repeat, port $port ($(left) s left)" | tee -a "$OUT/servers.log"
+  # timeout leads a process group of its own: stop_server ends the server and its TP workers
+  timeout -k 15 "$(left)" python -m engine.launch_server --model-path "${MODEL:-llama3-8b}" --tp-size "$TP" \
+    "${server_args[@]}" "${flags[@]}" --port "$port" >> "$OUT/servers.log" 2>&1 &
+  pid=$!
+  if ! wait_healthy "$port" "$pid" "${SERVER_START_S:-300}"; then
+    echo "!! the server (fusion $setting) did not become healthy"
+    tail -20 "$OUT/servers.log"
+    stop_server "$pid"
+    return 1
+  fi
+  for c in "${concurrency[@]}"; do
+    n=${NUM_PROMPTS:-$((2 * c > 4 ? 2 * c : 4))}
+    rm -f "$runs"
+    run_timed 300 python -m benchmarks.bench_serving --port "$port" --random-input-len 512 \
+      --random-output-len 1024 --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$c" \
+      --warmup-requests 2 --no-progress --output-file "$runs" || rc=1
+    [ -f "$runs" ] && python - "$runs" "$OUT/serving.jsonl" "$setting" "$repeat" << 'PY'
+import json, sys
+runs, out, setting, repeat = sys.argv[1:]
+with open(out, "a") as f:
+    for line in open(runs):
+        f.write(json.dumps({"fusion": setting, "repeat": int(repeat), **json.loads(line)}) + "\n")
+PY
+  done
+  stop_server "$pid"
+  return "$rc"
+}
+
+serving_summary() {  # median over repeats per (concurrency, setting) of $OUT/serving.jsonl
+  python - "$OUT/serving.jsonl" << 'PY'
+import json, statistics, sys
+from collections import defaultdict
+runs = defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    runs[r["max_concurrency"], r["fusion"]].append(r)
+print(f"{'conc':>4} {'fusion':>6} {'runs':>4} {'out tok/s':>10} {'TPOT ms':>8} {'TTFT ms':>8}")
+for (c, fusion), rs in sorted(runs.items()):
+    med = lambda key: statistics.median(r[key] for r in rs if r[key] is not None)
+    print(f"{c:>4} {fusion:>6} {len(rs):>4} {med('output_throughput'):>10.1f} {med('median_tpot_ms'):>8.3f} "
+          f"{med('median_ttft_ms'):>8.1f}")
+PY
+}
+
+part_serving() {
+  local repeat setting port=${PORT:-31000} rc=0
+  need_gpus "$TP" || return
+  for ((repeat = 1; repeat <= ${REPEATS:-3}; repeat++)); do
+    for setting in off on; do
+      if (($(left) < ${SERVER_MIN_S:-90})); then
+        echo "!! $(left) s left: stopping before repeat $repeat, fusion $setting"
+        rc=124
+        break 2
+      fi
+      serve_and_measure "$setting" "$repeat" "$port" || rc=1
+      port=$((port + 1))  # a new port per server: nothing waits on the last one's socket
+    done
+  done
+  [ -f "$OUT/serving.jsonl" ] && serving_summary
+  return "$rc"
+}
+
+part_accuracy() {
+  local model=${MODEL:-/tmp/model.gguf} tp_sizes data=() logs=/tmp/accuracy_logs tp i rc=0
+  read -ra tp_sizes <<< "${TP_SIZES:-2}"
+  [ "${TP1:-0}" = 1 ] && tp_sizes+=(1)
+  if [ ! -f "$model" ]; then
+    echo "!! no model at $model: assemble it first (model-piece 0 .. 7)"
+    return 2
+  fi
+  if [ -d .data ]; then
+    data=(--gsm8k-data-path .data/gsm8k/test.jsonl --mmlu-data-dir .data/mmlu)
+  else
+    echo "!! no .data/ carried: the evaluations will look for their data elsewhere (no network here)"
+  fi
+  for i in "${!tp_sizes[@]}"; do
+    tp=${tp_sizes[$i]}
+    need_gpus "$tp" || { rc=2; continue; }
+    # the budget left, shared among the TP sizes still to run
+    run_timed $(($(left) / (${#tp_sizes[@]} - i))) python -m benchmarks.accuracy_regression \
+      --model-path "$model" --tp-size "$tp" "${data[@]}" --no-progress --log-dir "$logs/tp$tp" \
+      --output-file "$OUT/accuracy_tp$tp.json" "${EXTRA[@]}" || rc=1
+  done
+  [ -d "$logs" ] && tar czf "$OUT/accuracy_server_logs.tgz" -C "$logs" .
+  return "$rc"
+}
+
+part_model_piece() {  # part_model_piece N
+  local n=${1:-} model=/tmp/model.gguf piece size
+  if [[ ! $n =~ ^[0-9]$ ]]; then
+    echo "!! usage: run.sh model-piece N (N = 0 .. 9)"
+    return 2
+  fi
+  piece=.model/part-0$n
+  if [ ! -f "$piece" ]; then
+    echo "!! $piece is not here: carry it in this call"
+    return 2
+  fi
+  [ "$n" = 0 ] && : > "$model"
+  size=$(stat -c %s "$model" 2> /dev/null || echo 0)
+  if ((size != n * PIECE_BYTES)); then
+    echo "!! $model has $size bytes, piece $n belongs at $((n * PIECE_BYTES)): start again at piece 0"
+    return 1
+  fi
+  cat "$piece" >> "$model" || return 1
+  size=$(stat -c %s "$model")
+  echo "$model: $size bytes after piece $n"
+  if (($(stat -c %s "$piece") < PIECE_BYTES)); then  # the last piece is the short one
+    sha256sum "$model"
+    [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$MODEL_SHA" ] || { echo "!! sha256 differs from $MODEL_SHA"; return 1; }
+    echo "sha256 matches: the model is complete"
+  fi
+}
+
+# ---- main -------------------------------------------------------------------------------------
+
+run_part() {  # run_part PART [N]
+  start_part || return
+  case $1 in
+    tests) part_tests ;;
+    kernels) part_kernels ;;
+    table) part_table ;;
+    engine) part_engine ;;
+    serving) part_serving ;;
+    accuracy) part_accuracy ;;
+    model-piece) part_model_piece "${2:-}" ;;
+  esac
+  local rc=$?
+  [ "${SAVE_JIT:-0}" = 1 ] && save_jit_cache
+  return "$rc"
+}
+
+case ${1:-} in
+  tests | kernels | table | engine | serving | accuracy | model-piece) ;;
+  *)
+    usage
+    exit 2
+    ;;
+esac
+mkdir -p "$OUT" || exit 2
+run_part "$@" 2>&1 | tee "$OUT/$1.log"
+exit "${PIPESTATUS[0]}"
