@@ -12,8 +12,9 @@
 #                  tests/gpu); ARFUSION_GPU_WORLD is the collective tests' world (default 2).
 #   kernels        benchmark_fused_collective.py, no quantization, with residual, at HIDDEN
 #                  (default 4096) x SEQ_LENS (default 1 32 128 512 1024 2048 4096).
-#   table          python -m fusion.tune at HIDDEN (default 896 1024 1536 2048 2560 2880 3584
-#                  4096 5120 7168 8192; pass a subset per call if they do not fit one) into
+#   table          python -m engine.tune_fusion (the strategy table) at HIDDEN (default 896 1024
+#                  1536 2048 2560 2880 3584 4096 5120 7168 8192; pass a subset per call if they
+#                  do not fit one), up to MAX_TOKENS (default 4096) tokens, into
 #                  $OUT/strategy_table.json; TABLE_BASE=FILE starts from a copy of FILE (e.g.
 #                  fusion/tables/strategy_table.json) and merges into it.
 #   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
@@ -111,9 +112,9 @@ part_table() {
   if [ -n "${TABLE_BASE:-}" ]; then
     cp "$TABLE_BASE" "$OUT/strategy_table.json" || return 2
   fi
-  # fusion.tune rewrites the file after each hidden size: a timeout keeps the sizes it finished
-  run_timed 560 torchrun --nproc_per_node="$TP" -m fusion.tune --hidden "${hidden[@]}" \
-    --output "$OUT/strategy_table.json" "${EXTRA[@]}"
+  # the tuner rewrites the file after each hidden size: a timeout keeps the sizes it finished
+  run_timed 560 torchrun --nproc_per_node="$TP" -m engine.tune_fusion --hidden "${hidden[@]}" \
+    --allreduce-fusion-max-tokens "${MAX_TOKENS:-4096}" --output "$OUT/strategy_table.json" "${EXTRA[@]}"
 }
 
 part_engine() {
@@ -222,6 +223,7 @@ part_accuracy() {
   local model=${MODEL:-/tmp/model.gguf} tp_sizes data=() logs=/tmp/accuracy_logs tp i rc=0
   read -ra tp_sizes <<< "${TP_SIZES:-2}"
   [ "${TP1:-0}" = 1 ] && tp_sizes+=(1)
+  rm -rf "$logs"
   if [ ! -f "$model" ]; then
     echo "!! no model at $model: assemble it first (model-piece 0 .. 7)"
     return 2
