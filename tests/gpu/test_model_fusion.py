@@ -4,7 +4,7 @@ Greedy decode of 8 prompts for 256 steps with the fp32 model gives the token str
 other model (bf16 unfused, bf16 fused with flashinfer, bf16 fused with the torch backend) is
 fed the same tokens (teacher forcing) and compared step by step: greedy-token agreement and
 logits relative error. The fused model must be as close to fp32 as the unfused one (its error
-at most 1.5x); its agreement with the unfused bf16 model is reported against the issue's
+at most 1.5x); its agreement with the unfused bf16 model is reported against the accuracy
 target (>= 99%, rel. err <= 1e-2). One eager forward counts the reductions that ran in
 flashinfer's fused kernel: one per reduction point of every layer.
 """
@@ -106,7 +106,7 @@ def test_fused_is_as_close_to_fp32_as_unfused(result):
 
 
 def test_fused_perturbs_no_more_than_any_other_rounding_change(result):
-    """The issue asks for >= 99% greedy agreement and logits within 1e-2 between fused and
+    """The accuracy target is >= 99% greedy agreement and logits within 1e-2 between fused and
     unfused bf16. With random dummy weights that is out of reach for any change of rounding:
     the bf16 model itself is ~8% (logits) from fp32, and the torch backend (the same math as
     the unfused path, only the norm rounded differently) moves the logits as much as
