@@ -1,4 +1,8 @@
-"""What every TP process of a launch needs, derived once from `ServerArgs` (plain values)."""
+"""What every TP process of a launch needs, derived once from `ServerArgs` (plain values).
+
+`fusion_config` is the one place where the fusion options become a `fusion.FusionConfig`: the
+server, `engine.bench_one_batch` and the tuner (`engine.tune_fusion`) all call it.
+"""
 from __future__ import annotations
 
 import os
@@ -58,21 +62,31 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
             raise ValueError(f"--tp-size {args.tp_size} needs {args.tp_size_per_node} GPUs per node; "
                              f"{torch.cuda.device_count()} visible")
     addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
-    fusion = FusionConfig(
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.tp_size_per_node))
+    return LaunchConfig(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}", device_type, args.dist_timeout,
+                        args.log_level, runner_settings(args), threads)
+
+
+def fusion_config(args: ServerArgs) -> FusionConfig:
+    """The fused all-reduce's config from the server options. The fused two-shot buffer holds
+    the engine's largest prefill (``max_prefill_tokens`` rows): larger batches run in chunks."""
+    return FusionConfig(
         enabled=args.enable_flashinfer_allreduce_fusion,
         backend=args.allreduce_fusion_backend,
         max_tokens=args.allreduce_fusion_max_tokens,
         cache_size=args.allreduce_fusion_cache_size,
         deterministic=args.deterministic,
+        launch_with_pdl=not args.allreduce_fusion_disable_pdl,
         table_path=args.allreduce_fusion_table,
         symm_max_tokens=args.max_prefill_tokens,
     )
-    runner = RunnerSettings(
+
+
+def runner_settings(args: ServerArgs) -> RunnerSettings:
+    """What each rank's `ModelRunner` needs from the server options."""
+    return RunnerSettings(
         model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
         context_length=args.context_length, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph, fusion=fusion,
+        disable_cuda_graph=args.disable_cuda_graph, fusion=fusion_config(args),
     )
-    threads = max(1, (os.cpu_count() or 1) // max(1, args.tp_size_per_node))
-    return LaunchConfig(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}", device_type, args.dist_timeout,
-                        args.log_level, runner, threads)

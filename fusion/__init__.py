@@ -1,27 +1,23 @@
 """arfusion's fused all-reduce + residual add + RMSNorm for tensor-parallel inference."""
-from fusion.allreduce_fusion import AllReduceFusion, FusionConfig
+from fusion.allreduce_fusion import AllReduceFusion
+from fusion.config import FusionConfig
 from fusion.dispatch import FusionDispatcher, FusionEnvironment
 from fusion.errors import FusionInputError, FusionUnsupportedError
 from fusion.group import TensorParallelGroup
-from fusion.ops import (
-    allreduce_residual_rmsnorm,
-    allreduce_residual_rmsnorm_fp4,
-    allreduce_residual_rmsnorm_fp8,
-    unfused_allreduce_residual_rmsnorm,
-)
+from fusion.strategies import FusedOutput, Quant, Strategy, all_reduce_add_rms_norm
 from fusion.workspace import AllReduceFusionWorkspace
 
 __all__ = [
     "AllReduceFusion",
     "AllReduceFusionWorkspace",
+    "FusedOutput",
     "FusionConfig",
     "FusionDispatcher",
     "FusionEnvironment",
     "FusionInputError",
     "FusionUnsupportedError",
+    "Quant",
+    "Strategy",
     "TensorParallelGroup",
-    "allreduce_residual_rmsnorm",
-    "allreduce_residual_rmsnorm_fp4",
-    "allreduce_residual_rmsnorm_fp8",
-    "unfused_allreduce_residual_rmsnorm",
+    "all_reduce_add_rms_norm",
 ]

@@ -1,25 +1,39 @@
-"""`AllReduceFusion`: the fused op for one TP group and one model, with its workspace and
-its cached dispatch decision.
+"""`AllReduceFusion`: the fused all-reduce + residual add + RMSNorm of one model on one TP group:
+its config, flashinfer workspace, symmetric buffers and cached dispatch decision.
 
-An engine makes one per TP group after the process groups exist, calls `setup()` (and
-`reserve()` to grow) before CUDA-graph capture, asks `strategy(layer_id, tokens)` (or just
-`should_fuse`) at every reduction point and calls `all_reduce_add_rms_norm(..., strategy)`,
-which always performs the all-reduce: by the chosen strategy when its buffers hold the input,
-otherwise through the unfused reference path.
+An engine builds one per model before it builds the model (no collective yet), calls `setup()`
+(collective) and `reserve()` before CUDA-graph capture, and hands the op to every layer's
+`LayerCommunicator`. At each reduction point the communicator makes one call that decides
+(cached on (layer_id, num_tokens)) and runs:
+
+    all_reduce_add_rms_norm(x, residual, w, eps, layer_id)  x partial: reduce + add + norm by
+                                                            layer_id's strategy (prepare_mlp)
+    defer_all_reduce(x, layer_id)                           decide once: fused -> the reduction
+                                                            is owed and x is handed on
+                                                            un-reduced; nccl -> reduced now
+    add_rms_norm(x, residual, w, eps, layer_id)             the owed reduction of layer_id fused
+                                                            into this norm, or a plain add + norm
+                                                            when nothing is owed
+
+so every reduction runs exactly once, and an owed reduction that the next norm does not take
+raises instead of leaving partial sums in the residual stream. A strategy whose buffers cannot
+hold the input runs as ``nccl``.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
-from fusion import strategies as st
+from fusion import norm
+from fusion.config import NO_TABLE, FusionConfig
 from fusion.dispatch import FusionDispatcher, FusionEnvironment
 from fusion.group import TensorParallelGroup
-from fusion.ops import add_rms_norm_after_reduce, allreduce_residual_rmsnorm, unfused_allreduce_residual_rmsnorm
 from fusion.platform import device_capability, flashinfer_import_error
+from fusion.strategies import RUNNERS, FusedOutput, Quant, Resources, Strategy
 from fusion.symm_mem_allreduce import SymmMemAllReduce
 from fusion.symm_mem_fused import SymmMemFusedAllReduceNorm
 from fusion.tuning_table import PACKAGED_TABLE, read_table, select_table
@@ -28,47 +42,21 @@ from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
 
 logger = logging.getLogger(__name__)
 
-FUSION_BACKENDS = ("flashinfer", "torch")
-NO_TABLE = "none"  # table_path value: no measured table, the built-in thresholds decide
-
 
 @dataclass(frozen=True)
-class FusionConfig:
-    """What the user asked for (from ServerArgs, passed down as plain values)."""
+class OwedReduction:
+    """A layer's MLP all-reduce, deferred into the next norm."""
 
-    enabled: bool = False
-    backend: str = "flashinfer"  # "flashinfer" (trtllm kernel) or "torch" (same math, any device)
-    max_tokens: int = 2048  # largest batch (tokens) the fused path takes; sizes the workspace
-    cache_size: int = 64  # bound of the (layer_id, batch_size) decision cache
-    deterministic: bool = False  # keeps NCCL's summation order: disables fusion
-    oneshot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
-    launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
-    table_path: Optional[str] = None  # measured strategy table (python -m fusion.tune); None: the packaged one; "none": no table
-    # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
-    # An engine passes its largest prefill: eager chunks of a few thousand rows are host-bound
-    # (five launches per chunk), one chunk per prefill is not.
-    symm_max_tokens: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.backend not in FUSION_BACKENDS:
-            raise ValueError(f"fusion backend must be one of {FUSION_BACKENDS}, got {self.backend!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"fusion max_tokens must be >= 1, got {self.max_tokens}")
-        if self.symm_max_tokens is not None and self.symm_max_tokens < 1:
-            raise ValueError(f"fusion symm_max_tokens must be >= 1, got {self.symm_max_tokens}")
+    layer_id: int
+    num_tokens: int
+    strategy: Strategy
 
 
 class AllReduceFusion:
-    """All-reduce + residual add + RMSNorm for one TP group, fused where it pays."""
+    """All-reduce + residual add + RMSNorm for one model (hidden size, dtype) on one TP group."""
 
-    def __init__(
-        self,
-        group: TensorParallelGroup,
-        config: FusionConfig,
-        hidden_size: int,
-        dtype: torch.dtype,
-        workspace_factory: Optional[WorkspaceFactory] = None,
-    ) -> None:
+    def __init__(self, group: TensorParallelGroup, config: FusionConfig, hidden_size: int, dtype: torch.dtype,
+                 workspace_factory: Optional[WorkspaceFactory] = None) -> None:
         self.group = group
         self.config = config
         self.hidden_size = hidden_size
@@ -76,19 +64,167 @@ class AllReduceFusion:
         self.workspace = AllReduceFusionWorkspace(group, workspace_factory)
         self.symm_mem = SymmMemAllReduce(group)
         self.symm_fused = SymmMemFusedAllReduceNorm(group)
-        self._uses_workspace = config.backend == "flashinfer"
         self.dispatcher = FusionDispatcher(config.cache_size, self._environment(workspace_ready=False))
+        self.counts: collections.Counter[Strategy] = collections.Counter()  # reductions run, by strategy
+        self._owed: Optional[OwedReduction] = None
+        self._resources = Resources(group, None, self.symm_mem, self.symm_fused, config.launch_with_pdl)
+
+    # ---- life cycle (collectives: every rank calls them together, outside CUDA-graph capture)
+
+    def setup(self) -> None:
+        """Agree on whether fusion can run; create the workspace and the buffers the measured
+        table picks. Logs once (rank 0) why fusion stays off when it was asked for."""
+        env = self._environment(workspace_ready=True)  # everything but the workspace
+        reasons = self.group.all_gather_object(env.static_reason())
+        reason = next((r for r in reasons if r), None)  # identical on every rank
+        uses_workspace = self.config.backend == "flashinfer"
+        if reason is None and uses_workspace:
+            if not self.workspace.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
+                reason = f"workspace creation failed ({self.workspace.failure})"
+        if reason:
+            env = replace(env, enabled=False, disabled_reason=reason)
+        elif uses_workspace:
+            env = self._with_table(env)
+        self._update(env)
+        if self.config.enabled and reason and self.group.rank == 0:
+            logger.warning("all-reduce fusion was requested but runs unfused: %s", reason)
+
+    def reconfigure(self, config: FusionConfig) -> None:
+        """Free the buffers, take ``config`` and `setup` again (e.g. off -> on in one benchmark
+        run). Graphs captured before baked the old decisions in: recapture them."""
+        self.destroy()
+        self.config = config
+        self._resources = replace(self._resources, launch_with_pdl=config.launch_with_pdl)
+        self.dispatcher = FusionDispatcher(config.cache_size, self._environment(workspace_ready=False))
+        self.setup()
+
+    def reserve(self, max_tokens: int) -> bool:
+        """Grow the workspace (and the fusion limit) to ``max_tokens``; call before CUDA-graph
+        capture. Returns whether the fused path can take that many tokens."""
+        env = self.dispatcher.environment
+        if env.static_reason() is not None:
+            return False
+        if self.config.backend == "flashinfer" and not self.workspace.ensure(max_tokens, self.hidden_size, self.dtype):
+            self._update(replace(env, enabled=False, disabled_reason=f"workspace growth failed ({self.workspace.failure})"))
+            return False
+        self._update(replace(env, max_tokens=max(max_tokens, env.max_tokens)))
+        return True
+
+    def destroy(self) -> None:
+        """Free the workspace and the symmetric buffers (on every rank, before the process groups)."""
+        self.workspace.destroy()
+        self.symm_mem.destroy()
+        self.symm_fused.destroy()
+        self._update(replace(self.dispatcher.environment, workspace_ready=False, table=None, symm_mem_tokens=0,
+                             symm_fused_tokens=0))
+
+    # ---- the cached decision
+
+    def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
+        """Does layer ``layer_id`` with ``batch_size`` tokens fuse its reductions (and defer its
+        MLP all-reduce into the next norm)? Cached; identical on every rank."""
+        return self.dispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)
+
+    def strategy(self, layer_id: int, num_tokens: int) -> Strategy:
+        """The `Strategy` of layer ``layer_id``'s reductions at ``num_tokens`` tokens, cached."""
+        return self.dispatcher.strategy(layer_id, num_tokens)
+
+    def cache_info(self) -> Any:
+        return self.dispatcher.cache_info()
+
+    def cache_clear(self) -> None:
+        self.dispatcher.cache_clear()
+
+    @property
+    def active(self) -> bool:
+        """True when some batch size can take a fused strategy."""
+        return self.dispatcher.environment.static_reason() is None
+
+    # ---- the hot path
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                                eps: float, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(sum(x) + residual), sum(x) + residual)`` by layer ``layer_id``'s strategy;
+        ``x`` (this rank's partial sum) and ``residual`` are consumed."""
+        self._refuse_owed("an all-reduce of layer %d" % layer_id)
+        check_fusion_inputs(x, residual, weight)
+        out = self._run(self.strategy(layer_id, x.shape[0]), x, residual, weight, eps, None)
+        return out.normed, out.residual
+
+    def defer_all_reduce(self, x: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s MLP output: reduced now (in place) when its strategy is ``nccl``,
+        else owed to the next `add_rms_norm` and returned un-reduced."""
+        strategy = self.strategy(layer_id, x.shape[0])
+        if strategy is Strategy.NCCL:
+            self.group.all_reduce(x)
+            self.counts[strategy] += 1
+            return x
+        self._refuse_owed("a deferral of layer %d" % layer_id)
+        self._owed = OwedReduction(layer_id, x.shape[0], strategy)
+        return x
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``, taking layer ``layer_id``'s owed all-reduce
+        of ``x`` when there is one (fused into this norm), else ``x`` is already reduced.
+        Inputs consumed (see `fusion.norm.add_rms_norm`)."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            return norm.add_rms_norm(x, residual, weight, eps)
+        if (owed.layer_id, owed.num_tokens) != (layer_id, x.shape[0]):
+            raise RuntimeError(f"the all-reduce deferred by layer {owed.layer_id} ({owed.num_tokens} tokens) was not "
+                               f"taken by the next norm (layer {layer_id}, {x.shape[0]} tokens)")
+        check_fusion_inputs(x, residual, weight)
+        out = self._run(owed.strategy, x, residual, weight, eps, None)
+        return out.normed, out.residual
+
+    def begin_forward(self) -> None:
+        """A forward starts (layer 0): nothing is owed; a record left by a forward that raised
+        half-way is dropped with that forward's outputs."""
+        self._owed = None
+
+    def run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+            eps: float, quant: Optional[Quant] = None) -> FusedOutput:
+        """One reduction by an explicit ``strategy`` (tuner, benchmarks, tests): checked inputs,
+        then `_run`."""
+        check_fusion_inputs(x, residual, weight)
+        return self._run(Strategy(strategy), x, residual, weight, eps, quant)
+
+    def _run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+             eps: float, quant: Optional[Quant]) -> FusedOutput:
+        if not self.fits(strategy, x):
+            strategy = Strategy.NCCL
+        self.counts[strategy] += 1
+        return RUNNERS[strategy](self._resources, x, residual, weight, eps, quant)
+
+    def fits(self, strategy: Strategy, x: torch.Tensor) -> bool:
+        """The strategy's buffers exist on every rank and hold ``x``."""
+        if strategy is Strategy.FLASHINFER_ONE_SHOT or strategy is Strategy.FLASHINFER_TWO_SHOT:
+            return self.workspace.fits(x.shape[0], x.shape[1], x.dtype)
+        if strategy is Strategy.SYMM_MEM_FUSED:
+            return self.symm_fused.fits(x)
+        if strategy is Strategy.SYMM_MEM_TWO_SHOT:
+            return self.symm_mem.fits(x)
+        return True
+
+    def _refuse_owed(self, what: str) -> None:
+        if self._owed is not None:
+            owed, self._owed = self._owed, None
+            raise RuntimeError(f"the all-reduce deferred by layer {owed.layer_id} was never performed: {what} came "
+                               f"first (each deferral must be taken by the next layer's input norm or the final norm)")
+
+    # ---- environment and status
+
+    def _update(self, env: FusionEnvironment) -> None:
+        self.dispatcher.update_environment(env)
+        self._resources = replace(self._resources, workspace=self.workspace.handle)
 
     def _environment(self, workspace_ready: bool) -> FusionEnvironment:
         cfg = self.config
-        enabled = cfg.enabled and not cfg.deterministic
-        disabled = (
-            "deterministic mode keeps NCCL's summation order, so fusion is off"
-            if cfg.deterministic
-            else FusionEnvironment.disabled_reason
-        )
+        disabled = ("deterministic mode keeps NCCL's summation order, so fusion is off" if cfg.deterministic
+                    else FusionEnvironment.disabled_reason)
         return FusionEnvironment(
-            enabled=enabled,
+            enabled=cfg.enabled and not cfg.deterministic,
             backend=cfg.backend,
             world_size=self.group.world_size,
             spans_nodes=self.group.spans_nodes,
@@ -98,26 +234,9 @@ class AllReduceFusion:
             device_sm=device_capability(self.group.device),
             flashinfer_error=flashinfer_import_error() if cfg.backend == "flashinfer" else None,
             workspace_ready=workspace_ready,
-            oneshot_max_input_bytes=cfg.oneshot_max_input_bytes,
+            one_shot_max_input_bytes=cfg.one_shot_max_input_bytes,
             disabled_reason=disabled,
         )
-
-    def setup(self) -> None:
-        """Collective: agree on whether fusion can run, create the workspace if it needs one.
-        Logs once (rank 0) why fusion stays off when it was asked for."""
-        env = self._environment(workspace_ready=True)  # everything but the workspace
-        reasons = self.group.all_gather_object(env.static_reason())
-        reason = next((r for r in reasons if r), None)  # identical on every rank
-        if reason is None and self._uses_workspace:
-            if not self.workspace.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
-                reason = f"workspace creation failed ({self.workspace.failure})"
-        if reason:
-            env = replace(env, enabled=False, disabled_reason=reason)
-        elif self._uses_workspace:
-            env = self._with_table(env)
-        self.dispatcher.update_environment(env)
-        if self.config.enabled and reason and self.group.rank == 0:
-            logger.warning("all-reduce fusion was requested but runs unfused: %s", reason)
 
     def _with_table(self, env: FusionEnvironment) -> FusionEnvironment:
         """Collective: rank 0's measured table for this GPU, TP size, hidden and dtype, on every
@@ -132,63 +251,17 @@ class AllReduceFusion:
             table = select_table(entries, gpu, self.group.world_size, self.hidden_size, str(self.dtype).removeprefix("torch."))
             if entries is not None and table is None and self.config.table_path:
                 logger.warning("strategy table %s has no entry for %s, TP%d, hidden %d, %s: using the built-in "
-                               "thresholds", path, gpu, self.group.world_size, self.hidden_size, self.dtype)
+                               "rule", path, gpu, self.group.world_size, self.hidden_size, self.dtype)
         table = self.group.broadcast_object(table)
         if table is None:
             return env
         picked = {min(row, key=row.__getitem__) for row in table.timings_us}
         tokens, hidden, dtype = self.config.max_tokens, self.hidden_size, self.dtype
-        symm_tokens = tokens if st.SYMM_MEM_TWO_SHOT in picked and self.symm_mem.ensure(tokens, hidden, dtype) else 0
+        symm_tokens = (tokens if Strategy.SYMM_MEM_TWO_SHOT in picked and self.symm_mem.ensure(tokens, hidden, dtype)
+                       else 0)
         rows = self.config.symm_max_tokens or tokens
-        fused_tokens = rows if st.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(rows, hidden, dtype) else 0
-        return replace(env, table=table, symm_mem_tokens=symm_tokens, symm_fused_tokens=fused_tokens)
-
-    def reserve(self, max_tokens: int) -> bool:
-        """Collective: grow the workspace (and the fusion limit) to ``max_tokens``. Call before
-        CUDA-graph capture. Returns whether the fused path can take that many tokens."""
-        if self.dispatcher.environment.static_reason() is not None:
-            return False
-        if self._uses_workspace and not self.workspace.ensure(max_tokens, self.hidden_size, self.dtype):
-            reason = f"workspace growth failed ({self.workspace.failure})"
-            self.dispatcher.update_environment(replace(self.dispatcher.environment, enabled=False, disabled_reason=reason))
-            return False
-        limit = max(max_tokens, self.dispatcher.environment.max_tokens)
-        self.dispatcher.update_environment(replace(self.dispatcher.environment, max_tokens=limit))
-        return True
-
-    @property
-    def active(self) -> bool:
-        """True when some batch size can take the fused path."""
-        return self.dispatcher.environment.static_reason() is None
-
-    def should_fuse(self, layer_id: int, num_tokens: int) -> bool:
-        return self.dispatcher.should_fuse_allreduce_residual_rmsnorm(layer_id, num_tokens)
-
-    def strategy(self, layer_id: int, num_tokens: int) -> str:
-        return self.dispatcher.strategy(layer_id, num_tokens)
-
-    def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, strategy: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(sum(x) + residual), sum(x) + residual)`` by ``strategy`` (see
-        `fusion.strategies`); ``x``/``residual`` consumed. A strategy whose buffers cannot hold
-        the input runs as ``nccl``. Either way the all-reduce happens exactly once."""
-        tokens, hidden = x.shape
-        if strategy in st.FLASHINFER_STRATEGIES and self.workspace.fits(tokens, hidden, x.dtype):
-            return allreduce_residual_rmsnorm(
-                x, residual, weight, eps, group=self.group, backend="flashinfer", workspace=self.workspace.handle,
-                use_oneshot=strategy == st.FLASHINFER_ONESHOT, launch_with_pdl=self.config.launch_with_pdl,
-            )
-        if strategy == st.TORCH_FUSED:
-            return allreduce_residual_rmsnorm(x, residual, weight, eps, group=self.group, backend="torch")
-        if strategy == st.SYMM_MEM_FUSED and self.symm_fused.fits(x):
-            return self.symm_fused(x, residual, weight, eps)
-        if strategy == st.SYMM_MEM_TWO_SHOT and self.symm_mem.fits(x):
-            check_fusion_inputs(x, residual, weight)
-            self.symm_mem.all_reduce(x)
-            self.group.counters.fused += 1
-            return add_rms_norm_after_reduce(x, residual, weight, eps)
-        return unfused_allreduce_residual_rmsnorm(x, residual, weight, eps, self.group)
+        fused_rows = rows if Strategy.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(rows, hidden, dtype) else 0
+        return replace(env, table=table, symm_mem_tokens=symm_tokens, symm_fused_tokens=fused_rows)
 
     def status(self) -> dict[str, Any]:
         """What /get_server_info shows: whether the fused path is active and why not."""
@@ -202,19 +275,9 @@ class AllReduceFusion:
             "reason_inactive": env.static_reason(),
             "max_tokens": env.max_tokens,
             "measured_strategy_table": env.table is not None,
-            "symmetric_buffer_tokens": {st.SYMM_MEM_TWO_SHOT: env.symm_mem_tokens, st.SYMM_MEM_FUSED: env.symm_fused_tokens},
+            "symmetric_buffer_tokens": {Strategy.SYMM_MEM_TWO_SHOT.value: env.symm_mem_tokens,
+                                        Strategy.SYMM_MEM_FUSED.value: env.symm_fused_tokens},
             "workspace": None if ws is None else {"max_tokens": ws.max_tokens, "hidden": ws.hidden, "dtype": str(ws.dtype)},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
-            "reductions": {
-                "total": self.group.counters.total,
-                "fused": self.group.counters.fused,
-                "flashinfer": self.group.counters.flashinfer,
-            },
+            "reductions": {s.value: n for s, n in sorted(self.counts.items())},
         }
-
-    def destroy(self) -> None:
-        """Free the workspace and the symmetric buffer (on every rank, before destroying the
-        process groups)."""
-        self.workspace.destroy()
-        self.symm_mem.destroy()
-        self.symm_fused.destroy()

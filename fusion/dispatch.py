@@ -1,7 +1,7 @@
 """The cached decision: how does this (layer, batch) run all-reduce + residual + RMSNorm?
 
-`FusionDispatcher.strategy(layer_id, batch_size)` picks one of `fusion.strategies` (``nccl``
-is the unfused path) and `should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` is
+`FusionDispatcher.strategy(layer_id, num_tokens)` picks a `fusion.strategies.Strategy`
+(``nccl`` is the unfused path) and `should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` is
 "anything but nccl". Both answer from a `FusionEnvironment` that is identical on every rank
 (its inputs are rank-independent; per-rank failures such as a workspace allocation are voted,
 and a measured table is rank 0's, broadcast), so the answer is identical on every rank.
@@ -20,9 +20,10 @@ from typing import Optional
 
 import torch
 
-from fusion import strategies as st
-from fusion.oneshot import choose_oneshot
+from fusion.config import DEFAULT_CACHE_SIZE
+from fusion.one_shot import choose_one_shot
 from fusion.platform import FUSED_KERNEL_SM_MAJORS, hidden_alignment_error
+from fusion.strategies import Strategy
 from fusion.thresholds import max_fused_tokens
 from fusion.tuning_table import StrategyTable
 
@@ -44,7 +45,7 @@ class FusionEnvironment:
     workspace_ready: bool = False  # the flashinfer backend's IPC workspace exists on all ranks
     symm_mem_tokens: int = 0  # tokens the symmetric-memory buffer holds on all ranks (0: none)
     symm_fused_tokens: int = 0  # rows per chunk of the fused two-shot kernels' buffer (0: none; any batch runs in chunks)
-    oneshot_max_input_bytes: Optional[int] = None
+    one_shot_max_input_bytes: Optional[int] = None
     table: Optional[StrategyTable] = None  # measured timings for this GPU, TP size, hidden, dtype
     disabled_reason: str = "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
 
@@ -76,7 +77,7 @@ class FusionEnvironment:
 class FusionDispatcher:
     """Bounded-LRU cached fusion decision for one model (one hidden size and dtype)."""
 
-    def __init__(self, cache_size: int = 64, environment: Optional[FusionEnvironment] = None) -> None:
+    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE, environment: Optional[FusionEnvironment] = None) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be at least 1, got {cache_size}")
         self.cache_size = cache_size
@@ -97,11 +98,11 @@ class FusionDispatcher:
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """True when layer ``layer_id`` with ``batch_size`` tokens should defer its MLP
         all-reduce into the next norm (and fuse its attention all-reduce into its own)."""
-        return self._cached(layer_id, batch_size) != st.NCCL
+        return self._cached(layer_id, batch_size) != Strategy.NCCL
 
-    def strategy(self, layer_id: int, batch_size: int) -> str:
-        """The strategy (a `fusion.strategies` name) for this layer and batch, cached."""
-        return self._cached(layer_id, batch_size)
+    def strategy(self, layer_id: int, num_tokens: int) -> Strategy:
+        """The `Strategy` for this layer and token count, cached."""
+        return self._cached(layer_id, num_tokens)
 
     def cache_info(self) -> functools._CacheInfo:
         """(hits, misses, maxsize, currsize), as functools.lru_cache reports them."""
@@ -114,45 +115,45 @@ class FusionDispatcher:
         """None when a fused strategy applies, else the reason it does not (uncached)."""
         return self._decide_with_reason(layer_id, batch_size)[1]
 
-    def _decide(self, layer_id: int, batch_size: int) -> str:
+    def _decide(self, layer_id: int, batch_size: int) -> Strategy:
         return self._decide_with_reason(layer_id, batch_size)[0]
 
-    def _decide_with_reason(self, layer_id: int, batch_size: int) -> tuple[str, Optional[str]]:
+    def _decide_with_reason(self, layer_id: int, batch_size: int) -> tuple[Strategy, Optional[str]]:
         if layer_id < 0:
             raise ValueError(f"layer_id must be >= 0, got {layer_id}")
         if self._static_reason:
-            return st.NCCL, self._static_reason
+            return Strategy.NCCL, self._static_reason
         env = self._environment
         if batch_size <= 0:
-            return st.NCCL, "empty batch"
+            return Strategy.NCCL, "empty batch"
         if env.backend == "torch":
             if batch_size > env.max_tokens:
-                return st.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
-            return st.TORCH_FUSED, None
+                return Strategy.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
+            return Strategy.TORCH, None
         available = self._available(batch_size)
         if env.table is not None:
             best = env.table.fastest(batch_size, available)
             if best is not None:
-                return best, (f"measured: nccl is fastest for {batch_size} tokens" if best == st.NCCL else None)
+                return best, (f"measured: nccl is fastest for {batch_size} tokens" if best == Strategy.NCCL else None)
         if batch_size > env.max_tokens:
-            return st.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
+            return Strategy.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
         limit = max_fused_tokens(env.world_size, env.hidden_size)
         if limit is not None and batch_size > limit:
-            return st.NCCL, (f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
+            return Strategy.NCCL, (f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
                              f"TP{env.world_size}")
-        oneshot = choose_oneshot(batch_size, env.hidden_size, env.dtype, env.world_size, env.oneshot_max_input_bytes)
-        return (st.FLASHINFER_ONESHOT if oneshot else st.FLASHINFER_TWOSHOT), None
+        one_shot = choose_one_shot(batch_size, env.hidden_size, env.dtype, env.world_size, env.one_shot_max_input_bytes)
+        return (Strategy.FLASHINFER_ONE_SHOT if one_shot else Strategy.FLASHINFER_TWO_SHOT), None
 
-    def _available(self, batch_size: int) -> list[str]:
+    def _available(self, batch_size: int) -> list[Strategy]:
         """Strategies that can run a batch of this size here (flashinfer backend)."""
         env = self._environment
-        out = [st.NCCL]
+        out = [Strategy.NCCL]
         if batch_size <= env.max_tokens:
-            out.append(st.FLASHINFER_ONESHOT)
+            out.append(Strategy.FLASHINFER_ONE_SHOT)
             if batch_size > env.world_size:
-                out.append(st.FLASHINFER_TWOSHOT)
+                out.append(Strategy.FLASHINFER_TWO_SHOT)
         if batch_size <= env.symm_mem_tokens:
-            out.append(st.SYMM_MEM_TWO_SHOT)
+            out.append(Strategy.SYMM_MEM_TWO_SHOT)
         if env.symm_fused_tokens:
-            out.append(st.SYMM_MEM_FUSED)  # chunked beyond the buffer: every step is row-wise
+            out.append(Strategy.SYMM_MEM_FUSED)  # chunked beyond the buffer: every step is row-wise
         return out

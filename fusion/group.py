@@ -6,8 +6,8 @@ A `TensorParallelGroup` bundles the two process groups a TP rank needs:
 * ``cpu_group``: a gloo group for small control traffic (votes, broadcasts of Python
   objects) that must work even while the device group is busy or broken.
 
-It counts the activation reductions it performs so that tests can check that deferring a
-reduction (and fusing it later) never adds or drops one.
+It counts the activation reductions run over it (its own all-reduces and those of the fused
+kernels) so that tests can check that deferring a reduction never adds or drops one.
 """
 from __future__ import annotations
 
@@ -21,15 +21,13 @@ import torch.distributed as dist
 
 @dataclass
 class ReductionCounters:
-    """How many activation all-reduces ran through this group (eager calls only:
-    replays of a captured CUDA graph do not pass through Python)."""
+    """How many activation all-reduces ran over this group (eager calls only: replays of a
+    captured CUDA graph do not pass through Python)."""
 
     total: int = 0  # every reduction of activations, fused or not
-    fused: int = 0  # those that ran inside a fused all-reduce + residual + RMSNorm op
-    flashinfer: int = 0  # those that ran in flashinfer's fused kernel
 
     def reset(self) -> None:
-        self.total = self.fused = self.flashinfer = 0
+        self.total = 0
 
 
 class TensorParallelGroup:

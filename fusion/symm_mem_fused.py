@@ -21,7 +21,6 @@ import torch
 
 from fusion.group import TensorParallelGroup
 from fusion.symmetric_buffer import SymmetricBuffer
-from fusion.validation import check_fusion_inputs
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,7 @@ class SymmMemFusedAllReduceNorm:
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group; ``x`` and
         ``residual`` are overwritten (see `output_tensors`). Needs ``fits(x)``; runs in chunks of
-        at most ``max_tokens`` rows."""
-        check_fusion_inputs(x, residual, weight)
+        at most ``max_tokens`` rows. Inputs are the caller's to check (`fusion.validation`)."""
         if not self.fits(x):
             raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit the fused two-shot buffer "
                              f"({self.hidden or 'none'} hidden, {self.symmetric.buffer.dtype if self.ready else 'no buffer'})")
@@ -168,7 +166,6 @@ class SymmMemFusedAllReduceNorm:
             self._run_chunk(x[rows], None if residual is None else residual[rows], out[rows], residual_out[rows],
                             weight, eps)
         self.group.counters.total += 1
-        self.group.counters.fused += 1
         return out, residual_out
 
     def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,

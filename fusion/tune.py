@@ -1,36 +1,27 @@
-"""Measure every available strategy for all-reduce + residual + RMSNorm and write the table
-the dispatcher reads (``--allreduce-fusion-table``).
+"""Measure every strategy that runs here for all-reduce + residual + RMSNorm: the rows of a
+strategy table (`fusion.tuning_table`). The command line is `engine.tune_fusion`.
 
-    torchrun --nproc_per_node=2 -m fusion.tune --hidden 4096 --dtypes bfloat16 \\
-        --max-tokens 4096 --output fusion_table.json
-
-Per hidden size and dtype, per token bucket (powers of two up to ``--max-tokens`` plus the
-decode batch sizes of the CUDA graphs), each strategy of `fusion.strategies` that runs here
-(voted over the CPU group) is captured ``--ops-per-graph`` times in one CUDA graph, replayed
-``--warmup`` then ``--trials`` times; the table keeps the median µs per op of the slowest rank.
-Entries are keyed by GPU name, world size, hidden and dtype and merged into an existing file.
+Per token bucket (powers of two up to the op's ``max_tokens`` plus the decode batch sizes of
+the CUDA graphs), each strategy whose buffers hold the bucket is captured ``ops_per_graph``
+times in one CUDA graph, replayed ``warmup`` then ``trials`` times; a row keeps the median µs
+per op of the slowest rank. A strategy that fails on any rank is left out of that row on every
+rank. Collective: every rank of the op's group calls it together.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import sys
-from pathlib import Path
-from typing import Any, Optional, Sequence
+import logging
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from fusion import strategies as st
-from fusion.allreduce_fusion import AllReduceFusion, FusionConfig
+from fusion.allreduce_fusion import AllReduceFusion
 from fusion.cuda_graph_timing import median_us_per_call
-from fusion.group import TensorParallelGroup
-from fusion.tuning_table import TABLE_VERSION, TuningTableError, merge_entry, parse_table
+from fusion.strategies import Strategy
 
+logger = logging.getLogger(__name__)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+MEASURED = (Strategy.NCCL, Strategy.FLASHINFER_ONE_SHOT, Strategy.FLASHINFER_TWO_SHOT, Strategy.SYMM_MEM_TWO_SHOT,
+            Strategy.SYMM_MEM_FUSED)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -39,33 +30,32 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted(powers | {max_tokens} | {b for b in DECODE_BATCH_SIZES if b <= max_tokens})
 
 
-def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dtype: torch.dtype, tokens: int,
-            args: argparse.Namespace) -> dict[str, float]:
-    """µs per op of every strategy that can run ``tokens`` here (slowest rank), by name."""
-    candidates = [st.NCCL, st.FLASHINFER_ONESHOT, st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_FUSED]
-    if tokens > group.world_size:
-        candidates.append(st.FLASHINFER_TWOSHOT)
-    g = torch.Generator(device=group.device).manual_seed(tokens)
-    x = torch.randn(tokens, hidden, device=group.device, dtype=dtype, generator=g)
-    residual = torch.randn(tokens, hidden, device=group.device, dtype=dtype, generator=g)
+def make_buffers(fusion: AllReduceFusion, max_tokens: int) -> None:
+    """Collective: the symmetric buffers of both symmetric-memory strategies for ``max_tokens``
+    rows (each voted: ready on every rank or on none)."""
+    fusion.symm_mem.ensure(max_tokens, fusion.hidden_size, fusion.dtype)
+    fusion.symm_fused.ensure(max_tokens, fusion.hidden_size, fusion.dtype)
+
+
+def measure_bucket(fusion: AllReduceFusion, num_tokens: int, ops_per_graph: int = 20, warmup: int = 3,
+                   trials: int = 10) -> dict[Strategy, float]:
+    """µs per op (slowest rank) of every strategy that can run ``num_tokens`` rows here."""
+    group, hidden, dtype = fusion.group, fusion.hidden_size, fusion.dtype
+    g = torch.Generator(device=group.device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, device=group.device, dtype=dtype, generator=g)
+    residual = torch.randn(num_tokens, hidden, device=group.device, dtype=dtype, generator=g)
     weight = torch.rand(hidden, device=group.device, dtype=dtype, generator=g) + 0.5
-    runnable = {
-        st.NCCL: True,
-        st.FLASHINFER_ONESHOT: fusion.workspace.fits(tokens, hidden, dtype),
-        st.FLASHINFER_TWOSHOT: fusion.workspace.fits(tokens, hidden, dtype),
-        st.SYMM_MEM_TWO_SHOT: fusion.symm_mem.fits(x),
-        st.SYMM_MEM_FUSED: fusion.symm_fused.fits(x),
-    }
-    timings = {}
-    for strategy in candidates:
-        if not runnable[strategy]:
+    timings: dict[Strategy, float] = {}
+    for strategy in MEASURED:
+        if not _runs(fusion, strategy, x):
             continue
-        def calls(strategy: str = strategy) -> None:
-            for _ in range(args.ops_per_graph):
-                fusion.all_reduce_add_rms_norm(x, residual, weight, 1e-6, strategy)
+
+        def calls(strategy: Strategy = strategy) -> None:
+            for _ in range(ops_per_graph):
+                fusion.run(strategy, x, residual, weight, 1e-6)
 
         try:
-            us: Optional[float] = median_us_per_call(calls, args.ops_per_graph, args.warmup, args.trials)
+            us: Optional[float] = median_us_per_call(calls, ops_per_graph, warmup, trials)
             error = None
         except Exception as exc:  # a strategy that fails here is left out, on every rank
             us, error = None, f"{type(exc).__name__}: {exc}"
@@ -73,69 +63,24 @@ def measure(group: TensorParallelGroup, fusion: AllReduceFusion, hidden: int, dt
         if all(u is not None for u, _ in results):
             timings[strategy] = max(u for u, _ in results)
         elif group.rank == 0:
-            print(f"  {strategy} at {tokens} tokens left out: {[e for _, e in results if e]}", file=sys.stderr)
+            logger.warning("%s at %d tokens left out: %s", strategy, num_tokens, [e for _, e in results if e])
     return timings
 
 
-def init_group() -> TensorParallelGroup:
-    """The TP group of this torchrun job (all ranks), NCCL plus a gloo CPU group."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("nccl", world_size=world, rank=rank, timeout=timeout)
-    cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
-    return TensorParallelGroup(rank, world, device, dist.group.WORLD, cpu_group)
+def _runs(fusion: AllReduceFusion, strategy: Strategy, x: torch.Tensor) -> bool:
+    """``strategy`` can run ``x`` with the op's buffers (two-shot needs more rows than ranks)."""
+    if strategy is Strategy.FLASHINFER_TWO_SHOT and x.shape[0] <= fusion.group.world_size:
+        return False
+    if strategy is Strategy.NCCL:
+        return True
+    return fusion.fits(strategy, x)
 
 
-def existing_entries(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    try:
-        return parse_table(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TuningTableError) as exc:
-        raise SystemExit(f"error: {path} exists but is not a strategy table ({exc}); choose another --output")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, nargs="+", default=[4096])
-    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"])
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--ops-per-graph", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--output", default="fusion_table.json")
-    args = p.parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not torch.cuda.is_available():
-        print("error: launch with torchrun --nproc_per_node=N (N >= 2 GPUs)", file=sys.stderr)
-        return 2
-    output = Path(args.output)
-    entries = existing_entries(output) if int(os.environ["RANK"]) == 0 else []
-    group = init_group()
-    gpu = torch.cuda.get_device_name(group.device)
-    try:
-        for dtype_name in args.dtypes:
-            for hidden in args.hidden:
-                dtype = DTYPES[dtype_name]
-                fusion = AllReduceFusion(group, FusionConfig(enabled=True, max_tokens=args.max_tokens), hidden, dtype)
-                fusion.setup()
-                fusion.symm_mem.ensure(args.max_tokens, hidden, dtype)
-                fusion.symm_fused.ensure(args.max_tokens, hidden, dtype)
-                rows = {str(t): measure(group, fusion, hidden, dtype, t, args) for t in token_buckets(args.max_tokens)}
-                fusion.destroy()
-                entries = merge_entry(entries, {"gpu": gpu, "world_size": group.world_size, "hidden": hidden,
-                                                "dtype": dtype_name, "timings_us": rows})
-                if group.rank == 0:
-                    for t, row in rows.items():
-                        best = min(row, key=row.__getitem__)
-                        print(f"{gpu} TP{group.world_size} hidden {hidden} {dtype_name} {t:>5} tokens: {best:<20} "
-                              + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())))
-                    output.write_text(json.dumps({"version": TABLE_VERSION, "entries": entries}, indent=1))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def table_entry(fusion: AllReduceFusion, buckets: list[int], **timing: Any) -> dict[str, Any]:
+    """One strategy-table entry (`fusion.tuning_table` format) for the op's GPU, world size,
+    hidden size and dtype, measured at ``buckets``."""
+    group = fusion.group
+    gpu = torch.cuda.get_device_name(group.device) if group.device.type == "cuda" else "cpu"
+    rows = {str(t): {s.value: us for s, us in measure_bucket(fusion, t, **timing).items()} for t in buckets}
+    return {"gpu": gpu, "world_size": group.world_size, "hidden": fusion.hidden_size,
+            "dtype": str(fusion.dtype).removeprefix("torch."), "timings_us": rows}

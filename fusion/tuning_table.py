@@ -1,14 +1,14 @@
-"""Measured strategy tables (written by ``python -m fusion.tune``) and their lookup.
+"""Measured strategy tables (written by ``python -m engine.tune_fusion``) and their lookup.
 
 File format (JSON):
 
-    {"version": 1,
+    {"version": 2,
      "entries": [{"gpu": "NVIDIA H200", "world_size": 2, "hidden": 4096, "dtype": "bfloat16",
-                  "timings_us": {"1": {"nccl": 8.7, "flashinfer_oneshot": 4.5, ...},
+                  "timings_us": {"1": {"nccl": 8.7, "flashinfer_one_shot": 4.5, ...},
                                  "128": {...}, ...}}]}
 
 A batch of T tokens uses the smallest measured bucket >= T (the largest bucket beyond it) and
-the fastest strategy measured there among those this process can run. Every rank uses rank 0's
+the fastest strategy (`fusion.strategies.Strategy` values) measured there among those this process can run. Every rank uses rank 0's
 table (broadcast over the CPU group), so decisions stay identical. A missing or corrupt file
 gives one warning and no table: the built-in thresholds apply.
 """
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from fusion.strategies import STRATEGIES
+from fusion.strategies import Strategy
 
 logger = logging.getLogger(__name__)
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: strategy names with one_shot / two_shot
 # Measured on this project's GPU machines and shipped with the package; used when no table is given.
 PACKAGED_TABLE = Path(__file__).parent / "tables" / "strategy_table.json"
 
@@ -38,9 +38,9 @@ class StrategyTable:
     """The rows of one (gpu, world size, hidden, dtype): bucket -> fastest strategy."""
 
     buckets: tuple[int, ...]  # sorted token counts
-    timings_us: tuple[dict[str, float], ...]  # per bucket: strategy -> median µs per op
+    timings_us: tuple[dict[Strategy, float], ...]  # per bucket: strategy -> median µs per op
 
-    def fastest(self, tokens: int, available: Sequence[str]) -> Optional[str]:
+    def fastest(self, tokens: int, available: Sequence[Strategy]) -> Optional[Strategy]:
         """The fastest available strategy measured for ``tokens`` (None if none was measured)."""
         i = min(bisect.bisect_left(self.buckets, tokens), len(self.buckets) - 1)
         measured = {s: t for s, t in self.timings_us[i].items() if s in available}
@@ -62,7 +62,7 @@ def parse_table(data: Any) -> list[dict[str, Any]]:
             if not bucket.isdigit() or not isinstance(row, dict):
                 raise TuningTableError(f"entry {n}: bucket {bucket!r} must be a token count mapping to timings")
             for strategy, us in row.items():
-                if strategy not in STRATEGIES or not isinstance(us, (int, float)) or us <= 0:
+                if strategy not in Strategy._value2member_map_ or not isinstance(us, (int, float)) or us <= 0:
                     raise TuningTableError(f"entry {n}, bucket {bucket}: bad timing {strategy!r}: {us!r}")
     return entries
 
@@ -83,7 +83,7 @@ def select_table(entries: Optional[list[dict[str, Any]]], gpu: str, world_size: 
     """The table for this configuration, None when the file has no matching entry."""
     for e in entries or []:
         if (e["gpu"], e["world_size"], e["hidden"], e["dtype"]) == (gpu, world_size, hidden, dtype):
-            rows = sorted((int(b), row) for b, row in e["timings_us"].items())
+            rows = sorted((int(b), {Strategy(s): us for s, us in row.items()}) for b, row in e["timings_us"].items())
             if rows:
                 return StrategyTable(tuple(b for b, _ in rows), tuple(r for _, r in rows))
     return None

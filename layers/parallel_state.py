@@ -1,8 +1,9 @@
 """Tensor-parallel process groups: one TP group per process, reached through `get_tp_group()`.
 
 `init_tensor_parallel` creates the device group (NCCL on GPU, gloo on CPU) and a gloo CPU
-group for votes and broadcasts, and records which node each rank runs on. The group owns the
-model's `AllReduceFusion` (``group.fusion``) once `init_allreduce_fusion` made it.
+group for votes and broadcasts, and records which node each rank runs on. The fused all-reduce
+is not the group's: the engine builds one `fusion.AllReduceFusion` per model over this group
+and passes it to the model's layers.
 """
 from __future__ import annotations
 
@@ -12,17 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
-from fusion.workspace import WorkspaceFactory
+from fusion import TensorParallelGroup
 
-
-class ModelParallelGroup(TensorParallelGroup):
-    """A `TensorParallelGroup` that also carries the model's fusion op."""
-
-    fusion: Optional[AllReduceFusion] = None
-
-
-_TP_GROUP: Optional[ModelParallelGroup] = None
+_TP_GROUP: Optional[TensorParallelGroup] = None
 
 
 def init_tensor_parallel(
@@ -32,7 +25,7 @@ def init_tensor_parallel(
     device: Optional[torch.device] = None,
     node_rank: int = 0,
     timeout_s: float = 120.0,
-) -> ModelParallelGroup:
+) -> TensorParallelGroup:
     """Join a TP group of ``world_size`` ranks (all ranks of the job). ``device`` defaults to
     ``cuda:<rank % local GPUs>`` when CUDA is available, else the CPU. ``timeout_s`` bounds
     every collective, so a lost peer surfaces as an error instead of a hang."""
@@ -45,7 +38,7 @@ def init_tensor_parallel(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        _TP_GROUP = ModelParallelGroup(0, 1, device)
+        _TP_GROUP = TensorParallelGroup(0, 1, device)
         return _TP_GROUP
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -55,11 +48,11 @@ def init_tensor_parallel(
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
     node_ids: list[object] = [None] * world_size
     dist.all_gather_object(node_ids, TensorParallelGroup.node_identity(node_rank), group=cpu_group)
-    _TP_GROUP = ModelParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids)
+    _TP_GROUP = TensorParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids)
     return _TP_GROUP
 
 
-def get_tp_group() -> ModelParallelGroup:
+def get_tp_group() -> TensorParallelGroup:
     """The TP group of this process; raises if `init_tensor_parallel` has not run."""
     if _TP_GROUP is None:
         raise RuntimeError("the tensor-parallel group is not initialised: call init_tensor_parallel first")
@@ -71,26 +64,12 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return get_tp_group().all_reduce(x)
 
 
-def init_allreduce_fusion(
-    config: FusionConfig, hidden_size: int, dtype: torch.dtype, workspace_factory: Optional[WorkspaceFactory] = None
-) -> AllReduceFusion:
-    """Collective: make the TP group's fusion op for a model of ``hidden_size`` and ``dtype``."""
-    group = get_tp_group()
-    if group.fusion is not None:
-        group.fusion.destroy()
-    group.fusion = AllReduceFusion(group, config, hidden_size, dtype, workspace_factory)
-    group.fusion.setup()
-    return group.fusion
-
-
 def destroy_tensor_parallel() -> None:
-    """Free the fusion workspace, then the process groups (in that order: IPC state held past
-    the process group can hang the exit)."""
+    """Destroy the process groups. Destroy every fusion op made over the group first (IPC state
+    held past the process group can hang the exit)."""
     global _TP_GROUP
     if _TP_GROUP is None:
         return
-    if _TP_GROUP.fusion is not None:
-        _TP_GROUP.fusion.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = None

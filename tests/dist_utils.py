@@ -103,3 +103,15 @@ def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, workspace_factory: Any = None,
+                **config: Any) -> Any:
+    """Collective: a set-up `fusion.AllReduceFusion` over this rank's TP group for a model of
+    ``hidden`` and ``dtype``, from `fusion.FusionConfig` fields (default: fusion off)."""
+    from fusion import AllReduceFusion, FusionConfig
+    from layers.parallel_state import get_tp_group
+
+    fusion = AllReduceFusion(get_tp_group(), FusionConfig(**config), hidden, dtype, workspace_factory)
+    fusion.setup()
+    return fusion

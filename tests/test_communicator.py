@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from fusion import FusionConfig, reference
+from fusion import Strategy, reference
 from layers.communicator import LayerCommunicator
 from layers.layernorm import RMSNorm
-from layers.parallel_state import get_tp_group, init_allreduce_fusion
+from layers.parallel_state import get_tp_group
+from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
-from tests.dist_utils import run_distributed
 
 HIDDEN, LAYERS, EPS = 64, 4, 1e-6
 
@@ -35,7 +35,7 @@ def toy_input(tokens: int) -> torch.Tensor:
 class ToyDecoder(torch.nn.Module):
     """Each layer: attention = normed @ W_attn[rank] (partial), MLP = normed @ W_mlp[rank] (partial)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, fusion) -> None:
         super().__init__()
         self.weights, final = toy_weights(rank)
         self.norms = []
@@ -44,7 +44,7 @@ class ToyDecoder(torch.nn.Module):
             ln1, ln2 = RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS)
             ln1.weight.data.copy_(w["ln1"])
             ln2.weight.data.copy_(w["ln2"])
-            self.comms.append(LayerCommunicator(i, LAYERS, ln1, ln2))
+            self.comms.append(LayerCommunicator(i, LAYERS, ln1, ln2, fusion))
         self.final_norm = RMSNorm(HIDDEN, EPS)
         self.final_norm.weight.data.copy_(final)
 
@@ -78,16 +78,14 @@ def reference_decoder(tokens: int, world_size: int) -> torch.Tensor:
 @torch.inference_mode()
 def _run_toy(rank, world_size, fusion_enabled, max_tokens):
     group = get_tp_group()
-    fusion = init_allreduce_fusion(
-        FusionConfig(enabled=fusion_enabled, backend="torch", max_tokens=max_tokens), HIDDEN, torch.float32
-    )
-    model = ToyDecoder(rank)
+    fusion = make_fusion(HIDDEN, enabled=fusion_enabled, backend="torch", max_tokens=max_tokens)
+    model = ToyDecoder(rank, fusion)
     out = {}
     for tokens in (3, 24):
-        before = group.counters.total, group.counters.fused
+        before = group.counters.total, fusion.counts[Strategy.TORCH]
         out[tokens] = model(toy_input(tokens).clone())
         out[(tokens, "reductions")] = group.counters.total - before[0]
-        out[(tokens, "fused")] = group.counters.fused - before[1]
+        out[(tokens, "fused")] = fusion.counts[Strategy.TORCH] - before[1]
         assert_close(out[tokens], reference_decoder(tokens, world_size))
     out["status"] = fusion.status()
     return out
@@ -106,3 +104,44 @@ def test_fusion_on_equals_off_with_the_same_reductions(world_size, max_tokens):
     expected_fused_24 = 2 * LAYERS if max_tokens >= 24 else 0
     assert on[0][(24, "fused")] == expected_fused_24
     assert on[0]["status"]["active"] and not off[0]["status"]["active"]
+
+
+def _lookups_and_owed_reductions(rank, world_size):
+    fusion = make_fusion(HIDDEN, enabled=True, backend="torch")
+    model = ToyDecoder(rank, fusion)
+    info = fusion.cache_info()
+    before = info.hits + info.misses
+    model(toy_input(5).clone())
+    info = fusion.cache_info()
+    lookups = info.hits + info.misses - before
+    x, residual = toy_input(5), toy_input(5)
+    weight = torch.ones(HIDDEN)
+    errors = {}
+    fusion.defer_all_reduce(x.clone(), layer_id=0)
+    with pytest.raises(RuntimeError) as err:
+        fusion.all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, layer_id=1)
+    errors["skipped"] = str(err.value)
+    fusion.defer_all_reduce(x.clone(), layer_id=0)
+    with pytest.raises(RuntimeError) as err:
+        fusion.add_rms_norm(x.clone(), residual.clone(), weight, EPS, layer_id=2)
+    errors["other_layer"] = str(err.value)
+    fusion.defer_all_reduce(x.clone(), layer_id=0)
+    fusion.begin_forward()  # a new forward drops what a failed one left owed
+    return lookups, errors, model(toy_input(5).clone())
+
+
+def test_one_decision_per_reduction_point_and_an_owed_reduction_cannot_be_skipped():
+    per_rank = run_distributed(_lookups_and_owed_reductions, timeout_s=120)
+    lookups, errors, out = per_rank[0]
+    assert lookups == 2 * LAYERS, "prepare_mlp and postprocess_layer each look the decision up once per layer"
+    assert "layer 0 was never performed" in errors["skipped"]
+    assert "was not taken by the next norm (layer 2" in errors["other_layer"]
+    assert_close(out, reference_decoder(5, 2))
+
+
+def test_no_fusion_state_on_the_tp_group():
+    import layers.parallel_state as parallel_state
+    from fusion import TensorParallelGroup
+
+    assert not hasattr(TensorParallelGroup, "fusion") and not hasattr(parallel_state, "init_allreduce_fusion")
+    assert not [name for name, value in vars(parallel_state).items() if "fusion" in type(value).__name__.lower()]

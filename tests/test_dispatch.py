@@ -4,7 +4,7 @@ import torch
 
 from fusion import FusionDispatcher, FusionEnvironment
 from layers.parallel_state import get_tp_group
-from tests.dist_utils import run_distributed
+from tests.dist_utils import make_fusion, run_distributed
 
 GOOD = FusionEnvironment(
     enabled=True, backend="flashinfer", world_size=2, hidden_size=4096, dtype=torch.bfloat16,
@@ -102,11 +102,8 @@ def test_environment_update_clears_cache():
 
 
 def _decisions(rank, world_size):
-    from fusion import FusionConfig
-    from layers.parallel_state import init_allreduce_fusion
-
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="torch", max_tokens=300, cache_size=32), 96, torch.float32)
-    return [fusion.should_fuse(layer, bs) for layer in range(3) for bs in range(1, 400, 7)]
+    fusion = make_fusion(96, enabled=True, backend="torch", max_tokens=300, cache_size=32)
+    return [fusion.should_fuse_allreduce_residual_rmsnorm(layer, bs) for layer in range(3) for bs in range(1, 400, 7)]
 
 
 def test_decision_agrees_on_both_ranks():

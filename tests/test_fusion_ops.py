@@ -1,9 +1,10 @@
-"""The fused op's backends against the reference composition, 2 ranks over gloo."""
+"""The public op's strategies that run on any device (nccl, torch) against the reference
+composition, 2 ranks over gloo; its input checks and the flashinfer workspace checks."""
 import pytest
 import torch
 
-from fusion import FusionInputError, allreduce_residual_rmsnorm, reference
-from fusion.flashinfer_ops import _check_kernel_shape
+from fusion import FusionInputError, FusionUnsupportedError, Quant, Strategy, all_reduce_add_rms_norm, reference
+from fusion.strategies import check_workspace
 from layers.parallel_state import get_tp_group
 from tests.dist_utils import run_distributed
 from tests.tolerances import assert_close
@@ -29,15 +30,15 @@ def _backends_match_reference(rank, world_size, dtype, with_residual):
         full = sum(rank_inputs(r, tokens, hidden, dtype, seed=tokens)[0].float() for r in range(world_size)).to(dtype)
         res = residual if with_residual else None
         expected = reference.add_rms_norm(full, res, weight, EPS)
-        for backend in ("torch", "unfused"):
+        for strategy in (Strategy.TORCH, Strategy.NCCL):
             before = group.counters.total
-            normed, residual_out = allreduce_residual_rmsnorm(
-                x.clone(), None if res is None else res.clone(), weight, EPS, group=group, backend=backend
+            normed, residual_out, _ = all_reduce_add_rms_norm(
+                x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=strategy
             )
             assert group.counters.total == before + 1, "exactly one reduction per call"
             assert_close(normed, expected[0])
             assert_close(residual_out, expected[1])
-            results[(tokens, hidden, backend)] = normed.float().sum().item()
+            results[(tokens, hidden, strategy.value)] = normed.float().sum().item()
     return results
 
 
@@ -62,7 +63,7 @@ def _bad_inputs(rank, world_size):
     messages = {}
     for name, (xi, ri, wi) in cases.items():
         with pytest.raises(FusionInputError) as err:
-            allreduce_residual_rmsnorm(xi, ri, wi, EPS, group=group, backend="torch")
+            all_reduce_add_rms_norm(xi, ri, wi, EPS, group=group, strategy=Strategy.TORCH)
         messages[name] = str(err.value)
     assert group.counters.total == 0, "a rejected input must not start a collective"
     return messages
@@ -90,12 +91,12 @@ class _FakeWorkspace:
 def test_kernel_shape_checks_name_the_problem(tokens, hidden, dtype, needle):
     x = torch.randn(tokens, hidden).to(dtype)
     with pytest.raises(FusionInputError, match=needle):
-        _check_kernel_shape(x, _FakeWorkspace(), world_size=2)
+        check_workspace(x, _FakeWorkspace(), world_size=2)
 
 
 def test_kernel_shape_check_without_workspace():
     with pytest.raises(FusionInputError, match="no fusion workspace"):
-        _check_kernel_shape(torch.randn(2, 128).bfloat16(), None, world_size=2)
+        check_workspace(torch.randn(2, 128).bfloat16(), None, world_size=2)
 
 
 def test_reference_fp8_quantization_clamps_and_scales():
@@ -103,3 +104,42 @@ def test_reference_fp8_quantization_clamps_and_scales():
     q = reference.quantize_fp8_static(normed, torch.tensor([2.0]))
     assert q.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(q.float(), torch.tensor([[0.25, -448.0, 1.5, 448.0]]))
+
+
+def _quantized_and_refused(rank, world_size):
+    group = get_tp_group()
+    x, residual, weight = rank_inputs(rank, 4, 64, torch.float32, seed=3)
+    full = sum(rank_inputs(r, 4, 64, torch.float32, seed=3)[0] for r in range(world_size))
+    scale = torch.tensor([0.5])
+    out = all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, group=group, strategy=Strategy.NCCL,
+                                  quant=Quant("fp8", scale))
+    expected = reference.quantize_fp8_static(reference.add_rms_norm(full, residual, weight, EPS)[0], scale)
+    assert out.normed.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(out.normed.float(), expected.float(), atol=0.0, rtol=0.0)
+    refusals = {}
+    for name, call in {
+        "fp4": lambda: all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, group=group,
+                                               strategy=Strategy.TORCH, quant=Quant("fp4", scale)),
+        "symm": lambda: all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, group=group,
+                                                strategy=Strategy.SYMM_MEM_FUSED),
+        "workspace": lambda: all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, group=group,
+                                                     strategy=Strategy.FLASHINFER_ONE_SHOT),
+    }.items():
+        with pytest.raises((FusionInputError, FusionUnsupportedError)) as err:
+            call()
+        refusals[name] = str(err.value)
+    return refusals
+
+
+def test_fp8_output_matches_the_reference_and_unsupported_requests_are_refused():
+    refusals = run_distributed(_quantized_and_refused)[0]
+    assert "FP4" in refusals["fp4"] and "sm100" in refusals["fp4"]
+    assert "AllReduceFusion.run" in refusals["symm"]
+    assert "no fusion workspace" in refusals["workspace"]
+
+
+def test_quant_rejects_a_bad_scale_or_kind():
+    with pytest.raises(FusionInputError, match="one-element float32"):
+        Quant("fp8", torch.tensor([1.0, 2.0]))
+    with pytest.raises(FusionInputError, match="'fp8' or 'fp4'"):
+        Quant("int4", torch.tensor([1.0]))

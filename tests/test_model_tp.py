@@ -14,10 +14,10 @@ from engine.runtime.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.weights.dummy import dummy_weights
-from fusion import FusionConfig
-from layers.parallel_state import get_tp_group, init_allreduce_fusion
+
+from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import scaled_inv_freq
-from tests.dist_utils import run_distributed
+from tests.dist_utils import make_fusion, run_distributed
 
 DECODE_STEPS = 32
 NUM_SLOTS = 256
@@ -70,11 +70,15 @@ def _run(model, steps: int) -> dict:
         for s, token in enumerate(tokens):
             seqs[s].append(token)
     return {"logits": torch.cat(logits), "rows": rows, "tokens": seqs, "forwards": len(logits),
-            "all_reduces": group.counters.total, "fused": group.counters.fused}
+            "all_reduces": group.counters.total, "fused": sum(n for s, n in model_fusion(model).counts.items() if s != "nccl")}
 
 
-def _build(config: ModelConfig):
-    model = build_model(config)
+def model_fusion(model):
+    return model.model.layers[0].comm.fusion
+
+
+def _build(config: ModelConfig, **fusion_config):
+    model = build_model(config, make_fusion(config.hidden_size, **fusion_config))
     model.load_weights(dummy_weights(config, seed=3))
     return model
 
@@ -85,9 +89,12 @@ def _tp_worker(rank: int, world: int) -> dict:
         return {"unfused": unfused}
     fused = {}
     for name, cfg in CONFIGS.items():
-        init_allreduce_fusion(FusionConfig(enabled=True, backend="torch"), cfg.hidden_size, torch.float32)
-        fused[name] = _run(_build(cfg), DECODE_STEPS)
+        fused[name] = _run(_build(cfg, enabled=True, backend="torch"), DECODE_STEPS)
     return {"unfused": unfused, "fused": fused, "load_errors": _load_errors()}
+
+
+def _build_unloaded(config: ModelConfig):
+    return build_model(config, make_fusion(config.hidden_size))
 
 
 def _load_errors() -> dict[str, str]:
@@ -100,12 +107,12 @@ def _load_errors() -> dict[str, str]:
     messages = {}
     for case, tensors in bad.items():
         with pytest.raises(ValueError) as err:
-            build_model(LLAMA).load_weights(tensors.items())
+            _build_unloaded(LLAMA).load_weights(tensors.items())
         messages[case] = str(err.value)
     skipped = {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
-    build_model(LLAMA).load_weights(skipped.items())
+    _build_unloaded(LLAMA).load_weights(skipped.items())
     qwen = dict(dummy_weights(QWEN, seed=3))
-    build_model(QWEN).load_weights({**qwen, "lm_head.weight": qwen["model.embed_tokens.weight"]}.items())
+    _build_unloaded(QWEN).load_weights({**qwen, "lm_head.weight": qwen["model.embed_tokens.weight"]}.items())
     return messages
 
 

@@ -12,7 +12,7 @@ from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
-from tests.dist_utils import run_distributed
+from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
 
 ROWS, CONTEXT, NUM_SLOTS, STEPS = 8, 32, 128, 6
@@ -84,7 +84,7 @@ def _decode_both_ways(rank: int, world_size: int) -> dict:
     """Prefill the three prompts, then greedy decode, once through `apply` (gathered rows) and
     once through `DecodeBuffers` of 4 (one padding row) and of 3 (none) in turn, each with its
     own table and KV cache."""
-    model = build_model(CONFIG)
+    model = build_model(CONFIG, make_fusion(CONFIG.hidden_size))
     model.load_weights(dummy_weights(CONFIG, seed=5))
     caches = [model.allocate_kv_cache(NUM_SLOTS) for _ in range(2)]
     tables = [RequestTable(ROWS, CONTEXT, CPU) for _ in range(2)]

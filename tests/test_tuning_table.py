@@ -6,19 +6,19 @@ import pytest
 import torch
 
 from fusion import FusionDispatcher, FusionEnvironment
-from fusion import strategies as st
+from fusion.strategies import Strategy as S
 from fusion.symm_mem_allreduce import SymmMemAllReduce, symm_mem_unavailable_reason
 from fusion.tuning_table import StrategyTable, TuningTableError, parse_table, read_table, select_table
 from layers.parallel_state import get_tp_group
-from tests.dist_utils import run_distributed
+from tests.dist_utils import make_fusion, run_distributed
 
 TIMINGS = {
-    "1": {"nccl": 8.7, "flashinfer_oneshot": 4.5},
-    "128": {"nccl": 16.1, "flashinfer_oneshot": 7.4, "flashinfer_twoshot": 13.7, "symm_mem_two_shot": 10.2},
-    "1024": {"nccl": 53.4, "flashinfer_oneshot": 42.3, "symm_mem_two_shot": 38.0},
-    "4096": {"nccl": 168.0, "flashinfer_oneshot": 165.0, "symm_mem_two_shot": 125.0, "symm_mem_fused": 120.0},
+    "1": {"nccl": 8.7, "flashinfer_one_shot": 4.5},
+    "128": {"nccl": 16.1, "flashinfer_one_shot": 7.4, "flashinfer_two_shot": 13.7, "symm_mem_two_shot": 10.2},
+    "1024": {"nccl": 53.4, "flashinfer_one_shot": 42.3, "symm_mem_two_shot": 38.0},
+    "4096": {"nccl": 168.0, "flashinfer_one_shot": 165.0, "symm_mem_two_shot": 125.0, "symm_mem_fused": 120.0},
 }
-DOC = {"version": 1, "entries": [{"gpu": "cpu", "world_size": 2, "hidden": 64, "dtype": "float32", "timings_us": TIMINGS}]}
+DOC = {"version": 2, "entries": [{"gpu": "cpu", "world_size": 2, "hidden": 64, "dtype": "float32", "timings_us": TIMINGS}]}
 
 
 def table() -> StrategyTable:
@@ -27,16 +27,16 @@ def table() -> StrategyTable:
 
 def test_lookup_uses_the_smallest_bucket_at_or_above_the_batch():
     t = table()
-    everything = list(st.STRATEGIES)
-    assert t.fastest(1, everything) == st.FLASHINFER_ONESHOT
-    assert t.fastest(100, everything) == st.FLASHINFER_ONESHOT  # bucket 128
-    assert t.fastest(129, everything) == st.SYMM_MEM_TWO_SHOT  # bucket 1024
-    assert t.fastest(100000, everything) == st.SYMM_MEM_FUSED  # beyond: the largest bucket
+    everything = list(tuple(S))
+    assert t.fastest(1, everything) == S.FLASHINFER_ONE_SHOT
+    assert t.fastest(100, everything) == S.FLASHINFER_ONE_SHOT  # bucket 128
+    assert t.fastest(129, everything) == S.SYMM_MEM_TWO_SHOT  # bucket 1024
+    assert t.fastest(100000, everything) == S.SYMM_MEM_FUSED  # beyond: the largest bucket
 
 
 def test_lookup_skips_strategies_that_cannot_run_here():
-    assert table().fastest(4096, [st.NCCL, st.FLASHINFER_ONESHOT]) == st.FLASHINFER_ONESHOT
-    assert table().fastest(4096, [st.TORCH_FUSED]) is None
+    assert table().fastest(4096, [S.NCCL, S.FLASHINFER_ONE_SHOT]) == S.FLASHINFER_ONE_SHOT
+    assert table().fastest(4096, [S.TORCH]) is None
 
 
 def test_no_matching_entry_selects_nothing():
@@ -48,11 +48,11 @@ def test_no_matching_entry_selects_nothing():
 
 @pytest.mark.parametrize("doc,needle", [
     ({"entries": []}, "version"),
-    ({"version": 1, "entries": {}}, "list"),
-    ({"version": 1, "entries": [{"gpu": "x", "world_size": "2", "hidden": 1, "dtype": "bf16", "timings_us": {}}]}, "world_size"),
-    ({"version": 1, "entries": [{**DOC["entries"][0], "timings_us": {"abc": {}}}]}, "bucket"),
-    ({"version": 1, "entries": [{**DOC["entries"][0], "timings_us": {"8": {"magic": 1.0}}}]}, "magic"),
-    ({"version": 1, "entries": [{**DOC["entries"][0], "timings_us": {"8": {"nccl": -1}}}]}, "nccl"),
+    ({"version": 2, "entries": {}}, "list"),
+    ({"version": 2, "entries": [{"gpu": "x", "world_size": "2", "hidden": 1, "dtype": "bf16", "timings_us": {}}]}, "world_size"),
+    ({"version": 2, "entries": [{**DOC["entries"][0], "timings_us": {"abc": {}}}]}, "bucket"),
+    ({"version": 2, "entries": [{**DOC["entries"][0], "timings_us": {"8": {"magic": 1.0}}}]}, "magic"),
+    ({"version": 2, "entries": [{**DOC["entries"][0], "timings_us": {"8": {"nccl": -1}}}]}, "nccl"),
 ])
 def test_bad_tables_are_named(doc, needle):
     with pytest.raises(TuningTableError, match=needle):
@@ -73,19 +73,19 @@ def test_dispatcher_follows_the_table_and_falls_back_without_one():
                             max_tokens=4096, device_sm=(9, 0), workspace_ready=True, symm_mem_tokens=4096, table=table())
     d = FusionDispatcher(environment=env)
     assert [d.strategy(0, t) for t in (1, 128, 1024, 4096)] == [
-        st.FLASHINFER_ONESHOT, st.FLASHINFER_ONESHOT, st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_TWO_SHOT]
+        S.FLASHINFER_ONE_SHOT, S.FLASHINFER_ONE_SHOT, S.SYMM_MEM_TWO_SHOT, S.SYMM_MEM_TWO_SHOT]
     no_symm = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_mem_tokens": 0}))
-    assert no_symm.strategy(0, 4096) == st.FLASHINFER_ONESHOT, "symm-mem unavailable: next fastest"
+    assert no_symm.strategy(0, 4096) == S.FLASHINFER_ONE_SHOT, "symm-mem unavailable: next fastest"
     fused = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 4096}))
-    assert [fused.strategy(0, t) for t in (1024, 4096)] == [st.SYMM_MEM_TWO_SHOT, st.SYMM_MEM_FUSED]
+    assert [fused.strategy(0, t) for t in (1024, 4096)] == [S.SYMM_MEM_TWO_SHOT, S.SYMM_MEM_FUSED]
     short = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 2048}))
-    assert short.strategy(0, 4096) == st.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
-    assert short.strategy(0, 100000) == st.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
+    assert short.strategy(0, 4096) == S.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
+    assert short.strategy(0, 100000) == S.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
     builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None}))
-    assert builtin.strategy(0, 2048) == st.FLASHINFER_ONESHOT  # built-in: hidden <= 1024 fuses up to 2048
-    assert builtin.strategy(0, 4096) == st.NCCL
+    assert builtin.strategy(0, 2048) == S.FLASHINFER_ONE_SHOT  # built-in: hidden <= 1024 fuses up to 2048
+    assert builtin.strategy(0, 4096) == S.NCCL
     deterministic = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "enabled": False}))
-    assert deterministic.strategy(0, 1024) == st.NCCL
+    assert deterministic.strategy(0, 1024) == S.NCCL
 
 
 class _FakeWorkspace:
@@ -95,13 +95,11 @@ class _FakeWorkspace:
 
 def _table_on_every_rank(rank, world_size, path):
     import fusion.allreduce_fusion as af
-    from fusion import FusionConfig
-    from layers.parallel_state import init_allreduce_fusion
 
     af.flashinfer_import_error = lambda: None  # pretend: flashinfer and an sm90 GPU, fake workspace
     af.device_capability = lambda device: (9, 0)
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=4096, table_path=path),
-                                   64, torch.float32, lambda *a: _FakeWorkspace())
+    fusion = make_fusion(64, torch.float32, lambda *a: _FakeWorkspace(), enabled=True, backend="flashinfer",
+                         max_tokens=4096, table_path=path)
     group = get_tp_group()
     return {
         "strategies": [fusion.strategy(0, t) for t in (1, 64, 128, 512, 1024, 4096)],
@@ -117,7 +115,7 @@ def test_rank_zeros_table_reaches_every_rank_and_symm_mem_skips_cleanly_on_cpu(t
     r0, r1 = run_distributed(_table_on_every_rank, args=(str(path),))
     assert r0["strategies"] == r1["strategies"]
     # symm_mem is measured fastest at 1024+ but cannot run on CPU: the next fastest measured wins
-    assert r0["strategies"] == [st.FLASHINFER_ONESHOT] * 4 + [st.FLASHINFER_ONESHOT, st.FLASHINFER_ONESHOT]
+    assert r0["strategies"] == [S.FLASHINFER_ONE_SHOT] * 4 + [S.FLASHINFER_ONE_SHOT, S.FLASHINFER_ONE_SHOT]
     assert not r0["symm_ready"] and not r1["symm_ready"]
     assert "CUDA device" in r0["symm_reason"] and "rank 1" in r0["symm_failure"]
 

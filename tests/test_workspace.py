@@ -1,9 +1,9 @@
 """Workspace lifecycle: votes over the CPU group, failure on one rank, growth, destroy."""
 import torch
 
-from fusion import AllReduceFusionWorkspace, FusionConfig
-from layers.parallel_state import get_tp_group, init_allreduce_fusion
-from tests.dist_utils import run_distributed
+from fusion import AllReduceFusionWorkspace
+from layers.parallel_state import get_tp_group
+from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
 
 
@@ -64,14 +64,14 @@ def _fusion_falls_back_together(rank, world_size):
     af.flashinfer_import_error = lambda: None
     af.device_capability = lambda device: (9, 0)
     group = get_tp_group()
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer"), 64, torch.float32, fail_on_rank(0))
+    fusion = make_fusion(64, torch.float32, fail_on_rank(0), enabled=True, backend="flashinfer")
     assert not fusion.active and "workspace creation failed" in fusion.status()["reason_inactive"]
-    assert not fusion.should_fuse(0, 4)
+    assert not fusion.should_fuse_allreduce_residual_rmsnorm(0, 4)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank)) + 1
     residual = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
     weight = torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5
     expected_sum = sum(torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) + 1 for r in range(world_size))
-    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, "nccl")
+    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, layer_id=0)
     assert_close(res, expected_sum + residual)
     assert group.counters.total == 1
     return fusion.status()["reason_inactive"]

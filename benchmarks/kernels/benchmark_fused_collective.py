@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--quant-fp4", action="store_true", help="only NVFP4 output (sm100+)")
     quant.add_argument("--quant-all", action="store_true", help="none, FP8 and FP4 (the default)")
     p.add_argument("--disable-oneshot", action="store_true", help="skip the one-shot fused paths")
-    p.add_argument("--allreduce-fusion-table", help="strategy table (python -m fusion.tune) for arfusion_dispatch")
+    p.add_argument("--allreduce-fusion-table", help="strategy table (python -m engine.tune_fusion) for arfusion_dispatch")
     p.add_argument("--disable-pdl", action="store_true",
                    help="launch the fused kernels (arfusion and raw) without programmatic dependent launch")
     p.add_argument("--warmup", type=positive_int, default=5, help="untimed graph replays per path")
@@ -143,7 +143,7 @@ class Recorder:
 def fp4_skip_reason(device: Any, flashinfer_error: Optional[str]) -> Optional[str]:
     """The line printed instead of the FP4 tables, or None when FP4 can run here."""
     from fusion.errors import FusionUnsupportedError
-    from fusion.flashinfer_ops import require_fp4_support
+    from fusion.strategies import require_fp4_support
 
     if flashinfer_error:
         return "skipped: FP4 needs flashinfer"

@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 import fusion
-from fusion import reference
+from fusion import norm, reference
 from fusion.group import TensorParallelGroup
-from fusion.platform import flashinfer_import_error
 
 EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340
@@ -110,18 +109,10 @@ def _standard(group: TensorParallelGroup, quant: str, inputs: Inputs) -> Op:
     rmsnorm, + a separate quantization. torch's norm where flashinfer's kernels do not apply
     (float32, or no flashinfer)."""
     weight, scale = inputs.weight, inputs.scale
-    flashinfer_norm = flashinfer_import_error() is None and inputs.x.dtype != torch.float32
 
     def op(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         group.all_reduce(x)
-        if flashinfer_norm:
-            from fusion.flashinfer_ops import add_rms_norm_inplace
-
-            add_rms_norm_inplace(x, residual, weight, EPS)
-            normed = x
-        else:
-            normed, _ = reference.add_rms_norm(x, residual, weight, EPS)
-        return _quantize(normed, quant, scale)
+        return _quantize(norm.add_rms_norm(x, residual, weight, EPS)[0], quant, scale)
 
     return op
 
@@ -164,15 +155,13 @@ def _native_compiled(group: TensorParallelGroup, quant: str, inputs: Inputs) -> 
     return op
 
 
-def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, oneshot: bool, pdl: bool) -> Op:
-    """arfusion's fused op on the flashinfer backend over our workspace."""
-    weight, scale = inputs.weight, inputs.scale
-    kw = dict(group=group, workspace=handle, use_oneshot=oneshot, launch_with_pdl=pdl)
-    if quant == "fp8":
-        return lambda x, r: fusion.allreduce_residual_rmsnorm_fp8(x, r, weight, EPS, scale, backend="flashinfer", **kw)[0]
-    if quant == "fp4":
-        return lambda x, r: fusion.allreduce_residual_rmsnorm_fp4(x, r, weight, EPS, scale, **kw)[0]
-    return lambda x, r: fusion.allreduce_residual_rmsnorm(x, r, weight, EPS, backend="flashinfer", **kw)[0]
+def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, one_shot: bool, pdl: bool) -> Op:
+    """arfusion's public op with an explicit flashinfer strategy over our workspace."""
+    weight = inputs.weight
+    strategy = fusion.Strategy.FLASHINFER_ONE_SHOT if one_shot else fusion.Strategy.FLASHINFER_TWO_SHOT
+    q = None if quant == "none" else fusion.Quant(quant, inputs.scale)
+    return lambda x, r: fusion.all_reduce_add_rms_norm(x, r, weight, EPS, group=group, strategy=strategy,
+                                                       workspace=handle, quant=q, launch_with_pdl=pdl).normed
 
 
 def _raw_oneshot(quant: str, inputs: Inputs, handle: Any, pdl: bool) -> Op:
@@ -238,15 +227,15 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
     op = res.fusion_op
     if quant == "none" and op.symm_mem.buffer is not None:
         paths.append(Path("symm_mem_two_shot_allreduce_rmsnorm",
-                          lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, "symm_mem_two_shot")[0]))
+                          lambda x, r: op.run(fusion.Strategy.SYMM_MEM_TWO_SHOT, x, r, inputs.weight, EPS).normed))
     if quant == "none" and op.symm_fused.ready:
         paths.append(Path("symm_mem_fused_two_shot_allreduce_rmsnorm",
-                          lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, "symm_mem_fused")[0]))
+                          lambda x, r: op.run(fusion.Strategy.SYMM_MEM_FUSED, x, r, inputs.weight, EPS).normed))
     if quant == "none":
-        strategy = res.fusion_op.strategy(0, tokens)
-        why = res.fusion_op.dispatcher.why_not(0, tokens)
-        notes.append(f"arfusion_dispatch chose {strategy}" + (f" ({why})" if why else ""))
-        paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, strategy)[0]))
+        why = op.dispatcher.why_not(0, tokens)
+        notes.append(f"arfusion_dispatch chose {op.strategy(0, tokens)}" + (f" ({why})" if why else ""))
+        # what a layer runs: the cached decision for (layer 0, tokens), then its strategy
+        paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, 0)[0]))
     return paths, notes
 
 

@@ -22,8 +22,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from engine.runtime.forward_batch import ForwardBatch, KVCache
 from engine.models.config import ModelConfig
+from engine.runtime.forward_batch import ForwardBatch, KVCache
+from fusion import AllReduceFusion
 from layers.activation import SiluAndMul
 from layers.attention import Attention
 from layers.communicator import LayerCommunicator
@@ -128,7 +129,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: Optional[torch.device]) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, fusion: AllReduceFusion, dtype: torch.dtype,
+                 device: Optional[torch.device]) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_id, dtype, device)
@@ -136,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.comm = LayerCommunicator(layer_id, config.num_hidden_layers, self.input_layernorm,
-                                      self.post_attention_layernorm)
+                                      self.post_attention_layernorm, fusion)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                 batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,11 +151,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: Optional[torch.device]) -> None:
+    def __init__(self, config: ModelConfig, fusion: AllReduceFusion, dtype: torch.dtype,
+                 device: Optional[torch.device]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, fusion, dtype, device) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -170,15 +173,16 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(batch, kv_cache) ->`` the logits of each sequence's last new token, as
     `ShardedLogits` (this rank's vocabulary slice and the greedy tokens; ``.gather()``: fp32
-    ``[B, vocab]``)."""
+    ``[B, vocab]``). ``fusion``: the model's fused all-reduce op, shared by every layer's
+    communicator (the engine builds it before the model)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, fusion: AllReduceFusion, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.model = LlamaModel(config, dtype, self.device)
+        self.model = LlamaModel(config, fusion, dtype, self.device)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied=tied, dtype=dtype, device=self.device)
 

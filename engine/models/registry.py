@@ -7,6 +7,7 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from fusion import AllReduceFusion
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,8 +24,8 @@ def model_class(architecture: str) -> type[LlamaForCausalLM]:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}") from None
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+def build_model(config: ModelConfig, fusion: AllReduceFusion, dtype: torch.dtype = torch.float32,
                 device: Optional[torch.device] = None) -> LlamaForCausalLM:
-    """An unloaded model (parameters uninitialised) for this rank of the TP group;
-    fill it with ``load_weights``."""
-    return model_class(config.architecture)(config, dtype=dtype, device=device)
+    """An unloaded model (parameters uninitialised) for this rank of the TP group, whose layers
+    reduce through ``fusion``; fill it with ``load_weights``."""
+    return model_class(config.architecture)(config, fusion, dtype=dtype, device=device)

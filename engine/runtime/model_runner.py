@@ -1,9 +1,10 @@
 """`ModelRunner`: one TP rank's model, KV cache, fusion op and decode CUDA graphs.
 
 Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same logits.
-Start-up order matters: weights, then the fusion workspace (a collective, before any graph
-capture), then the KV cache from the memory left, then graphs (with the dispatch decisions
-already cached, since capture runs the forward once per batch size).
+Start-up order matters: the model's fusion op (no collective yet), the model built on it and its
+weights, then the op's setup (workspace and buffers: a collective, before any graph capture),
+then the KV cache from the memory left, then graphs (with the dispatch decisions already
+cached, since capture runs the forward once per batch size).
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ from engine.models.registry import build_model
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
-from fusion import FusionConfig
-from layers.parallel_state import ModelParallelGroup, init_allreduce_fusion
+from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 
 class ModelRunner:
-    def __init__(self, settings: RunnerSettings, group: ModelParallelGroup) -> None:
+    def __init__(self, settings: RunnerSettings, group: TensorParallelGroup) -> None:
         self.settings = settings
         self.group = group
         self.device = group.device
@@ -79,10 +79,11 @@ class ModelRunner:
         if requested > config.max_position_embeddings:
             raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
         self.context_len = requested
-        self.model = build_model(config, self.dtype, self.device)
+        self.fusion = AllReduceFusion(group, settings.fusion, config.hidden_size, self.dtype)
+        self.model = build_model(config, self.fusion, self.dtype, self.device)
         self.model.load_weights(weights)
         self.model.eval()
-        self.fusion = init_allreduce_fusion(settings.fusion, config.hidden_size, self.dtype)
+        self.fusion.setup()
         self.max_rows = settings.max_running_requests
         self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
         self.table = RequestTable(self.max_rows, self.context_len, self.device)
@@ -123,11 +124,11 @@ class ModelRunner:
         return min(self.group.all_gather_object(slots))
 
     def reconfigure_fusion(self, config: FusionConfig) -> None:
-        """Collective: replace the fusion op (e.g. off -> on in one benchmark run) and
-        recapture the decode graphs, which baked the old decisions in."""
+        """Collective: give the model's fusion op a new config (e.g. off -> on in one benchmark
+        run) and recapture the decode graphs, which baked the old decisions in."""
         if self.graphs is not None:
             self.graphs.destroy()
-        self.fusion = init_allreduce_fusion(config, self.config.hidden_size, self.dtype)
+        self.fusion.reconfigure(config)
         if self.graphs is not None:
             self.graphs = self._capture_graphs(self.graphs.sizes[-1])
 

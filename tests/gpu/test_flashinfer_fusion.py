@@ -45,7 +45,7 @@ def rel_l2(a, b):
 
 
 def _all_cases(rank, world_size):
-    from fusion import AllReduceFusionWorkspace, allreduce_residual_rmsnorm
+    from fusion import AllReduceFusionWorkspace, Strategy, all_reduce_add_rms_norm
     from layers.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -56,16 +56,17 @@ def _all_cases(rank, world_size):
         ws = AllReduceFusionWorkspace(group)
         assert ws.ensure(max(TOKENS), max(HIDDENS), dtype), ws.failure
         workspaces[dtype] = ws
-    for seed, (dtype, hidden, tokens, oneshot, residual_on) in enumerate(CASES):
+    for seed, (dtype, hidden, tokens, one_shot, residual_on) in enumerate(CASES):
         x, residual, weight = make_inputs(rank, tokens, hidden, dtype, seed, dev)
         ref_normed, ref_res = fp32_reference(tokens, hidden, dtype, seed, residual_on, world_size, dev)
         res = residual if residual_on else None
-        normed, res_out = allreduce_residual_rmsnorm(
-            x.clone(), None if res is None else res.clone(), weight, EPS, group=group, backend="flashinfer",
-            workspace=workspaces[dtype].handle, use_oneshot=oneshot,
+        strategy = Strategy.FLASHINFER_ONE_SHOT if one_shot else Strategy.FLASHINFER_TWO_SHOT
+        normed, res_out, _ = all_reduce_add_rms_norm(
+            x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=strategy,
+            workspace=workspaces[dtype].handle,
         )
-        un_normed, un_res = allreduce_residual_rmsnorm(
-            x.clone(), None if res is None else res.clone(), weight, EPS, group=group, backend="unfused"
+        un_normed, un_res, _ = all_reduce_add_rms_norm(
+            x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=Strategy.NCCL
         )
         torch.cuda.synchronize()
         rtol, atol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-2, 1e-2)
@@ -75,7 +76,7 @@ def _all_cases(rank, world_size):
             torch.testing.assert_close(res_out.float(), ref_res, rtol=rtol, atol=atol)
         except AssertionError as e:
             err = str(e)[:500]
-        results[(str(dtype), hidden, tokens, oneshot, residual_on)] = {
+        results[(str(dtype), hidden, tokens, one_shot, residual_on)] = {
             "error": err,
             "fused_rel_l2": rel_l2(normed, ref_normed),
             "unfused_rel_l2": rel_l2(un_normed, ref_normed),
@@ -90,10 +91,10 @@ def case_results():
     return run_distributed(_all_cases, world_size=gpu_world_size(), device_kind="cuda", timeout_s=400)
 
 
-@pytest.mark.parametrize("dtype,hidden,tokens,oneshot,residual_on", CASES)
-def test_fused_matches_fp32_reference(case_results, dtype, hidden, tokens, oneshot, residual_on):
+@pytest.mark.parametrize("dtype,hidden,tokens,one_shot,residual_on", CASES)
+def test_fused_matches_fp32_reference(case_results, dtype, hidden, tokens, one_shot, residual_on):
     for rank_results in case_results:
-        r = rank_results[(str(dtype), hidden, tokens, oneshot, residual_on)]
+        r = rank_results[(str(dtype), hidden, tokens, one_shot, residual_on)]
         assert r["error"] is None, r["error"]
 
 

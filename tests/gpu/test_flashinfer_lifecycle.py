@@ -29,10 +29,15 @@ def _check(actual, expected):
 
 
 def _lifecycle(rank, world_size):
-    from fusion import (AllReduceFusionWorkspace, FusionConfig, FusionInputError, FusionUnsupportedError,
-                        allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_fp4, allreduce_residual_rmsnorm_fp8, reference)
-    from layers.parallel_state import get_tp_group, init_allreduce_fusion
-    from fusion.allreduce_fusion import NO_TABLE
+    from fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
+                        all_reduce_add_rms_norm, reference)
+    from fusion.config import NO_TABLE
+    from layers.parallel_state import get_tp_group
+    from tests.dist_utils import make_fusion
+
+    def fused(x, residual, weight, quant=None):
+        return all_reduce_add_rms_norm(x, residual, weight, EPS, group=group, strategy=Strategy.FLASHINFER_ONE_SHOT,
+                                       workspace=ws.handle, quant=quant)
 
     group = get_tp_group()
     dev = group.device
@@ -44,12 +49,12 @@ def _lifecycle(rank, world_size):
     assert ws.ensure(128, hidden, torch.bfloat16)
     x, res, w = _inputs(rank, 1024, hidden, 1, dev)
     try:
-        allreduce_residual_rmsnorm(x.clone(), res.clone(), w, EPS, group=group, workspace=ws.handle)
+        fused(x.clone(), res.clone(), w)
         out["too_many_tokens"] = "no error"
     except FusionInputError as e:
         out["too_many_tokens"] = str(e)
     assert ws.ensure(1024, hidden, torch.bfloat16) and ws.shape.max_tokens == 1024
-    normed, res_out = allreduce_residual_rmsnorm(x.clone(), res.clone(), w, EPS, group=group, workspace=ws.handle)
+    normed, res_out, _ = fused(x.clone(), res.clone(), w)
     _check(normed, _reference(1024, hidden, 1, world_size, dev)[0])
 
     # CUDA graph: capture once, replay with new inputs copied into the static buffers.
@@ -58,11 +63,11 @@ def _lifecycle(rank, world_size):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        allreduce_residual_rmsnorm(sx, sres, w, EPS, group=group, workspace=ws.handle)  # warm up outside capture
+        fused(sx, sres, w)  # warm up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_normed, g_res = allreduce_residual_rmsnorm(sx, sres, w, EPS, group=group, workspace=ws.handle)
+        g_normed, g_res, _ = fused(sx, sres, w)
     for seed in (3, 4, 5):
         nx, nres, _ = _inputs(rank, tokens, hidden, seed, dev)
         sx.copy_(nx)
@@ -89,7 +94,7 @@ def _lifecycle(rank, world_size):
     # FP8 output against the reference quantization.
     x, res, w = _inputs(rank, 256, hidden, 6, dev)
     scale = torch.tensor([0.05], device=dev, dtype=torch.float32)
-    q, res_out = allreduce_residual_rmsnorm_fp8(x.clone(), res.clone(), w, EPS, scale, group=group, workspace=ws.handle)
+    q, res_out, _ = fused(x.clone(), res.clone(), w, Quant("fp8", scale))
     ref_n, ref_r = _reference(256, hidden, 6, world_size, dev)
     ref_q = reference.quantize_fp8_static(ref_n.to(torch.bfloat16), scale)
     out["fp8_dtype"] = str(q.dtype)
@@ -110,13 +115,13 @@ def _lifecycle(rank, world_size):
 
     # FP4 refused below sm100; unaligned hidden refused.
     try:
-        allreduce_residual_rmsnorm_fp4(x.clone(), res.clone(), w, EPS, scale, group=group, workspace=ws.handle)
+        fused(x.clone(), res.clone(), w, Quant("fp4", scale))
         out["fp4"] = "no error"
     except FusionUnsupportedError as e:
         out["fp4"] = str(e)
     xu, resu, wu = _inputs(rank, 4, 1028, 7, dev)
     try:
-        allreduce_residual_rmsnorm(xu, resu, wu, EPS, group=group, workspace=ws.handle)
+        fused(xu, resu, wu)
         out["unaligned"] = "no error"
     except FusionInputError as e:
         out["unaligned"] = str(e)
@@ -126,17 +131,18 @@ def _lifecycle(rank, world_size):
     group.counters.reset()
     # no strategy table: past max_tokens the built-in thresholds say NCCL (a table may pick the
     # chunked symm_mem_fused there, tests/gpu/test_strategies.py)
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, backend="flashinfer", max_tokens=512, table_path=NO_TABLE),
-                                   hidden, torch.bfloat16)
+    fusion = make_fusion(hidden, torch.bfloat16, enabled=True, backend="flashinfer", max_tokens=512, table_path=NO_TABLE)
     out["active"] = fusion.active
     x, res, w = _inputs(rank, 32, hidden, 8, dev)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fusion.strategy(0, 32))
+    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, layer_id=0)
     _check(normed, _reference(32, hidden, 8, world_size, dev)[0])
     x, res, w = _inputs(rank, 600, hidden, 9, dev)
-    assert not fusion.should_fuse(0, 600)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, fusion.strategy(0, 600))
+    assert not fusion.should_fuse_allreduce_residual_rmsnorm(0, 600)
+    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, layer_id=0)
     _check(normed, _reference(600, hidden, 9, world_size, dev)[0])
     out["status"] = fusion.status()
+    out["group_reductions"] = group.counters.total
+    fusion.destroy()
     return out
 
 
@@ -181,5 +187,5 @@ def test_unaligned_hidden_refused(lifecycle):
 
 def test_allreduce_fusion_object_runs_the_kernel(lifecycle):
     status = lifecycle[0]["status"]
-    assert lifecycle[0]["active"] and status["reductions"]["flashinfer"] == 1 and status["reductions"]["total"] == 2
-    assert status["cache"]["misses"] == 2
+    assert lifecycle[0]["active"] and status["reductions"] == {"flashinfer_one_shot": 1, "nccl": 1}
+    assert lifecycle[0]["group_reductions"] == 2 and status["cache"]["misses"] == 2

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the 
 
 HIDDEN, EPS = 4096, 1e-6
 TOKENS = (1, 128, 1024)
-STRATEGIES = ("nccl", "flashinfer_oneshot", "flashinfer_twoshot", "symm_mem_two_shot", "symm_mem_fused")
+STRATEGIES = ("nccl", "flashinfer_one_shot", "flashinfer_two_shot", "symm_mem_two_shot", "symm_mem_fused")
 
 
 def _inputs(rank, tokens, seed, dev):
@@ -28,23 +28,25 @@ def _reference(tokens, seed, world_size, dev):
 
 
 def _run(rank, world_size):
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group, init_allreduce_fusion
+    from layers.parallel_state import get_tp_group
+    from tests.dist_utils import make_fusion
 
     group = get_tp_group()
-    fusion = init_allreduce_fusion(FusionConfig(enabled=True, max_tokens=max(TOKENS)), HIDDEN, torch.bfloat16)
+    fusion = make_fusion(HIDDEN, torch.bfloat16, enabled=True, max_tokens=max(TOKENS))
     out = {"symm_ready": fusion.symm_mem.ensure(max(TOKENS), HIDDEN, torch.bfloat16), "symm_failure": fusion.symm_mem.failure,
            "fused_ready": fusion.symm_fused.ensure(max(TOKENS), HIDDEN, torch.bfloat16),
            "fused_failure": fusion.symm_fused.failure}
     out.update(_fused_without_residual_and_uneven(fusion, rank, world_size, group))
     for strategy in STRATEGIES:
         for tokens in TOKENS:
-            if strategy == "flashinfer_twoshot" and tokens <= world_size:
+            if strategy == "flashinfer_two_shot" and tokens <= world_size:
                 continue
             key = f"{strategy}/{tokens}"
             try:
                 x, res, w = _inputs(rank, tokens, 1, group.device)
-                normed, _ = fusion.all_reduce_add_rms_norm(x, res, w, EPS, strategy)
+                before = fusion.counts[strategy]
+                normed = fusion.run(strategy, x, res, w, EPS).normed
+                ran = fusion.counts[strategy] - before  # 0: the strategy fell back to nccl
                 eager = ((normed.float() - _reference(tokens, 1, world_size, group.device)).norm()
                          / _reference(tokens, 1, world_size, group.device).norm()).item()
                 sx, sres, sw = _inputs(rank, tokens, 2, group.device)
@@ -52,11 +54,11 @@ def _run(rank, world_size):
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    fusion.all_reduce_add_rms_norm(sx.clone(), sres.clone(), sw, EPS, strategy)
+                    fusion.run(strategy, sx.clone(), sres.clone(), sw, EPS)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    g_normed, _ = fusion.all_reduce_add_rms_norm(static_x, static_res, sw, EPS, strategy)
+                    g_normed = fusion.run(strategy, static_x, static_res, sw, EPS).normed
                 nx, nres, _ = _inputs(rank, tokens, 3, group.device)
                 static_x.copy_(nx)
                 static_res.copy_(nres)
@@ -66,9 +68,9 @@ def _run(rank, world_size):
                 s = sum(v[0].float() for v in ref3) + ref3[0][1].float()
                 expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * sw.float()
                 graphed = ((g_normed.float() - expected).norm() / expected.norm()).item()
-                out[key] = (eager, graphed, None)
+                out[key] = (eager, graphed, ran, None)
             except Exception as exc:
-                out[key] = (None, None, f"{type(exc).__name__}: {exc}"[:300])
+                out[key] = (None, None, 0, f"{type(exc).__name__}: {exc}"[:300])
     fusion.destroy()
     return out
 
@@ -80,7 +82,7 @@ def _fused_without_residual_and_uneven(fusion, rank, world_size, group):
     for tokens in (3, 7):
         try:
             x, _, w = _inputs(rank, tokens, 4, group.device)
-            normed, summed = fusion.all_reduce_add_rms_norm(x, None, w, EPS, "symm_mem_fused")
+            normed, summed, _ = fusion.run("symm_mem_fused", x, None, w, EPS)
             xs = [_inputs(r, tokens, 4, group.device)[0] for r in range(world_size)]
             s = sum(v.float() for v in xs)
             expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
@@ -95,7 +97,7 @@ def _fused_without_residual_and_uneven(fusion, rank, world_size, group):
     try:  # more rows than the buffer (max(TOKENS)): chunks of 1024, 1024, 452
         tokens = 2500
         x, res, w = _inputs(rank, tokens, 5, group.device)
-        normed, _ = fusion.all_reduce_add_rms_norm(x, res, w, EPS, "symm_mem_fused")
+        normed = fusion.run("symm_mem_fused", x, res, w, EPS).normed
         expected = _reference(tokens, 5, world_size, group.device)
         out["chunked/2500"] = (((normed.float() - expected).norm() / expected.norm()).item(), None)
     except Exception as exc:
@@ -134,6 +136,7 @@ def test_strategy_matches_fp32_reference_eager_and_in_a_graph(results, strategy,
     key = f"{strategy}/{tokens}"
     if key not in results:
         pytest.skip("two-shot needs more tokens than ranks")
-    eager, graphed, error = results[key]
+    eager, graphed, ran, error = results[key]
     assert error is None, error
+    assert ran == 1, f"{strategy} fell back to nccl"
     assert eager < 1e-2 and graphed < 1e-2, (eager, graphed)

@@ -14,7 +14,7 @@ import torch
 # size. TP2 on H200: one-shot is faster at every measured size up to 4096 x 8192 bf16
 # (shared/gpu/README.md), so no limit. TP4/TP8: flashinfer's B200 crossovers
 # (64 MiB and 42 MiB of Lamport traffic = 2 * world * input bytes), until measured here.
-ONESHOT_MAX_INPUT_BYTES: dict[int, Optional[int]] = {
+ONE_SHOT_MAX_INPUT_BYTES: dict[int, Optional[int]] = {
     2: None,
     4: 64 * 2**20 // (2 * 4),
     8: 42 * 2**20 // (2 * 8),
@@ -24,14 +24,14 @@ ONESHOT_MAX_INPUT_BYTES: dict[int, Optional[int]] = {
 MAX_LAMPORT_COMM_BYTES = 2147483647 & ~((1 << 21) - 1)
 
 
-def choose_oneshot(
+def choose_one_shot(
     num_tokens: int,
     hidden: int,
     dtype: torch.dtype,
     world_size: int,
-    oneshot_max_input_bytes: Optional[int] = None,
+    one_shot_max_input_bytes: Optional[int] = None,
 ) -> bool:
-    """True for one-shot. ``oneshot_max_input_bytes`` overrides the per-world-size threshold."""
+    """True for one-shot. ``one_shot_max_input_bytes`` overrides the per-world-size threshold."""
     if num_tokens <= world_size:
         return True  # two-shot splits tokens across ranks and needs more tokens than ranks
     itemsize = dtype.itemsize
@@ -39,5 +39,5 @@ def choose_oneshot(
     lamport_bytes = num_tokens * hidden * world_size * (4 if dtype == torch.float32 else 2)
     if lamport_bytes > MAX_LAMPORT_COMM_BYTES:
         return False
-    limit = oneshot_max_input_bytes if oneshot_max_input_bytes is not None else ONESHOT_MAX_INPUT_BYTES.get(world_size)
+    limit = one_shot_max_input_bytes if one_shot_max_input_bytes is not None else ONE_SHOT_MAX_INPUT_BYTES.get(world_size)
     return limit is None or input_bytes <= limit

@@ -1,0 +1,102 @@
+"""`python -m engine.tune_fusion`: measure the fused all-reduce's strategies on this machine and
+write the strategy table that ``--allreduce-fusion-table`` reads.
+
+    torchrun --nproc_per_node=2 -m engine.tune_fusion --hidden 4096 8192 --tune-dtypes bfloat16 \\
+        --allreduce-fusion-max-tokens 8192 --output fusion_table.json
+
+The fusion op is configured from the server options (`engine.launch_config.fusion_config`), as
+a server would run it; per hidden size and dtype `fusion.tune` measures every strategy at the
+token buckets up to ``--allreduce-fusion-max-tokens``. Entries are keyed by GPU name, world
+size, hidden and dtype and merged into an existing file.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from server_args import ServerArgs
+
+    parser = ServerArgs.build_parser(prog="torchrun --nproc_per_node=N -m engine.tune_fusion")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    tune = parser.add_argument_group("tuning")
+    tune.add_argument("--hidden", type=int, nargs="+", default=[4096], help="hidden sizes to measure (default: 4096)")
+    tune.add_argument("--tune-dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
+                      help="activation dtypes to measure (default: bfloat16)")
+    tune.add_argument("--ops-per-graph", type=int, default=20, help="ops captured per CUDA graph (default: 20)")
+    tune.add_argument("--warmup", type=int, default=3, help="untimed replays (default: 3)")
+    tune.add_argument("--trials", type=int, default=10, help="timed replays; the median is kept (default: 10)")
+    tune.add_argument("--output", default="fusion_table.json", help="table file to write or merge into (default: fusion_table.json)")
+    return parser
+
+
+def existing_entries(path: Path) -> list[dict[str, Any]]:
+    from fusion.tuning_table import TuningTableError, parse_table
+
+    if not path.exists():
+        return []
+    try:
+        return parse_table(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TuningTableError) as exc:
+        raise SystemExit(f"error: {path} exists but is not a strategy table ({exc}); choose another --output")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from engine.launch_config import fusion_config
+    from fusion import AllReduceFusion, TensorParallelGroup
+    from fusion.tune import make_buffers, table_entry, token_buckets
+    from fusion.tuning_table import TABLE_VERSION, merge_entry
+    from server_args import ServerArgs
+
+    ns = build_parser().parse_args(argv)
+    server = ServerArgs.from_namespace(ns)
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not torch.cuda.is_available():
+        print("error: launch with torchrun --nproc_per_node=N (N >= 2 GPUs)", file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    output = Path(ns.output)
+    entries = existing_entries(output) if rank == 0 else []
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=server.dist_timeout)
+    dist.init_process_group("nccl", world_size=world, rank=rank, timeout=timeout)
+    group = TensorParallelGroup(rank, world, device, dist.group.WORLD,
+                                dist.new_group(list(range(world)), backend="gloo", timeout=timeout))
+    config = replace(fusion_config(server), enabled=True)
+    buckets = token_buckets(config.max_tokens)
+    try:
+        for dtype_name in ns.tune_dtypes:
+            for hidden in ns.hidden:
+                fusion = AllReduceFusion(group, config, hidden, DTYPES[dtype_name])
+                fusion.setup()
+                make_buffers(fusion, config.max_tokens)
+                entry = table_entry(fusion, buckets, ops_per_graph=ns.ops_per_graph, warmup=ns.warmup,
+                                    trials=ns.trials)
+                fusion.destroy()
+                entries = merge_entry(entries, entry)
+                if rank == 0:
+                    for tokens, row in entry["timings_us"].items():
+                        best = min(row, key=row.__getitem__)
+                        print(f"{entry['gpu']} TP{world} hidden {hidden} {dtype_name} {tokens:>5} tokens: {best:<20} "
+                              + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())), flush=True)
+                    output.write_text(json.dumps({"version": TABLE_VERSION, "entries": entries}, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`FusionConfig`: what the user asked of the fused all-reduce (plain values, from ServerArgs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+FUSION_BACKENDS = ("flashinfer", "torch")
+# Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
+# (32 layers x 128 sizes; a hit costs ~0.1 us, an entry ~100 bytes).
+DEFAULT_CACHE_SIZE = 4096
+NO_TABLE = "none"  # table_path value: no measured table, the built-in rule decides
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    enabled: bool = False
+    backend: str = "flashinfer"  # "flashinfer" (trtllm kernel + symmetric-memory strategies) or "torch" (any device)
+    max_tokens: int = 2048  # largest batch (tokens) the flashinfer workspace takes
+    cache_size: int = DEFAULT_CACHE_SIZE  # bound of the (layer_id, batch_size) decision cache
+    deterministic: bool = False  # keeps NCCL's summation order: disables fusion
+    one_shot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
+    launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
+    table_path: Optional[str] = None  # measured strategy table; None: the packaged one; "none": no table
+    # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
+    # The engine's largest prefill: eager chunks of a few thousand rows are host-bound.
+    symm_max_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in FUSION_BACKENDS:
+            raise ValueError(f"fusion backend must be one of {FUSION_BACKENDS}, got {self.backend!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"fusion max_tokens must be >= 1, got {self.max_tokens}")
+        if self.cache_size < 1:
+            raise ValueError(f"fusion cache_size must be >= 1, got {self.cache_size}")
+        if self.symm_max_tokens is not None and self.symm_max_tokens < 1:
+            raise ValueError(f"fusion symm_max_tokens must be >= 1, got {self.symm_max_tokens}")
