@@ -1,0 +1,82 @@
+"""`MoEExperts`: E SwiGLU experts, each split over the TP ranks as a dense Llama MLP is.
+
+Rank r of tp holds, for every expert e (I = the expert's intermediate size, I_r = I / tp):
+
+    w13[e] = [gate_proj[e] rows r*I_r..(r+1)*I_r ; up_proj[e] the same rows]     [2 * I_r, H]
+    w2[e]  = down_proj[e] columns r*I_r..(r+1)*I_r                               [H, I_r]
+
+so ``forward`` returns this rank's partial sum of the MoE output (``reduce_results=False``): the
+sum over ranks of the partials is the full output, and the caller reduces it, fused with the
+residual add and the next RMSNorm exactly as a dense MLP's down projection.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from layers.linear import check_shape, divide
+from layers.moe.torch_experts import moe_experts_torch
+from layers.parallel_state import get_tp_group
+from layers.triton_support import triton_available
+
+EXPERT_PARTS = ("gate", "up", "down")
+ExpertShardId = tuple[Optional[int], str]  # (expert, or None for all experts stacked; part)
+
+
+class MoEExperts(nn.Module):
+    """``forward(x [T, H], topk_weights fp32 [T, k], topk_ids [T, k]) ->`` this rank's partial
+    ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` (a new ``[T, H]``). On GPU with triton: the fused
+    MoE (layers/moe/triton_fused_moe.py) with ``combine`` "folded" (default) or "unfused";
+    elsewhere the torch reference (layers/moe/torch_experts.py)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        group = get_tp_group()
+        self.tp_rank, self.tp_size = group.rank, group.world_size
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_per_partition = divide(intermediate_size, self.tp_size, "expert intermediate size")
+        local = self.intermediate_per_partition
+        self.w13_weight = self._param((num_experts, 2 * local, hidden_size), dtype, device)
+        self.w2_weight = self._param((num_experts, hidden_size, local), dtype, device)
+        self.combine = "folded"
+
+    def _param(self, shape: tuple[int, ...], dtype: Optional[torch.dtype], device: Optional[torch.device]) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        return param
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShardId) -> None:
+        """Copy this rank's shard of a full checkpoint tensor into ``param``. ``shard_id`` =
+        ``(expert, part)``: part "gate" / "up" (full ``[I, H]``) into ``w13_weight``'s first /
+        second half of rows, "down" (full ``[H, I]``) into ``w2_weight``; expert None: all experts
+        at once, the tensor stacked on a leading expert dim (``[E, I, H]`` / ``[E, H, I]``).
+        ValueError with both shapes on a mismatch, or for an unknown part or expert."""
+        expert, part = shard_id
+        if part not in EXPERT_PARTS:
+            raise ValueError(f"expert weight part must be one of {EXPERT_PARTS}, got {part!r}")
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
+        if (part == "down") != (param is self.w2_weight):
+            raise ValueError(f"part {part!r} does not load into this parameter")
+        target = param.data if expert is None else param.data[expert]
+        lead = target.shape[:-2]
+        local, full, hidden = self.intermediate_per_partition, self.intermediate_size, self.hidden_size
+        start = self.tp_rank * local
+        if part == "down":
+            check_shape(loaded, lead + (hidden, full))
+            target.copy_(loaded.narrow(-1, start, local))
+        else:
+            check_shape(loaded, lead + (full, hidden))
+            target.narrow(-2, 0 if part == "gate" else local, local).copy_(loaded.narrow(-2, start, local))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton_available():
+            from layers.moe.triton_fused_moe import fused_moe
+
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine)
+        return moe_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -1,0 +1,31 @@
+"""`SparseMoeBlock`: the MLP of a MoE decoder layer (Qwen3-MoE's ``mlp``, Mixtral's
+``block_sparse_moe``): a replicated `TopKRouter` and the TP-split `MoEExperts`.
+
+    w, ids    = gate(h)                               fp32 routing, identical on every rank
+    h_partial = experts(h, w, ids)                    this rank's partial sum, not reduced
+
+The caller owes the all-reduce of ``h_partial`` (``LayerCommunicator.postprocess_layer``), as for
+a dense MLP's down projection with ``reduce_results=False``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from layers.moe.experts import MoEExperts
+from layers.moe.router import TopKRouter
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, device)
+        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, dtype, device)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` (reduced, normed) -> this rank's partial MoE output ``[T, hidden]``."""
+        topk_weights, topk_ids = self.gate(hidden_states)
+        return self.experts(hidden_states, topk_weights, topk_ids)

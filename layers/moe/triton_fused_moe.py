@@ -1,0 +1,245 @@
+"""The experts of a MoE layer in two Triton grouped-GEMM launches (the GPU path of
+layers/moe/experts.py; the math and its roundings are those of layers/moe/torch_experts.py).
+
+Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py); a program
+owns one block of rows (one expert) and BLOCK_N output columns:
+
+    launch 1  act[r] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)    r: a sorted row of
+              slot s = t * k + j; gate and up are two fp32 accumulators over the same x tile,
+              each rounded to the dtype, silu rounded to the dtype, then the product
+    launch 2  p[s] = w[s] * (act[r] @ w2[e]^T)                              fp32 accumulator,
+              the routing weight applied in the epilogue, and then the combine, by ``combine``:
+
+    "folded"   out[t] = sum_j p[t * k + j] (fp32, slot order, rounded once) inside launch 2: each
+               program writes its fp32 rows p to a scratch buffer and counts, per (token, column
+               block), the slots that have arrived (an atomic counter, release/acquire at GPU
+               scope); the program that brings a token's count to k sums the token's k rows in
+               slot order and writes ``out[t]``. No launch and no pass of its own: the rows are
+               read back once, from L2 at decode sizes. The counters are zeroed by launch 1.
+    "unfused"  launch 2 writes ``y[s] = act[r] @ w2[e]^T`` rounded to the dtype, and the combine
+               runs afterwards in torch (`layers.moe.torch_experts.combine_topk`): the reference
+               of the folded combine, one rounding more and one pass more.
+
+The folded sum runs in a fixed order whichever program arrives last, so it is deterministic; it
+differs from the unfused combine only by that combine's rounding of y to the dtype.
+
+Why not FlashInfer's fused MoE (the library kernel one would prefer): it needs the full flashinfer
+wheel and a JIT build of its CUTLASS MoE modules that takes minutes per fresh machine, and its
+sm90 support for these shapes (bf16, 128 experts of 768 x 2048 split over TP ranks) is not
+verified here. These two launches depend on nothing but triton.
+
+Nothing is read back to the host and every size is a static bound (align.py): the launches can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from layers.moe.align import ExpertBlocks, align_by_expert
+from layers.moe.torch_experts import combine_topk
+
+COMBINES = ("folded", "unfused")
+
+
+@dataclass(frozen=True)
+class MoEBlockConfig:
+    """Tile sizes of the two launches (BLOCK_N_GATE_UP: columns of each of gate and up)."""
+
+    block_m: int
+    block_n_gate_up: int
+    block_n_down: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
+    """Tiles by the mean number of rows per expert (``num_slots / num_experts``): decode-sized
+    groups take 16-row blocks and narrow column tiles (many programs streaming expert weights),
+    prefill-sized groups taller, wider tiles. A starting point, to be tuned on the GPU."""
+    rows_per_expert = num_slots / num_experts
+    if rows_per_expert <= 16:
+        return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_n_down=64, block_k=128, num_stages=4)
+    if rows_per_expert <= 64:
+        return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_n_down=64, block_k=64)
+    return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_n_down=128, block_k=64, num_warps=8)
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, counters_ptr,
+                         num_slots, hidden, inter, num_counters, stride_x, stride_we, stride_wn, stride_act,
+                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         COUNTERS_PER_PROGRAM: tl.constexpr, FP32_DOT: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    pid = tl.program_id(0)
+    if COUNTERS_PER_PROGRAM > 0:  # zero the folded combine's counters before launch 2 counts on them
+        c = pid * COUNTERS_PER_PROGRAM + tl.arange(0, COUNTERS_PER_PROGRAM)
+        tl.store(counters_ptr + c, tl.zeros([COUNTERS_PER_PROGRAM], dtype=tl.int32), mask=c < num_counters)
+    num_n = tl.cdiv(inter, BLOCK_N)
+    block = pid // num_n
+    if block * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + offs_m)
+    valid = slots < num_slots
+    tokens = (slots // TOPK).to(tl.int64)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    gate_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if FP32_DOT:
+            a = a.to(tl.float32)
+            acc_gate = tl.dot(a, gate_w.to(tl.float32), acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, up_w.to(tl.float32), acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, gate_w, acc_gate)
+            acc_up = tl.dot(a, up_w, acc_up)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    out_ty = act_ptr.dtype.element_ty
+    gate = acc_gate.to(out_ty).to(tl.float32)
+    up = acc_up.to(out_ty).to(tl.float32)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    silu = tl.div_rn(gate, 1.0 + e).to(out_ty).to(tl.float32)
+    act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(act_ptrs, (silu * up).to(out_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w2_ptr, out_ptr, scratch_ptr, counters_ptr, topk_weights_ptr, sorted_slots_ptr,
+                 block_expert_ptr, num_rows_ptr, num_slots, hidden, inter, stride_act, stride_we, stride_wn,
+                 stride_out, stride_scratch, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, FOLDED: tl.constexpr, FP32_DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    block = pid // num_n
+    if block * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    col_block = pid % num_n
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + offs_m)
+    valid = slots < num_slots
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_k[None, :]
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    slots64 = slots.to(tl.int64)
+    if FOLDED:
+        routing = tl.load(topk_weights_ptr + slots64, mask=valid, other=0.0)
+        rows_mask = valid[:, None] & n_mask[None, :]
+        tl.store(scratch_ptr + slots64[:, None] * stride_scratch + offs_n[None, :], acc * routing[:, None], mask=rows_mask)
+        tl.debug_barrier()  # every thread's rows are written before the counters announce them
+        tokens = slots64 // TOPK
+        arrived = tl.atomic_add(counters_ptr + tokens * num_n + col_block, 1, mask=valid, sem="acq_rel", scope="gpu")
+        last = valid & (arrived == TOPK - 1)
+        tl.debug_barrier()  # the acquire above orders the peers' rows before this CTA's reads below
+        last_mask = last[:, None] & n_mask[None, :]
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        token_rows = scratch_ptr + (tokens * TOPK)[:, None] * stride_scratch + offs_n[None, :]
+        for j in tl.static_range(TOPK):
+            total += tl.load(token_rows + j * stride_scratch, mask=last_mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], total.to(out_ty), mask=last_mask)
+    else:
+        tl.store(out_ptr + slots64[:, None] * stride_out + offs_n[None, :], acc.to(out_ty),
+                 mask=valid[:, None] & n_mask[None, :])
+
+
+def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe needs x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or w2.shape != (num_experts, hidden, two_inter // 2) or two_inter % 2:
+        raise ValueError(f"inconsistent shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe needs x, w13, w2 of one dtype among fp32/fp16/bf16; got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be [T, k], T = {x.shape[0]}")
+    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("fused_moe needs x with a contiguous last dimension and contiguous w13, w2")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, combine: str = "folded", config: Optional[MoEBlockConfig] = None) -> torch.Tensor:
+    """``x [T, H]`` with routing ``topk_weights`` (fp32) / ``topk_ids`` (int) ``[T, k]`` -> a new
+    ``[T, H]`` of x's dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with this rank's
+    shards ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (module docstring). ``combine``: "folded" (in
+    launch 2's epilogue) or "unfused" (the torch combine after it). ``config``: tile sizes,
+    `default_block_config` by default. Nothing is written in place; no host synchronisation."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if tokens == 0:
+        return x.new_empty(0, hidden)
+    num_slots = tokens * top_k
+    cfg = config or default_block_config(num_slots, num_experts)
+    blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, cfg.block_m)
+    folded = combine == "folded"
+    # fp32 operands: IEEE fp32 products, not TF32. Under the interpreter every dot runs in fp32: its
+    # dot multiplies bf16 bit patterns (it stores bf16 as uint16); bf16/fp16 products are exact in
+    # fp32, so upcasting keeps the math (fp32 products, fp32 accumulation).
+    fp32_dot = x.dtype == torch.float32 or triton.knobs.runtime.interpret
+    act = x.new_empty(blocks.sorted_slots.shape[0], inter)
+    n_down = triton.cdiv(hidden, cfg.block_n_down)
+    if folded:
+        out = x.new_empty(tokens, hidden)
+        scratch = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+        counters = torch.empty(tokens * n_down, dtype=torch.int32, device=x.device)
+    else:
+        out = x.new_empty(num_slots, hidden)
+        scratch, counters = out, torch.empty(1, dtype=torch.int32, device=x.device)  # unused by launch 2
+    grid_gate_up = blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up)
+    counters_per_program = triton.next_power_of_2(triton.cdiv(counters.numel(), grid_gate_up)) if folded else 0
+    _gate_up_silu_kernel[(grid_gate_up,)](
+        x, w13, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, counters,
+        num_slots, hidden, inter, counters.numel(), x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k,
+        COUNTERS_PER_PROGRAM=counters_per_program, FP32_DOT=fp32_dot,
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    weights = topk_weights.to(torch.float32).contiguous()
+    _down_kernel[(blocks.max_blocks * n_down,)](
+        act, w2, out, scratch, counters, weights, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
+        num_slots, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), scratch.stride(0),
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, FOLDED=folded,
+        FP32_DOT=fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if folded:
+        return out
+    return combine_topk(out.view(tokens, top_k, hidden), topk_weights)

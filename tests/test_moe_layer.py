@@ -1,0 +1,189 @@
+"""The MoE layer on the CPU: routing, the grouping of slots by expert, the TP-split experts'
+weight loading, and the whole `SparseMoeBlock` at TP1, TP2 and TP4 (gloo) against a dense float64
+reference that loops over tokens and their experts.
+
+Each TP rank returns its partial sum; the test sums them (the all-reduce the caller owes) and
+compares with the reference. 8 experts, top-2, hidden 64, expert intermediate 32 (8 columns per
+rank at TP4); 12 tokens, and 2 tokens (so at least half of the experts get none).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers.moe import MoEExperts, SparseMoeBlock, combine_topk, expert_outputs, moe_experts_torch, select_experts
+from layers.moe.align import align_by_expert, max_padded_rows
+from layers.parallel_state import get_tp_group
+from tests.dist_utils import run_distributed
+
+EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
+TOKEN_COUNTS = (2, 12)
+
+
+def full_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-layout full tensors: router ``[E, H]``, per expert gate/up ``[I, H]`` and down ``[H, I]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "gate": torch.randn(EXPERTS, HIDDEN, generator=g),
+        "gate_proj": torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN ** 0.5,
+        "up_proj": torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN ** 0.5,
+        "down_proj": torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER ** 0.5,
+    }
+
+
+def layer_input(tokens: int) -> torch.Tensor:
+    return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+
+
+def reference(x: torch.Tensor, w: dict[str, torch.Tensor], renormalize: bool) -> torch.Tensor:
+    """The MoE output ``[T, H]`` in float64, one token and one expert at a time."""
+    x = x.double()
+    probs = torch.softmax(x @ w["gate"].double().T, dim=-1)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = torch.topk(probs[t], TOP_K)
+        weights = top.values / top.values.sum() if renormalize else top.values
+        for weight, e in zip(weights, top.indices):
+            gate, up = w["gate_proj"][e].double() @ x[t], w["up_proj"][e].double() @ x[t]
+            out[t] += weight * (w["down_proj"][e].double() @ (F.silu(gate) * up))
+    return out
+
+
+def _load_block(block: SparseMoeBlock, w: dict[str, torch.Tensor], stacked: bool) -> None:
+    block.gate.weight.weight_loader(block.gate.weight, w["gate"])
+    experts = block.experts
+    for part, param in (("gate", experts.w13_weight), ("up", experts.w13_weight), ("down", experts.w2_weight)):
+        full = w[f"{part}_proj"]
+        if stacked:
+            param.weight_loader(param, full, (None, part))
+        else:
+            for e in range(EXPERTS):
+                param.weight_loader(param, full[e], (e, part))
+
+
+def _block_worker(rank: int, world: int) -> dict:
+    w = full_weights()
+    partials = {}
+    for renormalize in (True, False):
+        block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, renormalize, dtype=torch.float32)
+        _load_block(block, w, stacked=False)
+        for tokens in TOKEN_COUNTS:
+            partials[renormalize, tokens] = block(layer_input(tokens))
+    stacked = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, False, dtype=torch.float32)
+    _load_block(stacked, w, stacked=True)
+    reduced = partials[True, TOKEN_COUNTS[-1]].clone()
+    get_tp_group().all_reduce(reduced)
+    same = all(torch.equal(a, b) for a, b in zip(stacked.parameters(), block.parameters()))
+    return {"partials": partials, "same_when_stacked": same, "all_reduced": reduced, "load_errors": _loader_errors()}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["tp1", "tp2", "tp4"])
+def tp_run(request) -> tuple[int, list[dict]]:
+    return request.param, run_distributed(_block_worker, world_size=request.param, timeout_s=120)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_block_matches_dense_reference(tp_run, renormalize, tokens):
+    world, ranks = tp_run
+    expected = reference(layer_input(tokens), full_weights(), renormalize)
+    total = sum(r["partials"][renormalize, tokens].double() for r in ranks)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    if world > 1:
+        assert not torch.allclose(ranks[0]["partials"][renormalize, tokens].double(), total), "each rank holds a partial sum"
+
+
+def test_all_reduced_output_is_identical_on_every_rank(tp_run):
+    _, ranks = tp_run
+    assert all(r["same_when_stacked"] for r in ranks), "stacked and per-expert loading fill the same shards"
+    for other in ranks[1:]:
+        assert torch.equal(other["all_reduced"], ranks[0]["all_reduced"])
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_select_experts_fp32_softmax_top_k(renormalize):
+    logits = torch.randn(5, EXPERTS, generator=torch.Generator().manual_seed(2)).bfloat16()
+    weights, ids = select_experts(logits, 3, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (5, 3)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = probs.topk(3, dim=-1)
+    assert torch.equal(ids.long(), top.indices)
+    expected = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+    torch.testing.assert_close(weights, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="top_k"):
+        select_experts(logits, EXPERTS + 1, renormalize)
+
+
+ALIGN_CASES = {
+    "one token": torch.tensor([[3, 5]]),
+    "experts without tokens": torch.tensor([[0, 7], [7, 1], [0, 1]]),
+    "all on one expert": torch.tensor([[2], [2], [2], [2], [2]]),
+    "random": torch.randint(0, EXPERTS, (40, 1), generator=torch.Generator().manual_seed(3)),
+}
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("case", list(ALIGN_CASES))
+def test_align_groups_every_slot_once_in_whole_blocks(case, block_m):
+    ids = ALIGN_CASES[case]
+    slots = ids.numel()
+    blocks = align_by_expert(ids.to(torch.int32), EXPERTS, block_m)
+    rows = blocks.sorted_slots.long()
+    used = int(blocks.num_rows)
+    assert rows.numel() == max_padded_rows(slots, EXPERTS, block_m) >= used and used % block_m == 0
+    assert sorted(rows[rows < slots].tolist()) == list(range(slots)), "each slot in exactly one row"
+    assert bool((rows[used:] == slots).all()), "rows past num_rows are padding"
+    flat = ids.flatten()
+    for b in range(used // block_m):
+        block = rows[b * block_m:(b + 1) * block_m]
+        real = block[block < slots]
+        assert real.numel() > 0, "no block of padding only below num_rows"
+        assert bool((flat[real] == int(blocks.block_expert[b])).all()), "a block holds one expert's slots"
+        assert real.tolist() == sorted(real.tolist()) and bool((block[:real.numel()] == real).all())
+
+
+def test_torch_experts_combine_in_slot_order():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, HIDDEN, generator=g).bfloat16()
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 6).bfloat16()
+    weights, ids = select_experts(torch.randn(6, EXPERTS, generator=g), TOP_K, True)
+    y = expert_outputs(x, w13, w2, ids)
+    for t in range(6):
+        for j in range(TOP_K):
+            e = int(ids[t, j])
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            assert torch.equal(y[t, j], (F.silu(gate) * up) @ w2[e].T)
+    out = moe_experts_torch(x, w13, w2, weights, ids)
+    expected = (y[:, 0].float() * weights[:, :1] + y[:, 1].float() * weights[:, 1:]).bfloat16()
+    assert torch.equal(out, expected) and torch.equal(combine_topk(y, weights), expected)
+    assert moe_experts_torch(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, HIDDEN)
+
+
+def _loader_errors() -> list[str]:
+    experts = MoEExperts(EXPERTS, HIDDEN, INTER, torch.float32)
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    cases = [
+        (w13, torch.ones(INTER, HIDDEN + 1), (0, "gate")),
+        (w13, torch.ones(INTER, HIDDEN), (EXPERTS, "up")),
+        (w13, torch.ones(INTER, HIDDEN), (0, "w1")),
+        (w2, torch.ones(INTER, HIDDEN), (0, "gate")),
+        (w2, torch.ones(EXPERTS, HIDDEN, INTER), (0, "down")),
+    ]
+    messages = []
+    for param, tensor, shard in cases:
+        with pytest.raises(ValueError) as err:
+            param.weight_loader(param, tensor, shard)
+        messages.append(str(err.value))
+    if get_tp_group().world_size > 1:
+        with pytest.raises(ValueError, match="expert intermediate size"):
+            MoEExperts(EXPERTS, HIDDEN, INTER + 1, torch.float32)
+    return messages
+
+
+def test_weight_loader_errors(tp_run):
+    messages = tp_run[1][0]["load_errors"]
+    assert "(32, 65)" in messages[0] and "(32, 64)" in messages[0]
+    assert "expert 8 is outside" in messages[1]
+    assert "'w1'" in messages[2]
+    assert "does not load into this parameter" in messages[3]
+    assert "(8, 64, 32)" in messages[4] and "(64, 32)" in messages[4]
