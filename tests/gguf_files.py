@@ -48,6 +48,12 @@ HF_NAMES = {
 }
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello GGUF!", "tokenizers are fun 123 456"] * 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# Qwen2.5-Instruct's vocabulary metadata as llama.cpp writes it: control tokens (eos is the
+# end-of-turn <|im_end|>, bos and padding <|endoftext|>), a user-defined one, [PAD<n>] "unused"
+# ids padding the vocab to the next multiple of 8, the chat template of tokenizer_config.json.
+QWEN2_SPECIALS = {"<|endoftext|>": TokenType.CONTROL, "<|im_start|>": TokenType.CONTROL,
+                  "<|im_end|>": TokenType.CONTROL, "<tool_call>": TokenType.USER_DEFINED}
+QWEN2_CHAT_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2_5_chat_template.jinja").read_text()
 
 
 def hf_name(gguf_base: str) -> str:
@@ -86,13 +92,13 @@ def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
     return quantize(values, qtype)
 
 
-def train_bpe() -> Tokenizer:
-    """A byte-level BPE (GPT-2 pre-tokenizer) trained on CORPUS, two special tokens."""
+def train_bpe(specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>")) -> Tokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenizer) trained on CORPUS; ``specials`` take the first ids."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=320, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
@@ -115,6 +121,21 @@ def bpe_metadata(tok: Tokenizer) -> dict[str, Any]:
         Keys.Tokenizer.EOT_ID: vocab["<|im_start|>"],
         Keys.Tokenizer.ADD_BOS: False,
         Keys.Tokenizer.CHAT_TEMPLATE: CHAT_TEMPLATE,
+    }
+
+
+def qwen2_vocab_metadata(tok: Tokenizer) -> dict[str, Any]:
+    """``tokenizer.*`` metadata of a Qwen2.5-Instruct-style GGUF for ``tok`` (from ``train_bpe(QWEN2_SPECIALS)``)."""
+    meta = bpe_metadata(tok)
+    vocab = tok.get_vocab()
+    tokens = meta[Keys.Tokenizer.LIST]
+    pads = [f"[PAD{i}]" for i in range(len(tokens), (len(tokens) // 8 + 1) * 8)]
+    types = [int(QWEN2_SPECIALS.get(t, TokenType.NORMAL)) for t in tokens] + [int(TokenType.UNUSED)] * len(pads)
+    meta.pop(Keys.Tokenizer.EOT_ID)
+    return meta | {
+        Keys.Tokenizer.PRE: "qwen2", Keys.Tokenizer.LIST: tokens + pads, Keys.Tokenizer.TOKEN_TYPE: types,
+        Keys.Tokenizer.EOS_ID: vocab["<|im_end|>"], Keys.Tokenizer.PAD_ID: vocab["<|endoftext|>"],
+        Keys.Tokenizer.CHAT_TEMPLATE: QWEN2_CHAT_TEMPLATE,
     }
 
 
@@ -214,6 +235,20 @@ def write_spm_file(path: Path, xy_first: bool) -> tuple[Path, list[str]]:
         Keys.Tokenizer.UNK_ID: 0, Keys.Tokenizer.ADD_BOS: True,
     }
     return write_gguf(path, "llama", meta, {}), tokens
+
+
+def qwen2_chat_file(path: Path) -> tuple[Path, Tokenizer]:
+    """An all-F32 ``qwen2`` model (q/k/v biases) with `qwen2_vocab_metadata`; returns the file and
+    the BPE it was built from."""
+    rng = np.random.default_rng(5)
+    bpe = train_bpe(tuple(QWEN2_SPECIALS))
+    meta = model_metadata("qwen2") | qwen2_vocab_metadata(bpe)
+    tensors = {}
+    for base, shape in shapes(len(meta[Keys.Tokenizer.LIST])).items():
+        tensors[base + ".weight"] = ((rng.standard_normal(shape) * 0.1 + base.endswith("norm")).astype(np.float32), None)
+        if base.split(".")[-1] in ("attn_q", "attn_k", "attn_v"):
+            tensors[base + ".bias"] = ((rng.standard_normal(shape[0]) * 0.1).astype(np.float32), None)
+    return write_gguf(path, "qwen2", meta, tensors), bpe
 
 
 def tiny_file(path: Path, arch: str = "llama", drop: str = "",

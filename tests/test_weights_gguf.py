@@ -23,10 +23,11 @@ from engine.weights import (
     unpermute_qk,
 )
 from engine.weights.gguf_names import llama3_freq_factors
+from engine.tokenizers.serving import load_serving_tokenizer
 from tests.gguf_files import (
     CHAT_TEMPLATE, HEAD_DIM, HEADS, HIDDEN, INTER, KQUANTS, KV_HEADS, LAYERS, LLAMA3_SCALING, QUANT_TOLERANCE,
-    ROPE_THETA, TYPES, LlamaFile, bpe_metadata, hf_name, llamacpp_permute, model_metadata, shapes, tiny_file,
-    train_bpe, write_gguf, write_spm_file,
+    ROPE_THETA, TYPES, LlamaFile, bpe_metadata, hf_name, llamacpp_permute, model_metadata, qwen2_chat_file, shapes,
+    tiny_file, train_bpe, write_gguf, write_spm_file,
 )
 
 
@@ -163,6 +164,50 @@ def test_gpt2_bpe_tokenizer_round_trip(llama_file):
         assert ids == llama_file.bpe.encode(text).ids, text
         assert info.tokenizer.decode(ids, skip_special_tokens=False) == text
     assert vocab["<|im_start|>"] in info.tokenizer.encode("<|im_start|>x").ids
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(tmp_path_factory) -> tuple[Any, Tokenizer]:
+    return qwen2_chat_file(tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf")
+
+
+def test_qwen2_generation_ends_at_end_of_turn_and_end_of_text(qwen2_file):
+    """The file's eos is <|im_end|>; <|endoftext|> ends generation too (HF's generation_config,
+    llama.cpp's end-of-generation tokens), for the model config and the tokenizer alike."""
+    path, bpe = qwen2_file
+    vocab = bpe.get_vocab()
+    expected = (vocab["<|im_end|>"], vocab["<|endoftext|>"])
+    assert load_gguf(path)[0].eos_token_ids == expected
+    assert load_gguf_tokenizer(path).eos_token_ids == expected
+    assert load_serving_tokenizer(str(path)).eos_token_ids == expected
+
+
+def test_qwen2_tokenizer_normalises_to_nfc(qwen2_file):
+    tok = load_gguf_tokenizer(qwen2_file[0]).tokenizer
+    assert tok.encode("caf\u0065\u0301 ok").ids == tok.encode("caf\u00e9 ok").ids
+
+
+def test_qwen2_chat_template_and_special_tokens(qwen2_file):
+    """Qwen2.5's template renders as HF's apply_chat_template does (default system prompt when
+    none is given); its control tokens encode whole, no BOS is added, and decoding drops them."""
+    path, bpe = qwen2_file
+    vocab = bpe.get_vocab()
+    tok = load_serving_tokenizer(str(path))
+    default_system = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    assert tok.apply_chat_template([{"role": "user", "content": "hello world"}]) == (
+        default_system + "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+             {"role": "assistant", "content": "the dog"}, {"role": "user", "content": "fox?"}]
+    text = tok.apply_chat_template(turns, add_generation_prompt=False)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+                    "<|im_start|>assistant\nthe dog<|im_end|>\n<|im_start|>user\nfox?<|im_end|>\n")
+    ids = tok.encode(text, add_special_tokens=True)
+    assert ids[0] == vocab["<|im_start|>"] and ids.count(vocab["<|im_end|>"]) == 4
+    assert tok.decode(ids) == "system\nbe brief\nuser\nhello\nassistant\nthe dog\nuser\nfox?\n"
+    assert tok.encode("<tool_call>x", add_special_tokens=False)[0] == vocab["<tool_call>"]
+    assert tok.decode(tok.encode("<tool_call>x")) == "<tool_call>x"  # user-defined: kept in the text
+    pad_id = tok.vocab_size - 1
+    assert tok.tokenizer.id_to_token(pad_id).startswith("[PAD") and pad_id not in tok.encode("[PAD%d]" % pad_id)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,14 @@ _NOT_WEIGHTS = re.compile(
     rf"^({re.escape(ROPE_FREQS_NAME)}|blk\.\d+\.{TENSOR_NAMES[MODEL_TENSOR.ATTN_ROT_EMBD].split('.', 2)[2]}\.weight)$"
 )
 
+# Token texts that end generation whatever the eos id says: llama.cpp's end-of-generation list
+# (llama-vocab.cpp). A chat model's GGUF names one eos, often its end-of-turn token, while the model
+# also ends plain completions with its end-of-text token: Qwen2.5 instruct files say eos
+# <|im_end|>, and HF's generation_config stops on <|endoftext|> as well.
+END_OF_GENERATION_TOKENS = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "<|end_of_text|>"}
+)
+
 _NAME_TABLE: dict[str, str] = {TENSOR_NAMES[k]: v for k, v in _GLOBAL_TENSORS.items()}
 _BLOCK_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _BLOCK_TABLE: dict[str, str] = {TENSOR_NAMES[k].split(".", 2)[2]: v for k, v in _BLOCK_TENSORS.items()}
@@ -174,10 +182,13 @@ def llama3_freq_factors(scaling: dict[str, Any], rope_theta: float, head_dim: in
 
 
 def eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
-    """The ids that end generation: eos, end-of-turn and end-of-message, deduplicated, in that order."""
+    """The ids that end generation, deduplicated, in this order: the metadata's eos, end-of-turn
+    and end-of-message ids, then (by id) every token whose text is in `END_OF_GENERATION_TOKENS`."""
     keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
-    ids = (field_value(reader, k, None) for k in keys)
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+    ids = [int(i) for i in (field_value(reader, k, None) for k in keys) if i is not None]
+    tokens = field_value(reader, Keys.Tokenizer.LIST, [])
+    ids += [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TOKENS]
+    return tuple(dict.fromkeys(ids))
 
 
 def config_from_gguf(

@@ -2,7 +2,8 @@
 
 Two vocab kinds (``tokenizer.ggml.model``):
 - ``gpt2``: byte-level BPE from ``tokens`` + ``merges``; the pre-tokenizer regex is chosen by
-  ``tokenizer.ggml.pre`` (llama.cpp stores a label, not the regex): Llama 3, Qwen2 or GPT-2 style.
+  ``tokenizer.ggml.pre`` (llama.cpp stores a label, not the regex): Llama 3, Qwen2 or GPT-2 style;
+  Qwen2 text is NFC-normalised first, as its HF tokenizer does.
 - ``llama``: SentencePiece BPE from ``tokens`` + ``scores`` with byte fallback (``<0xNN>`` tokens).
   SentencePiece merges the adjacent pair whose merged piece has the highest score; the same order
   is expressed as a BPE merge list: every split (a, b) of a vocab piece into two vocab pieces,
@@ -35,6 +36,9 @@ _BPE_PRE: dict[str, Optional[str]] = {
     "gpt-2": None,
 }
 _IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe"})
+# Vocabularies whose HF tokenizer.json normalises text to NFC before splitting (Qwen2's does; the
+# GGUF keeps only the pre label): "e" + U+0301 must give the tokens of "é".
+_NFC_PRE = frozenset({"qwen2"})
 SPIECE_SPACE = "\u2581"
 
 
@@ -59,6 +63,8 @@ def _byte_level_bpe(reader: GGUFReader, tokens: list[str], path: str) -> Tokeniz
     merges = [tuple(m.split(" ", 1)) for m in field_value(reader, Keys.Tokenizer.MERGES, path=path)]
     vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins for duplicates
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
+    if pre in _NFC_PRE:
+        tok.normalizer = normalizers.NFC()
     split = _BPE_PRE[pre]
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
