@@ -79,6 +79,8 @@ def fusion_config(args: ServerArgs) -> FusionConfig:
         launch_with_pdl=not args.allreduce_fusion_disable_pdl,
         table_path=args.allreduce_fusion_table,
         symm_max_tokens=args.max_prefill_tokens,
+        tune_at_startup=not args.disable_allreduce_fusion_tuning,
+        tuning_cache_dir=args.allreduce_fusion_tuning_cache_dir,
     )
 
 

@@ -57,6 +57,7 @@ def existing_entries(path: Path) -> list[dict[str, Any]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.launch_config import fusion_config
     from fusion import AllReduceFusion, TensorParallelGroup
+    from fusion.config import NO_TABLE
     from fusion.tune import make_buffers, table_entry, token_buckets
     from fusion.tuning_table import TABLE_VERSION, merge_entry
     from server_args import ServerArgs
@@ -75,7 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dist.init_process_group("nccl", world_size=world, rank=rank, timeout=timeout)
     group = TensorParallelGroup(rank, world, device, dist.group.WORLD,
                                 dist.new_group(list(range(world)), backend="gloo", timeout=timeout))
-    config = replace(fusion_config(server), enabled=True)
+    config = replace(fusion_config(server), enabled=True, table_path=NO_TABLE, tune_at_startup=False)
     buckets = token_buckets(config.max_tokens)
     try:
         for dtype_name in ns.tune_dtypes:

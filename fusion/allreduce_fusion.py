@@ -30,13 +30,15 @@ import torch
 
 from fusion import norm
 from fusion.config import NO_TABLE, FusionConfig
+from fusion.cost_model import rule_picks
 from fusion.dispatch import FusionDispatcher, FusionEnvironment
 from fusion.group import TensorParallelGroup
 from fusion.platform import device_capability, flashinfer_import_error
 from fusion.strategies import RUNNERS, FusedOutput, Quant, Resources, Strategy
 from fusion.symm_mem_allreduce import SymmMemAllReduce
 from fusion.symm_mem_fused import SymmMemFusedAllReduceNorm
-from fusion.tuning_table import PACKAGED_TABLE, read_table, select_table
+from fusion.startup_tuning import tune_at_startup
+from fusion.tuning_table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
 from fusion.validation import check_fusion_inputs
 from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
 
@@ -239,29 +241,36 @@ class AllReduceFusion:
         )
 
     def _with_table(self, env: FusionEnvironment) -> FusionEnvironment:
-        """Collective: rank 0's measured table for this GPU, TP size, hidden and dtype, on every
-        rank; the symmetric-memory buffers of the strategies the table picks somewhere."""
-        if (self.config.table_path or "").lower() == NO_TABLE:
-            return env  # the same config on every rank: nobody reads or broadcasts a table
+        """Collective: the strategy table every rank uses (rank 0's, broadcast: packaged or
+        ``table_path``; else measured now when ``tune_at_startup``; else none, and the built-in
+        rule decides) and the symmetric-memory buffers of the strategies it picks anywhere."""
         table = None
-        if self.group.rank == 0:
-            gpu = torch.cuda.get_device_name(self.group.device) if self.group.device.type == "cuda" else "cpu"
-            path = self.config.table_path or PACKAGED_TABLE
-            entries = read_table(path)
-            table = select_table(entries, gpu, self.group.world_size, self.hidden_size, str(self.dtype).removeprefix("torch."))
-            if entries is not None and table is None and self.config.table_path:
-                logger.warning("strategy table %s has no entry for %s, TP%d, hidden %d, %s: using the built-in "
-                               "rule", path, gpu, self.group.world_size, self.hidden_size, self.dtype)
-        table = self.group.broadcast_object(table)
-        if table is None:
-            return env
-        picked = {min(row, key=row.__getitem__) for row in table.timings_us}
+        if (self.config.table_path or "").lower() != NO_TABLE:  # the same config on every rank
+            table = self.group.broadcast_object(self._read_table() if self.group.rank == 0 else None)
+            if table is None and self.config.table_path is None and self.config.tune_at_startup:
+                table = tune_at_startup(self, self.config.tuning_cache_dir, self.config.tuning_budget_s)
+        if table is not None:
+            picked = {min(row, key=row.__getitem__) for row in table.timings_us}
+        else:
+            picked = rule_picks(max(self.config.max_tokens, self.config.symm_max_tokens or 0), self.hidden_size,
+                                self.dtype, self.group.world_size)
         tokens, hidden, dtype = self.config.max_tokens, self.hidden_size, self.dtype
         symm_tokens = (tokens if Strategy.SYMM_MEM_TWO_SHOT in picked and self.symm_mem.ensure(tokens, hidden, dtype)
                        else 0)
         rows = self.config.symm_max_tokens or tokens
         fused_rows = rows if Strategy.SYMM_MEM_FUSED in picked and self.symm_fused.ensure(rows, hidden, dtype) else 0
         return replace(env, table=table, symm_mem_tokens=symm_tokens, symm_fused_tokens=fused_rows)
+
+    def _read_table(self) -> Optional[StrategyTable]:
+        """(rank 0) The configured table's entry for this GPU, TP size, hidden and dtype."""
+        gpu = gpu_name(self.group.device)
+        path = self.config.table_path or PACKAGED_TABLE
+        entries = read_table(path)
+        table = select_table(entries, gpu, self.group.world_size, self.hidden_size, dtype_name(self.dtype))
+        if entries is not None and table is None and self.config.table_path:
+            logger.warning("strategy table %s has no entry for %s, TP%d, hidden %d, %s: using the built-in rule",
+                           path, gpu, self.group.world_size, self.hidden_size, self.dtype)
+        return table
 
     def status(self) -> dict[str, Any]:
         """What /get_server_info shows: whether the fused path is active and why not."""

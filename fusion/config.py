@@ -24,6 +24,11 @@ class FusionConfig:
     # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
     # The engine's largest prefill: eager chunks of a few thousand rows are host-bound.
     symm_max_tokens: Optional[int] = None
+    # measure the strategies at start-up when no table has this configuration (and no table_path
+    # was given); the result is cached in tuning_cache_dir (None: ~/.cache/arfusion)
+    tune_at_startup: bool = True
+    tuning_cache_dir: Optional[str] = None
+    tuning_budget_s: float = 20.0  # past it the measurement is abandoned and the built-in rule decides
 
     def __post_init__(self) -> None:
         if self.backend not in FUSION_BACKENDS:
@@ -32,5 +37,7 @@ class FusionConfig:
             raise ValueError(f"fusion max_tokens must be >= 1, got {self.max_tokens}")
         if self.cache_size < 1:
             raise ValueError(f"fusion cache_size must be >= 1, got {self.cache_size}")
+        if self.tuning_budget_s <= 0:
+            raise ValueError(f"fusion tuning_budget_s must be > 0, got {self.tuning_budget_s}")
         if self.symm_max_tokens is not None and self.symm_max_tokens < 1:
             raise ValueError(f"fusion symm_max_tokens must be >= 1, got {self.symm_max_tokens}")

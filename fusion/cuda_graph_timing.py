@@ -1,7 +1,9 @@
-"""Timing GPU work the way it runs in an engine: captured in one CUDA graph and replayed."""
+"""Timing the fused op the way it runs in an engine: captured in one CUDA graph and replayed
+(the tuner's measurement; `median_us_eager` where there is no GPU)."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -37,4 +39,16 @@ def median_us_per_call(calls: Callable[[], None], calls_per_graph: int, warmup: 
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
+    return statistics.median(samples)
+
+
+def median_us_eager(calls: Callable[[], None], calls_per_run: int, warmup: int = 3, trials: int = 10) -> float:
+    """The same measurement without a GPU: ``calls()`` run eagerly, timed with the host clock."""
+    for _ in range(warmup):
+        calls()
+    samples = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        calls()
+        samples.append((time.perf_counter() - start) * 1e6 / calls_per_run)
     return statistics.median(samples)

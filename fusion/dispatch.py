@@ -8,9 +8,11 @@ and a measured table is rank 0's, broadcast), so the answer is identical on ever
 Answers sit in a bounded LRU (functools.lru_cache: a C implementation, ~0.1 us a hit) keyed on
 (layer_id, batch_size); it is cleared whenever the environment (workspace, table) changes.
 
-With a measured table (`fusion.tuning_table`) the fastest available strategy of the batch's
-bucket wins; without one, the built-in rule: flashinfer's kernel (one-shot or two-shot by
-message size) up to the workspace and the measured crossover (`fusion.thresholds`), else nccl.
+With a measured table (`fusion.tuning_table`: packaged, given, or measured at start-up) the
+fastest available strategy of the batch's bucket wins; without one, the built-in rule
+(`fusion.cost_model`): the available strategy a cost model fitted to measurements over hidden
+sizes predicts fastest, from the message bytes and rows per rank. A world size the model does
+not cover takes flashinfer's kernel (one-shot or two-shot by message size) up to the workspace.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ from typing import Optional
 import torch
 
 from fusion.config import DEFAULT_CACHE_SIZE
+from fusion.cost_model import cheapest
 from fusion.one_shot import choose_one_shot
 from fusion.platform import FUSED_KERNEL_SM_MAJORS, hidden_alignment_error
 from fusion.strategies import Strategy
-from fusion.thresholds import max_fused_tokens
 from fusion.tuning_table import StrategyTable
 
 
@@ -131,18 +133,28 @@ class FusionDispatcher:
                 return Strategy.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
             return Strategy.TORCH, None
         available = self._available(batch_size)
+        if available == [Strategy.NCCL]:
+            return Strategy.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
         if env.table is not None:
             best = env.table.fastest(batch_size, available)
             if best is not None:
                 return best, (f"measured: nccl is fastest for {batch_size} tokens" if best == Strategy.NCCL else None)
-        if batch_size > env.max_tokens:
+        modelled = cheapest(self._within_one_shot_limit(batch_size, available), batch_size, env.hidden_size,
+                            env.dtype, env.world_size)
+        if modelled is not None:
+            return modelled, (f"cost model: nccl is fastest for {batch_size} tokens" if modelled == Strategy.NCCL
+                              else None)
+        if batch_size > env.max_tokens:  # an unmodelled world size: flashinfer's kernel or nccl
             return Strategy.NCCL, f"{batch_size} tokens exceed the fusion limit of {env.max_tokens} tokens"
-        limit = max_fused_tokens(env.world_size, env.hidden_size)
-        if limit is not None and batch_size > limit:
-            return Strategy.NCCL, (f"measured: unfused is faster above {limit} tokens at hidden {env.hidden_size}, "
-                             f"TP{env.world_size}")
         one_shot = choose_one_shot(batch_size, env.hidden_size, env.dtype, env.world_size, env.one_shot_max_input_bytes)
         return (Strategy.FLASHINFER_ONE_SHOT if one_shot else Strategy.FLASHINFER_TWO_SHOT), None
+
+    def _within_one_shot_limit(self, batch_size: int, available: list[Strategy]) -> list[Strategy]:
+        """``available`` less one-shot above a configured one-shot input-size limit."""
+        limit = self._environment.one_shot_max_input_bytes
+        if limit is None or batch_size * self._environment.hidden_size * self._environment.dtype.itemsize <= limit:
+            return available
+        return [s for s in available if s != Strategy.FLASHINFER_ONE_SHOT]
 
     def _available(self, batch_size: int) -> list[Strategy]:
         """Strategies that can run a batch of this size here (flashinfer backend)."""

@@ -10,7 +10,7 @@ File format (JSON):
 A batch of T tokens uses the smallest measured bucket >= T (the largest bucket beyond it) and
 the fastest strategy (`fusion.strategies.Strategy` values) measured there among those this process can run. Every rank uses rank 0's
 table (broadcast over the CPU group), so decisions stay identical. A missing or corrupt file
-gives one warning and no table: the built-in thresholds apply.
+gives one warning and no table: the built-in rule applies (`fusion.cost_model`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+import torch
 
 from fusion.strategies import Strategy
 
@@ -72,9 +74,9 @@ def read_table(path: str | Path) -> Optional[list[dict[str, Any]]]:
     try:
         return parse_table(json.loads(Path(path).read_text()))
     except FileNotFoundError:
-        logger.warning("strategy table %s not found: using the built-in thresholds", path)
+        logger.warning("strategy table %s not found: using the built-in rule", path)
     except (json.JSONDecodeError, TuningTableError, UnicodeDecodeError) as exc:
-        logger.warning("strategy table %s is unusable (%s): using the built-in thresholds", path, exc)
+        logger.warning("strategy table %s is unusable (%s): using the built-in rule", path, exc)
     return None
 
 
@@ -87,6 +89,16 @@ def select_table(entries: Optional[list[dict[str, Any]]], gpu: str, world_size: 
             if rows:
                 return StrategyTable(tuple(b for b, _ in rows), tuple(r for _, r in rows))
     return None
+
+
+def gpu_name(device: torch.device) -> str:
+    """The table key of ``device``: the CUDA device name, "cpu" elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The table key of ``dtype`` ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def merge_entry(entries: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ def test_good_environment_fuses():
         ({"workspace_ready": False}, 1, "no fusion workspace"),
         ({}, 2049, "exceed the fusion limit"),
         ({}, 0, "empty batch"),
-        ({"hidden_size": 1024, "max_tokens": 8192}, 4096, "unfused is faster"),
+        ({"world_size": 4, "symm_fused_tokens": 64}, 2049, "exceed the fusion limit"),
     ],
 )
 def test_each_condition_turns_fusion_off_with_a_reason(change, batch, needle):

@@ -81,9 +81,9 @@ def test_dispatcher_follows_the_table_and_falls_back_without_one():
     short = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 2048}))
     assert short.strategy(0, 4096) == S.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
     assert short.strategy(0, 100000) == S.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
-    builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None}))
-    assert builtin.strategy(0, 2048) == S.FLASHINFER_ONE_SHOT  # built-in: hidden <= 1024 fuses up to 2048
-    assert builtin.strategy(0, 4096) == S.NCCL
+    builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None, "symm_fused_tokens": 4096}))
+    assert builtin.strategy(0, 1) == S.FLASHINFER_ONE_SHOT  # the built-in rule (fusion.cost_model)
+    assert builtin.strategy(0, 65536) == S.SYMM_MEM_FUSED
     deterministic = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "enabled": False}))
     assert deterministic.strategy(0, 1024) == S.NCCL
 

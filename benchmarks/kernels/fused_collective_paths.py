@@ -62,8 +62,10 @@ class FusedResources:
         self.fusion_op: Optional[fusion.AllReduceFusion] = None
         if enabled:
             self.workspace.ensure(max_tokens, hidden, dtype)
+            # the dispatch as a server decides it, less start-up tuning: the packaged or given
+            # table, else the built-in rule ("none": the rule alone)
             config = fusion.FusionConfig(enabled=True, backend="flashinfer", max_tokens=max_tokens,
-                                         launch_with_pdl=launch_with_pdl, table_path=table_path)
+                                         launch_with_pdl=launch_with_pdl, table_path=table_path, tune_at_startup=False)
             self.fusion_op = fusion.AllReduceFusion(group, config, hidden, dtype)
             self.fusion_op.setup()
             self.fusion_op.symm_mem.ensure(max_tokens, hidden, dtype)  # voted: ready on every rank or none

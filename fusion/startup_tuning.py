@@ -1,0 +1,102 @@
+"""Tuning at start-up: a configuration that no strategy table holds (GPU, TP size, hidden size,
+dtype) is measured by the server itself before it reports ready, and the result is cached on
+disk for the next start.
+
+Collective: every rank measures together (`fusion.tune`: each timing is the slowest rank's);
+rank 0's table is broadcast, so every rank decides alike, and rank 0 alone reads and writes
+the cache. The measurement covers the power-of-two token counts up to the op's largest batch;
+a measurement that passes its time budget is abandoned (logged) and the built-in rule decides.
+The cache file is keyed by the configuration and by the torch and flashinfer versions.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from fusion.tuning_table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table,
+                                 select_table)
+
+if TYPE_CHECKING:
+    from fusion.allreduce_fusion import AllReduceFusion
+
+logger = logging.getLogger(__name__)
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "arfusion"
+# per bucket: few repeats keep a start-up short (the table needs the ranking, not 1% accuracy)
+TIMING = {"ops_per_graph": 10, "warmup": 2, "trials": 5}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def cache_file(fusion: "AllReduceFusion", cache_dir: Optional[str]) -> Path:
+    """Where this configuration's measured table is cached."""
+    versions = f"torch-{torch.__version__}_flashinfer-{_version('flashinfer-python')}"
+    key = f"{gpu_name(fusion.group.device)}_tp{fusion.group.world_size}_h{fusion.hidden_size}_{dtype_name(fusion.dtype)}"
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / _safe(versions) / f"{_safe(key)}.json"
+
+
+def _safe(name: str) -> str:
+    """``name`` as one path component (GPU names hold spaces)."""
+    return re.sub(r"[^A-Za-z0-9.+_-]", "-", name)
+
+
+def tune_at_startup(fusion: "AllReduceFusion", cache_dir: Optional[str], budget_s: float) -> Optional[StrategyTable]:
+    """Collective: this configuration's table from the cache, else measured now and cached;
+    None when the measurement passed ``budget_s`` seconds."""
+    from fusion.tune import make_buffers, table_entry
+
+    group = fusion.group
+    start = time.monotonic()
+    path = cache_file(fusion, cache_dir)
+    key = (gpu_name(group.device), group.world_size, fusion.hidden_size, dtype_name(fusion.dtype))
+    cached = select_table(read_table(path), *key) if group.rank == 0 and path.exists() else None
+    cached = group.broadcast_object(cached)
+    if cached is not None:
+        if group.rank == 0:
+            logger.info("all-reduce fusion: strategy table for %s TP%d hidden %d %s from %s (%.2f s)", *key, path,
+                        time.monotonic() - start)
+        return cached
+    max_rows = max(fusion.config.max_tokens, fusion.config.symm_max_tokens or 0)
+    buckets = [1 << i for i in range(max_rows.bit_length())]
+    make_buffers(fusion, max_rows)
+    entry = {"gpu": key[0], "world_size": key[1], "hidden": key[2], "dtype": key[3], "timings_us": {}}
+    try:
+        for tokens in buckets:
+            entry["timings_us"].update(table_entry(fusion, [tokens], **TIMING)["timings_us"])
+            if group.broadcast_object(time.monotonic() - start > budget_s) and tokens != buckets[-1]:
+                if group.rank == 0:
+                    logger.warning("all-reduce fusion: start-up tuning for %s TP%d hidden %d %s passed its %.0f s "
+                                   "budget at %d tokens: abandoned, the built-in rule decides", *key, budget_s, tokens)
+                return None
+    finally:
+        fusion.symm_mem.destroy()  # the caller makes the buffers of the strategies the table picks
+        fusion.symm_fused.destroy()
+    entry = group.broadcast_object(entry)
+    if group.rank == 0:
+        _write(path, entry)
+        logger.info("all-reduce fusion: tuned %s TP%d hidden %d %s at %d token counts in %.1f s; cached at %s", *key,
+                    len(buckets), time.monotonic() - start, path)
+    return select_table([entry], *key)
+
+
+def _write(path: Path, entry: dict) -> None:
+    """Write the one-entry table atomically (a concurrent start reads the old file or the new)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"version": TABLE_VERSION, "entries": [entry]}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # an unwritable cache costs the next start a measurement, nothing more
+        logger.warning("all-reduce fusion: could not cache the tuned table at %s (%s)", path, exc)

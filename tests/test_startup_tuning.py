@@ -1,0 +1,87 @@
+"""Start-up tuning over gloo (2 ranks; flashinfer and an sm90 GPU pretended, a fake workspace):
+a configuration no table holds is measured at set-up, every rank gets rank 0's table, rank 0
+caches it, the next set-up reads the cache instead of measuring, and the switches work (off,
+an explicit table, a passed budget). On the CPU only nccl (gloo) measures: the flashinfer and
+symmetric-memory strategies fail there and are left out on every rank, as on a GPU where one fails."""
+import pytest
+import torch
+
+from fusion.startup_tuning import cache_file
+from tests.dist_utils import make_fusion, run_distributed
+
+HIDDEN = 64
+
+
+class _FakeWorkspace:
+    def destroy(self) -> None:
+        pass
+
+
+def _pretend_flashinfer() -> None:
+    import fusion.allreduce_fusion as af
+
+    af.flashinfer_import_error = lambda: None
+    af.device_capability = lambda device: (9, 0)
+
+
+def _op(cache_dir, **config):
+    return make_fusion(HIDDEN, torch.float32, lambda *a: _FakeWorkspace(), enabled=True, backend="flashinfer",
+                       max_tokens=16, symm_max_tokens=16, tuning_cache_dir=cache_dir, **config)
+
+
+def _tune_then_reuse(rank, world_size, cache_dir):
+    import fusion.tune as tune
+
+    _pretend_flashinfer()
+    first = _op(cache_dir)
+    table = first.dispatcher.environment.table
+    out = {"buckets": table.buckets,
+           "strategies": [first.strategy(0, t) for t in (1, 5, 16, 40)],
+           "cached": cache_file(first, cache_dir).exists()}
+    first.destroy()
+
+    def no_measurement(*args, **kwargs):
+        raise AssertionError("the cached table must be used")
+
+    tune.measure_bucket = no_measurement
+    second = _op(cache_dir)
+    out["reused"] = second.dispatcher.environment.table == table
+    second.destroy()
+    out["off"] = _op(cache_dir + "-off", tune_at_startup=False).dispatcher.environment.table
+    return out
+
+
+def test_a_configuration_without_a_table_is_measured_once_and_cached(tmp_path):
+    r0, r1 = run_distributed(_tune_then_reuse, args=(str(tmp_path / "cache"),), timeout_s=120)
+    assert r0["buckets"] == r1["buckets"] == (1, 2, 4, 8, 16)
+    assert r0["strategies"] == r1["strategies"] == ["nccl"] * 4, "only nccl ran here"
+    assert r0["cached"] and r0["reused"] and r1["reused"]
+    assert r0["off"] is None and r1["off"] is None, "--disable-allreduce-fusion-tuning: the built-in rule"
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1
+
+
+def _budget_and_explicit_table(rank, world_size, cache_dir, table_path):
+    _pretend_flashinfer()
+    passed = _op(cache_dir, tuning_budget_s=1e-6).dispatcher.environment.table
+    explicit = _op(cache_dir, table_path=table_path).dispatcher.environment.table
+    return passed, explicit
+
+
+def test_a_passed_budget_or_an_explicit_table_means_no_tuned_table(tmp_path, caplog):
+    missing = str(tmp_path / "no-such-table.json")
+    results = run_distributed(_budget_and_explicit_table, args=(str(tmp_path / "cache"), missing), timeout_s=120)
+    assert results == [(None, None), (None, None)]
+    assert not (tmp_path / "cache").exists(), "an abandoned measurement caches nothing"
+
+
+@pytest.mark.parametrize("gpu_dir", ["a/b", "x y"])
+def test_cache_file_names_are_safe(tmp_path, gpu_dir):
+    class _Op:
+        class group:
+            device = torch.device("cpu")
+            world_size = 2
+        hidden_size = 4096
+        dtype = torch.bfloat16
+
+    path = cache_file(_Op, str(tmp_path / gpu_dir))
+    assert path.name == "cpu_tp2_h4096_bfloat16.json" and path.parent.parent == tmp_path / gpu_dir
