@@ -5,8 +5,14 @@
                   intermediate (512) and vocab divide TP 1, 2 and 4 (and 8, KV heads replicated)
     llama3-8b     Llama-3.1-8B's shapes (llama3 rope scaling, 128k context)
     qwen2.5-0.5b  Qwen2.5-0.5B's shapes (q/k/v bias, tied embeddings)
+    tiny-moe      the MoE counterpart of tiny: a 4-layer Qwen3-MoE (q/k norm) of hidden 256 with
+                  8 experts of intermediate 128, top-2 renormalized; experts split over TP 1, 2, 4
+    qwen3-30b-a3b Qwen3-30B-A3B's shapes (48 layers, 128 experts of 768, top-8, head_dim 128)
+    mixtral-8x7b  Mixtral-8x7B's shapes (32 layers, 8 experts of 14336, top-2)
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from engine.models.config import ModelConfig
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
@@ -64,15 +70,81 @@ QWEN2_5_0_5B = ModelConfig(
     eos_token_ids=(151643, 151645),
 )
 
-BUILTIN_MODELS = ("tiny", "llama3-8b", "qwen2.5-0.5b")
+QWEN3_30B_A3B = ModelConfig(
+    architecture="Qwen3MoeForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_ids=(151643, 151645),
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
+
+MIXTRAL_8X7B = ModelConfig(
+    architecture="MixtralForCausalLM",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=32000,
+    rms_norm_eps=1e-5,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14336,
+    norm_topk_prob=True,
+)
+
+
+def tiny_moe_config() -> ModelConfig:
+    tokenizer = build_tiny_tokenizer()
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=tokenizer.vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+    )
+
+
+_BUILTIN: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_config,
+    "llama3-8b": lambda: LLAMA3_8B,
+    "qwen2.5-0.5b": lambda: QWEN2_5_0_5B,
+    "tiny-moe": tiny_moe_config,
+    "qwen3-30b-a3b": lambda: QWEN3_30B_A3B,
+    "mixtral-8x7b": lambda: MIXTRAL_8X7B,
+}
+BUILTIN_MODELS = tuple(_BUILTIN)
 
 
 def builtin_config(name: str) -> ModelConfig:
     """The config of a built-in model; ValueError listing the names for an unknown one."""
-    if name == "tiny":
-        return tiny_config()
-    if name == "llama3-8b":
-        return LLAMA3_8B
-    if name == "qwen2.5-0.5b":
-        return QWEN2_5_0_5B
-    raise ValueError(f"unknown built-in model {name!r}; built-in models: {BUILTIN_MODELS}")
+    if name not in _BUILTIN:
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {BUILTIN_MODELS}")
+    return _BUILTIN[name]()

@@ -1,10 +1,16 @@
-"""`ModelConfig`: the shapes of a Llama-family decoder, from a HF config.json or a built-in name."""
+"""`ModelConfig`: the shapes of a Llama-family decoder, from a HF config.json or a built-in name.
+
+MoE architectures (`MOE_ARCHITECTURES`) replace every layer's MLP by ``num_experts`` experts of
+``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; dense ones have
+``num_experts == 0``.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") + MOE_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -25,10 +31,23 @@ class ModelConfig:
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    num_experts: int = 0  # routed experts of every MoE layer; 0: dense MLPs
+    num_experts_per_tok: int = 0  # experts per token (top-k)
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalize a token's top-k routing weights to sum 1
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(
+                f"{self.architecture} needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                f"({self.num_experts}) and moe_intermediate_size > 0 ({self.moe_intermediate_size})"
+            )
+        if self.architecture == "MixtralForCausalLM" and not self.norm_topk_prob:
+            raise ValueError("MixtralForCausalLM renormalizes its top-k routing weights: norm_topk_prob must be True")
+        if not self.is_moe and self.num_experts:
+            raise ValueError(f"{self.architecture} is dense, but num_experts is {self.num_experts}")
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -36,13 +55,23 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
             )
 
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in MOE_ARCHITECTURES
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From the fields of a HF config.json."""
+        """From the fields of a HF config.json. MoE fields: Qwen3-MoE's ``num_experts`` and
+        ``moe_intermediate_size``, Mixtral's ``num_local_experts`` (its experts take
+        ``intermediate_size``, and its routing always renormalizes). A Qwen3-MoE config with dense
+        layers between the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``) is refused."""
         archs = d.get("architectures") or [d.get("architecture", "")]
         arch = archs[0]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("MoE models with dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) are not supported")
+        mixtral = arch == "MixtralForCausalLM"
         return cls(
             architecture=arch,
             hidden_size=d["hidden_size"],
@@ -60,6 +89,10 @@ class ModelConfig:
             head_dim=d.get("head_dim") or 0,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=d.get("num_experts") or d.get("num_local_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            moe_intermediate_size=d.get("moe_intermediate_size") or (d["intermediate_size"] if mixtral else 0),
+            norm_topk_prob=d.get("norm_topk_prob", mixtral),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.llama import hf_weight_shapes
+from engine.models.registry import hf_weight_shapes
 
 DUMMY_STD = 0.02
 

@@ -39,11 +39,12 @@ def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """``topk_ids [T, k]`` (ids in 0..E-1) -> `ExpertBlocks` (module docstring). New tensors on
-    topk_ids' device; a handful of small torch ops, no host synchronisation."""
+    topk_ids' device; a handful of small torch ops, no host synchronisation (the counts by
+    ``scatter_add_``: CUDA's ``bincount`` reads its input's maximum back to the host)."""
     device = topk_ids.device
     flat = topk_ids.flatten().long()
     num_slots = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = padded_end - padded

@@ -22,7 +22,7 @@ from layers.parallel_state import get_tp_group
 from layers.triton_support import triton_available
 
 EXPERT_PARTS = ("gate", "up", "down")
-ExpertShardId = tuple[Optional[int], str]  # (expert, or None for all experts stacked; part)
+ExpertShardId = tuple[int, str]  # (expert, part)
 
 
 class MoEExperts(nn.Module):
@@ -51,28 +51,26 @@ class MoEExperts(nn.Module):
         return param
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShardId) -> None:
-        """Copy this rank's shard of a full checkpoint tensor into ``param``. ``shard_id`` =
-        ``(expert, part)``: part "gate" / "up" (full ``[I, H]``) into ``w13_weight``'s first /
-        second half of rows, "down" (full ``[H, I]``) into ``w2_weight``; expert None: all experts
-        at once, the tensor stacked on a leading expert dim (``[E, I, H]`` / ``[E, H, I]``).
-        ValueError with both shapes on a mismatch, or for an unknown part or expert."""
+        """Copy this rank's shard of one expert's full checkpoint tensor into ``param``.
+        ``shard_id`` = ``(expert, part)``: part "gate" / "up" (full ``[I, H]``) into
+        ``w13_weight[expert]``'s first / second half of rows, "down" (full ``[H, I]``) into
+        ``w2_weight[expert]``. ValueError with both shapes on a mismatch, or for an unknown part
+        or expert."""
         expert, part = shard_id
         if part not in EXPERT_PARTS:
             raise ValueError(f"expert weight part must be one of {EXPERT_PARTS}, got {part!r}")
-        if expert is not None and not 0 <= expert < self.num_experts:
+        if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1}")
         if (part == "down") != (param is self.w2_weight):
             raise ValueError(f"part {part!r} does not load into this parameter")
-        target = param.data if expert is None else param.data[expert]
-        lead = target.shape[:-2]
         local, full, hidden = self.intermediate_per_partition, self.intermediate_size, self.hidden_size
         start = self.tp_rank * local
         if part == "down":
-            check_shape(loaded, lead + (hidden, full))
-            target.copy_(loaded.narrow(-1, start, local))
+            check_shape(loaded, (hidden, full))
+            param.data[expert].copy_(loaded.narrow(1, start, local))
         else:
-            check_shape(loaded, lead + (full, hidden))
-            target.narrow(-2, 0 if part == "gate" else local, local).copy_(loaded.narrow(-2, start, local))
+            check_shape(loaded, (full, hidden))
+            param.data[expert].narrow(0, 0 if part == "gate" else local, local).copy_(loaded.narrow(0, start, local))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_available():

@@ -1,0 +1,155 @@
+"""The Llama-family decoder with its attention and MLP blocks chosen by the architecture:
+the base of Qwen3 (q/k RMSNorm per head), Qwen3-MoE and Mixtral (a sparse MoE MLP).
+
+A layer runs engine/models/llama.py's reductions, one for one (see that module's docstring):
+
+    h, residual = comm.prepare_attn(h, residual)         input RMSNorm (takes the deferred all-reduce)
+    h_partial   = self_attn(h)                           o_proj: reduce_results=False
+    h, residual = comm.prepare_mlp(h_partial, residual)  all-reduce + add + post-attention RMSNorm
+    h_partial   = mlp(h)                                 dense: down_proj's partial sum; MoE: the
+                                                         partial sum of the combined experts
+    h, residual = comm.postprocess_layer(h_partial, r)   reduce now, or defer into the next norm
+
+so a MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense
+MLP's. A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``,
+``make_mlp``) and its checkpoint layout (``hf_weight_shapes``, ``param_target``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from engine.models.config import ModelConfig
+from engine.models.hf_layouts import ParamShard
+from engine.models.llama import LlamaAttention
+from engine.runtime.forward_batch import ForwardBatch, KVCache
+from fusion import AllReduceFusion
+from layers.communicator import LayerCommunicator
+from layers.layernorm import RMSNorm
+from layers.linear import default_weight_loader
+from layers.moe import SparseMoeBlock
+from layers.sharded_logits import ShardedLogits
+from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+MlpFactory = Callable[[ModelConfig, torch.dtype, Optional[torch.device]], nn.Module]
+
+
+def sparse_moe_block(config: ModelConfig, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+    """The MoE MLP of a MoE ``config``: a `SparseMoeBlock` of its experts and routing."""
+    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                          config.moe_intermediate_size, config.norm_topk_prob, dtype, device)
+
+
+class BlockDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, fusion: AllReduceFusion, self_attn: nn.Module,
+                 mlp: nn.Module, dtype: torch.dtype, device: Optional[torch.device]) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(h, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
+        self.comm = LayerCommunicator(layer_id, config.num_hidden_layers, self.input_layernorm,
+                                      self.post_attention_layernorm, fusion)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)`` in, ``(h, residual)`` out; h may be un-reduced (module docstring)."""
+        hidden_states, residual = self.comm.prepare_attn(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, batch, kv_cache)
+        hidden_states, residual = self.comm.prepare_mlp(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return self.comm.postprocess_layer(hidden_states, residual)
+
+
+class BlockDecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: Iterable[BlockDecoderLayer], dtype: torch.dtype,
+                 device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """``[T, hidden]``: the final-normed hidden state of every new token."""
+        hidden_states = self.embed_tokens(batch.input_ids)
+        residual: Optional[torch.Tensor] = None
+        for layer in self.layers:
+            hidden_states, residual = layer(batch.positions, hidden_states, residual, batch, kv_cache)
+        assert residual is not None
+        return self.layers[-1].comm.prepare_final_norm(hidden_states, residual, self.norm)
+
+
+class BlockDecoderForCausalLM(nn.Module):
+    """``forward(batch, kv_cache) ->`` the logits of each sequence's last new token, as
+    `ShardedLogits` (``LlamaForCausalLM``'s contract). ``fusion``: the model's fused all-reduce
+    op, shared by every layer's communicator. Subclasses set the class attributes below."""
+
+    attention_class: type[LlamaAttention] = LlamaAttention
+    make_mlp: MlpFactory  # (config, dtype, device) -> the MLP block of a layer
+    hf_weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # every checkpoint tensor
+    param_target: Callable[[str], tuple[str, ParamShard]]  # checkpoint name -> (parameter, shard id)
+
+    def __init__(self, config: ModelConfig, fusion: AllReduceFusion, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        cls = type(self)
+        layers = (
+            BlockDecoderLayer(config, i, fusion, cls.attention_class(config, i, dtype, self.device),
+                              cls.make_mlp(config, dtype, self.device), dtype, self.device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.model = BlockDecoderModel(config, layers, dtype, self.device)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied=tied, dtype=dtype, device=self.device)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+    def allocate_kv_cache(self, num_slots: int) -> KVCache:
+        """A KV cache of ``num_slots`` token slots for this rank's KV heads."""
+        return KVCache.allocate(num_slots, self.config.num_hidden_layers, self.num_kv_heads_local,
+                                self.config.head_dim, self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ShardedLogits:
+        hidden_states = self.model(batch, kv_cache)
+        last = hidden_states if batch.is_decode else hidden_states[batch.last_token_indices()]
+        return self.lm_head(last)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) HF-named tensors, each rank taking its shard (of every expert,
+        for MoE). Skips rotary ``inv_freq`` buffers, and ``lm_head.weight`` when the embeddings
+        are tied. Raises ValueError naming the tensor for an unexpected or repeated name, a shape
+        mismatch, or (after all tensors) any expected tensor that never came."""
+        expected = type(self).hf_weight_shapes(self.config)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if name not in expected:
+                raise ValueError(f"unexpected tensor {name!r} in the checkpoint: {self.config.architecture} has no such weight")
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {expected[name]}")
+            param_name, shard_id = type(self).param_target(name)
+            param = params[param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
+            seen.add(name)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+            raise ValueError(f"the checkpoint is missing {len(missing)} tensor(s): {shown}")

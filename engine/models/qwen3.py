@@ -1,0 +1,59 @@
+"""Qwen3 (dense) and Qwen3-MoE on the block decoder (engine/models/block_decoder.py).
+
+Qwen3's attention is Llama's with an RMSNorm over each head's ``head_dim`` features of q and k
+(weights ``q_norm``, ``k_norm`` of shape ``[head_dim]``, shared by all heads), after the
+projection and before the rotary embedding:
+
+    q_h = rms_norm(q_h) * q_norm,  k_h = rms_norm(k_h) * k_norm     per head h, fp32 statistics
+
+Qwen3-MoE replaces every layer's MLP by a `SparseMoeBlock`: ``num_experts`` experts, top
+``num_experts_per_tok``, the routing weights renormalized when ``norm_topk_prob``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.models.block_decoder import BlockDecoderForCausalLM, sparse_moe_block
+from engine.models.config import ModelConfig
+from engine.models.hf_layouts import Shapes, block_decoder_param_target, block_decoder_weight_shapes
+from engine.models.llama import LlamaAttention, LlamaMLP
+from engine.runtime.forward_batch import ForwardBatch, KVCache
+from layers.layernorm import RMSNorm
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: Optional[torch.device]) -> None:
+        super().__init__(config, layer_id, dtype, device)
+        self.head_dim = config.head_dim
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+
+    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """``[T, heads * head_dim]`` -> a new tensor of the same shape, each head normed."""
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
+                kv_cache: KVCache) -> torch.Tensor:
+        """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
+        k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
+        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
+        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
+
+
+def qwen3_weight_shapes(config: ModelConfig) -> Shapes:
+    return block_decoder_weight_shapes(config, qk_norm=True)
+
+
+class Qwen3ForCausalLM(BlockDecoderForCausalLM):
+    attention_class = Qwen3Attention
+    make_mlp = staticmethod(LlamaMLP)
+    hf_weight_shapes = staticmethod(qwen3_weight_shapes)
+    param_target = staticmethod(block_decoder_param_target)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    make_mlp = staticmethod(sparse_moe_block)
