@@ -1,8 +1,10 @@
 """`ServerArgs`: every engine and server option, validated in one place.
 
 The CLI is generated from the fields: ``--field-name`` for each field, the field's description
-as help text, ``choices`` from ``Literal`` types, ``--flag`` for booleans. Values are never
-rewritten; a value that cannot work raises an error naming the field.
+as help text followed by its default, ``choices`` from ``Literal`` types, ``--flag`` for
+booleans. The fields are declared in sections (model, parallelism, fusion, scheduling, server);
+`SECTIONS` names the first field of each, and ``--help`` shows one argument group per section.
+Values are never rewritten; a value that cannot work raises an error naming the field.
 """
 from __future__ import annotations
 
@@ -17,6 +19,17 @@ from fusion.config import DEFAULT_CACHE_SIZE
 
 class ServerArgsError(ValueError):
     """An invalid option; the message names the option."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; an option whose help does not state its default gets
+    ``(default: X)`` from its parser default, unless that is None or False (nothing to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class ServerArgs(BaseModel):
@@ -44,8 +57,10 @@ class ServerArgs(BaseModel):
     allreduce_fusion_backend: Literal["flashinfer", "torch"] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
     allreduce_fusion_cache_size: int = Field(DEFAULT_CACHE_SIZE, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
-    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table (JSON from python -m engine.tune_fusion; default: the one shipped in fusion/tables; 'none': no table); configurations it lacks use the built-in rule")
+    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/tables)")
     allreduce_fusion_disable_pdl: bool = Field(False, description="Launch the flashinfer fused kernel without programmatic dependent launch")
+    disable_allreduce_fusion_tuning: bool = Field(False, description="Do not measure the fusion strategies at start-up when no strategy table holds this GPU, TP size, hidden size and dtype (the built-in rule decides)")
+    allreduce_fusion_tuning_cache_dir: Optional[str] = Field(None, description="Where start-up tuning caches its measured tables (default: ~/.cache/arfusion)")
     deterministic: bool = Field(False, description="Keep NCCL's summation order: disables all-reduce fusion")
 
     # Memory and scheduling
@@ -54,12 +69,13 @@ class ServerArgs(BaseModel):
     max_prefill_tokens: int = Field(8192, ge=16, description="Most tokens one prefill step takes")
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
-    disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (default: launch step n+1 first, so the GPU does not wait for the host)")
+    disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (without it, step n+1 is launched first, so the GPU does not wait for the host)")
 
     # Server
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(30000, ge=1, le=65535, description="HTTP port")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level")
+    shutdown_timeout: float = Field(10.0, ge=0, description="Seconds that requests in flight may run on after SIGTERM/SIGINT (new ones get 503); the rest are then ended with an error")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "ServerArgs":
@@ -100,26 +116,56 @@ class ServerArgs(BaseModel):
             problems = []
             for err in exc.errors():
                 loc = ".".join(str(p) for p in err["loc"])
-                name = "--" + loc.replace("_", "-") if loc else "options"
+                name = _flag(loc) if loc else "options"
                 problems.append(f"{name}: {err['msg']}")
             raise ServerArgsError("invalid server arguments: " + "; ".join(problems)) from None
 
     @classmethod
-    def build_parser(cls, prog: Optional[str] = None) -> argparse.ArgumentParser:
-        parser = argparse.ArgumentParser(prog=prog, description="arfusion engine server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    def build_parser(cls, prog: Optional[str] = None, description: str = "arfusion engine server") -> argparse.ArgumentParser:
+        """A parser with one argument group per section; every option defaults to None (not
+        given), and its help states the field's default. A tool may add its own groups."""
+        parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+        group = parser
         for name, field in cls.model_fields.items():
-            flag = "--" + name.replace("_", "-")
-            help_text = field.description or ""
+            if name in SECTIONS:
+                group = parser.add_argument_group(SECTIONS[name])
+            help_text = f"{field.description} {_default_text(field.default, field.description or '')}".strip()
+            kwargs: dict[str, Any] = {"default": None, "help": help_text}
             annotation = field.annotation
             if annotation is bool:
-                parser.add_argument(flag, action="store_true", default=None, help=f"{help_text} (default: {field.default})")
+                group.add_argument(_flag(name), action="store_true", **kwargs)
                 continue
-            kwargs: dict[str, Any] = {"default": None, "help": f"{help_text} (default: {field.default})"}
             args = [a for a in typing.get_args(annotation) if a is not type(None)]
             inner = args[0] if typing.get_origin(annotation) is typing.Union else annotation
             if typing.get_origin(inner) is Literal:
                 kwargs["choices"] = list(typing.get_args(inner))
             elif inner in (int, float):
                 kwargs["type"] = inner
-            parser.add_argument(flag, **kwargs)
+            group.add_argument(_flag(name), **kwargs)
         return parser
+
+
+# The first field of each section, in field order: --help groups the options by section.
+SECTIONS = {
+    "model_path": "model",
+    "tp_size": "parallelism",
+    "enable_flashinfer_allreduce_fusion": "fusion",
+    "mem_fraction_static": "scheduling",
+    "host": "server",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default_text(default: Any, description: str) -> str:
+    """``(default: X)`` for the help of a field; nothing when the description already states
+    its default (what None means, for instance)."""
+    if "(default" in description:
+        return ""
+    if default is None:
+        return "(default: not set)"
+    if isinstance(default, bool):
+        return f"(default: {'on' if default else 'off'})"
+    return f"(default: {default})"

@@ -1,4 +1,7 @@
-"""ServerArgs: CLI generated from the fields, validation naming the field, flag combinations."""
+"""ServerArgs: CLI generated from the fields (grouped, each default stated once), validation naming
+the field, flag combinations."""
+import re
+
 import pytest
 
 from server_args import ServerArgs, ServerArgsError
@@ -10,11 +13,57 @@ def test_defaults_and_fusion_flag():
     assert (args.tp_size, args.enable_flashinfer_allreduce_fusion, args.allreduce_fusion_backend) == (2, True, "torch")
 
 
-def test_every_field_has_a_flag_with_its_description_as_help():
-    help_text = ServerArgs.build_parser().format_help()
+def _option_helps(help_text: str) -> dict[str, tuple[str, str]]:
+    """``--flag`` -> (its group's title, its help text on one line) from ``--help`` output."""
+    found, group = {}, ""
+    for block in re.split(r"\n(?=  -|\S)", help_text):
+        if not block.startswith(" "):
+            group = block.split(":")[0]
+            continue
+        match = re.match(r"  (--[a-z0-9-]+)(?: (?:[A-Z_]+|\{[^}]*\}))?(.*)", block, re.DOTALL)
+        if match:
+            found[match[1]] = (group, " ".join(match[2].split()))
+    return found
+
+
+def test_help_groups_the_options_by_section_in_field_order():
+    helps = _option_helps(ServerArgs.build_parser().format_help())
+    groups = [helps["--" + name.replace("_", "-")][0] for name in ServerArgs.model_fields]
+    assert list(dict.fromkeys(groups)) == ["model", "parallelism", "fusion", "scheduling", "server"]
+    assert helps["--tp-size"][0] == "parallelism" and helps["--shutdown-timeout"][0] == "server"
+    assert helps["--enable-flashinfer-allreduce-fusion"][0] == "fusion"
+    assert helps["--max-running-requests"][0] == "scheduling" and helps["--model-path"][0] == "model"
+
+
+def test_every_option_has_its_description_and_one_true_default():
+    helps = _option_helps(ServerArgs.build_parser().format_help())
     for name, field in ServerArgs.model_fields.items():
-        assert "--" + name.replace("_", "-") in help_text
-        assert field.description and field.description.split()[0] in help_text
+        _, text = helps["--" + name.replace("_", "-")]
+        assert " ".join(field.description.split()) in text, name
+        assert text.count("(default") == 1, f"--{name}: {text}"
+        default = field.default
+        if isinstance(default, bool):
+            assert text.endswith("(default: off)"), text
+        elif default is not None:
+            assert text.endswith(f"(default: {default})"), text
+    assert "(default: 1)" in helps["--tp-size"][1] and "None" not in "".join(t for _, t in helps.values())
+
+
+def test_a_tool_extends_the_parser_with_its_own_group():
+    parser = ServerArgs.build_parser("tool", description="a tool")
+    parser.add_argument_group("benchmark").add_argument("--batch-size", type=int, nargs="+", default=[1, 8],
+                                                       help="sizes")
+    namespace = parser.parse_args(["--tp-size", "2", "--batch-size", "4"])
+    assert ServerArgs.from_namespace(namespace).tp_size == 2 and namespace.batch_size == [4]
+    helps = _option_helps(parser.format_help())
+    assert helps["--batch-size"][0] == "benchmark" and helps["--batch-size"][1].endswith("sizes (default: [1, 8])")
+
+
+def test_shutdown_timeout():
+    assert ServerArgs().shutdown_timeout == 10.0
+    assert ServerArgs.from_cli(["--shutdown-timeout", "0.5"]).shutdown_timeout == 0.5
+    with pytest.raises(ServerArgsError, match="--shutdown-timeout"):
+        ServerArgs.from_cli(["--shutdown-timeout", "-1"])
 
 
 @pytest.mark.parametrize(
