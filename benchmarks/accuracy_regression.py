@@ -1,21 +1,32 @@
-r"""Accuracy with all-reduce fusion off vs on: one server per setting, same model, same evals.
+r"""Accuracy with all-reduce fusion off vs on (and, optionally, a baseline at another TP size):
+one server per setting, same model, same evals.
 
-    python -m benchmarks.accuracy_regression --model-path /models/Llama-3.1-8B-Instruct --tp-size 2 \
+    python -m benchmarks.accuracy_regression --model-path /tmp/model.gguf --tp-size 2 --baseline-tp-size 1 \
         --gsm8k-data-path /work/shared/data/gsm8k/test.jsonl --mmlu-data-dir /work/shared/data/mmlu \
-        --output-file accuracy_regression.json
+        --results-dir /tmp/accuracy --output-file accuracy_regression.json
 
-For each setting (off, then on with ``--enable-flashinfer-allreduce-fusion``) it starts
-``python -m engine.launch_server`` with the pass-through flags, waits for ``GET /health``,
-records ``GET /get_server_info``, runs GSM8K and MMLU (greedy, seeded) and shuts the server
-down (SIGTERM to its process group, SIGKILL after 15 s). It then prints metric | off | on |
-diff, and the generation agreement per eval: over all questions, the fraction of positions
-where the whitespace-separated tokens of the two generations are equal (the denominator is
-the longer generation), plus the fraction of questions whose generations are identical.
-The JSON output holds the config, both runs' metrics and server info, the comparison and
-every question's two generations.
+Settings, in this order: the baseline (``--baseline-tp-size N``: fusion off at TP N, e.g. TP1),
+then fusion off and fusion on (``--enable-flashinfer-allreduce-fusion``) at ``--tp-size``. For
+each it starts ``python -m engine.launch_server`` with the pass-through flags, waits for
+``GET /health``, records ``GET /get_server_info``, runs GSM8K and MMLU (greedy, seeded; all
+questions unless ``--gsm8k-num-questions`` / ``--mmlu-examples`` / ``--mmlu-subjects`` limit
+them) and shuts the server down (SIGTERM to its process group, SIGKILL after 15 s).
 
-Exit status: 0 when every accuracy differs by at most ``--tolerance`` points, 1 when one
-differs by more, 3 when a server fails to start or dies (its log tail is printed).
+With ``--results-dir`` every (setting, eval) result is kept there as soon as it is done, and a
+later run with the same options reuses it and runs only what is missing: a run cut short (a
+device call's time limit) is resumed by running the same command again.
+
+It then prints metric | baseline | off | on | on - off | off - baseline (the gsm8k rows include
+each run's wall time, ``latency_s``, and output token throughput), and the generation agreement
+per eval, of on with off and of off with the baseline: over all questions, the fraction of
+positions where the whitespace-separated tokens of the two generations are equal (the
+denominator is the longer generation), plus the fraction of questions whose generations are
+identical. The JSON output holds the config, every run's metrics and server info, the
+comparison and every question's generations.
+
+Exit status: 0 when every accuracy of on is within ``--tolerance`` points of off and every
+accuracy of off within ``--baseline-tolerance`` points of the baseline, 1 when one is not, 3 when
+a server fails to start or dies (its log tail is printed).
 """
 from __future__ import annotations
 
@@ -32,22 +43,46 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import aiohttp
 
+from benchmarks.accuracy_compare import compare, exit_code, format_table, generation_agreement
 from benchmarks.client import ServerError, base_url
 from benchmarks.gsm8k import bench as gsm8k_bench
 from benchmarks.mmlu import bench as mmlu_bench
 
 SERVER_MODULE = "engine.launch_server"
-ACCURACY_METRICS = ("accuracy",)
-REPORTED_METRICS = ("accuracy", "invalid", "latency_s", "output_throughput")
 
 
 class ServerFailed(RuntimeError):
     """The server process exited or never became healthy; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One server configuration: ``label`` keys the report ("baseline", "off", "on");
+    ``tp_size`` None leaves --tp-size to the server's default."""
+
+    label: str
+    tp_size: Optional[int]
+    fusion: bool
+
+    @property
+    def title(self) -> str:
+        """The column title: ``TP2 off``, ``TP2 on``, ``TP1`` (the baseline)."""
+        tp = f"TP{self.tp_size or 1}"
+        return tp if self.label == "baseline" else f"{tp} {self.label}"
+
+
+def settings_of(args: argparse.Namespace) -> list[Setting]:
+    """The baseline (when ``--baseline-tp-size`` is given), then fusion off and on at ``--tp-size``."""
+    runs = [Setting("off", args.tp_size, False), Setting("on", args.tp_size, True)]
+    if args.baseline_tp_size is not None:
+        runs.insert(0, Setting("baseline", args.baseline_tp_size, False))
+    return runs
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -64,11 +99,12 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def server_command(args: argparse.Namespace, fusion: bool, port: int) -> list[str]:
-    """The launch command: only the flags the user gave, plus host, port and the fusion switch."""
+def server_command(args: argparse.Namespace, fusion: bool, port: int, tp_size: Optional[int] = None) -> list[str]:
+    """The launch command: only the flags the user gave, plus host, port and the fusion switch;
+    ``tp_size`` replaces ``--tp-size`` (the baseline's)."""
     cmd = [sys.executable, "-m", SERVER_MODULE, "--host", args.host, "--port", str(port)]
     for flag in ("model_path", "tp_size", "device", "load_format", "allreduce_fusion_backend"):
-        value = getattr(args, flag)
+        value = tp_size if flag == "tp_size" and tp_size is not None else getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     if fusion:
@@ -122,102 +158,87 @@ def fetch_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-def generation_agreement(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Compare the generations of the same questions (matched by ``id``) in two runs.
-
-    agreement = sum over questions of #{i : off_tokens[i] == on_tokens[i]} divided by the sum of
-    max(len(off_tokens), len(on_tokens)), tokens being whitespace-separated words (1.0 when all
-    are empty); identical = fraction of questions with exactly equal text.
-    """
-    on_by_id = {r["id"]: r["generation"] for r in on}
-    common = [(r["generation"], on_by_id[r["id"]]) for r in off if r["id"] in on_by_id]
-    matched = total = identical = 0
-    for a, b in common:
-        ta, tb = a.split(), b.split()
-        matched += sum(x == y for x, y in zip(ta, tb))
-        total += max(len(ta), len(tb))
-        identical += a == b
-    return {"questions": len(common), "agreement": matched / total if total else 1.0,
-            "identical": identical / len(common) if common else 1.0}
-
-
-def compare(off: dict[str, dict[str, Any]], on: dict[str, dict[str, Any]], tolerance_points: float) -> list[dict[str, Any]]:
-    """Rows ``{metric, off, on, diff, checked, exceeds}`` for every eval's reported metrics.
-
-    Fractions (accuracy, invalid) are turned into points (percent); ``diff = on - off``.
-    Accuracy rows are checked: ``exceeds`` when ``|diff| > tolerance_points``.
-    """
-    rows = []
-    for eval_name in off:
-        for metric in (m for m in REPORTED_METRICS if m in off[eval_name]):
-            a, b = off[eval_name][metric], on[eval_name].get(metric)
-            scale = 100.0 if metric in ("accuracy", "invalid") else 1.0
-            a = None if a is None else a * scale
-            b = None if b is None else b * scale
-            diff = None if a is None or b is None else b - a
-            checked = metric in ACCURACY_METRICS
-            rows.append({"metric": f"{eval_name} {metric}" + (" (%)" if scale == 100.0 else ""), "off": a, "on": b,
-                         "diff": diff, "checked": checked,
-                         "exceeds": checked and (diff is None or abs(diff) > tolerance_points)})
-    return rows
-
-
-def format_table(rows: Sequence[dict[str, Any]], agreement: dict[str, dict[str, Any]]) -> str:
-    """The side-by-side table, then one agreement line per eval."""
-    def cell(v: Optional[float]) -> str:
-        return "n/a" if v is None else f"{v:.3f}"
-    width = max([len("metric")] + [len(r["metric"]) for r in rows])
-    lines = [f"{'metric':<{width}}  {'off':>10}  {'on':>10}  {'diff':>10}"]
-    for r in rows:
-        flag = "  EXCEEDS TOLERANCE" if r["exceeds"] else ""
-        lines.append(f"{r['metric']:<{width}}  {cell(r['off']):>10}  {cell(r['on']):>10}  {cell(r['diff']):>10}{flag}")
-    for name, a in agreement.items():
-        lines.append(f"{name} generation agreement: {a['agreement']:.4f} of tokens, "
-                     f"{a['identical']:.4f} of {a['questions']} generations identical")
-    return "\n".join(lines)
-
-
-def exit_code(rows: Sequence[dict[str, Any]]) -> int:
-    """1 when a checked row exceeds the tolerance, else 0."""
-    return 1 if any(r["exceeds"] for r in rows) else 0
-
-
 def eval_argv(args: argparse.Namespace, name: str, port: int) -> list[str]:
     """The CLI of one eval, against ``port``, seeded and without a progress bar when quiet."""
     common = ["--host", args.host, "--port", str(port), "--parallel", str(args.parallel), "--seed", str(args.sampling_seed)]
     if args.no_progress:
         common.append("--no-progress")
     if name == "gsm8k":
-        argv = ["--num-questions", str(args.gsm8k_num_questions), "--num-shots", str(args.gsm8k_num_shots)]
+        argv = ["--num-shots", str(args.gsm8k_num_shots)]
+        argv += ["--num-questions", str(args.gsm8k_num_questions)] if args.gsm8k_num_questions is not None else []
         argv += ["--data-path", args.gsm8k_data_path] if args.gsm8k_data_path else []
         argv += ["--train-path", args.gsm8k_train_path] if args.gsm8k_train_path else []
         return argv + common
-    argv = ["--data-dir", args.mmlu_data_dir, "--num-shots", str(args.mmlu_num_shots), "--examples", str(args.mmlu_examples)]
+    argv = ["--data-dir", args.mmlu_data_dir, "--num-shots", str(args.mmlu_num_shots)]
+    argv += ["--examples", str(args.mmlu_examples)] if args.mmlu_examples is not None else []
     argv += ["--subjects", args.mmlu_subjects] if args.mmlu_subjects else []
     return argv + common
 
 
-def run_setting(args: argparse.Namespace, fusion: bool, log_dir: Path) -> dict[str, Any]:
-    """Launch one server, run the evals, return metrics, records and server info."""
-    port = args.port or free_port(args.host)
-    url = base_url(args.host, port)
-    label = "on" if fusion else "off"
-    cmd = server_command(args, fusion, port)
-    print(f"[fusion {label}] {shlex.join(cmd)}", flush=True)
-    log_path = log_dir / f"server_fusion_{label}.log"
-    with running_server(cmd, url, log_path, args.server_timeout):
-        try:
-            info = fetch_json(f"{url}/get_server_info")
-            print(f"[fusion {label}] server fusion info: {json.dumps(info.get('fusion'))}", flush=True)
-            metrics, records = {}, {}
-            for name in args.evals:
-                bench = gsm8k_bench if name == "gsm8k" else mmlu_bench
-                result = bench.run(bench.build_parser().parse_args(eval_argv(args, name, port)))
-                metrics[name], records[name] = result.metrics(), result.records
-        except (OSError, aiohttp.ClientError, ServerError) as exc:
-            raise ServerFailed(f"request to the fusion-{label} server failed ({exc!r}); "
-                               f"log tail ({log_path}):\n{log_tail(log_path)}") from exc
-    return {"server_command": cmd, "server_info": info, "metrics": metrics, "records": records}
+def result_key(args: argparse.Namespace, setting: Setting, name: str) -> dict[str, Any]:
+    """What a kept result must have been run with to be reused: the server command and the
+    eval's CLI, host and ports left out."""
+    def without_address(argv: list[str]) -> list[str]:
+        return [a for i, a in enumerate(argv) if a not in ("--host", "--port") and argv[i - 1] not in ("--host", "--port")]
+    return {"server": without_address(server_command(args, setting.fusion, 0, setting.tp_size)[1:]),
+            "eval": without_address(eval_argv(args, name, 0))}
+
+
+def kept_result(args: argparse.Namespace, setting: Setting, name: str) -> Optional[dict[str, Any]]:
+    """The result of (setting, eval) kept in ``--results-dir`` by an earlier run with the same
+    options, else None."""
+    if not args.results_dir:
+        return None
+    path = Path(args.results_dir) / f"{setting.label}_{name}.json"
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    if kept["key"] != result_key(args, setting, name):
+        print(f"[{setting.title}] {path} was run with other options: running {name} again", flush=True)
+        return None
+    print(f"[{setting.title}] {name}: reusing {path}", flush=True)
+    return kept
+
+
+def keep_result(args: argparse.Namespace, setting: Setting, name: str, result: dict[str, Any]) -> None:
+    """Write (setting, eval)'s result into ``--results-dir`` (when given), atomically."""
+    if not args.results_dir:
+        return
+    directory = Path(args.results_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{setting.label}_{name}.json.part"
+    partial.write_text(json.dumps({"key": result_key(args, setting, name), **result}))
+    partial.replace(directory / f"{setting.label}_{name}.json")
+
+
+def run_setting(args: argparse.Namespace, setting: Setting, log_dir: Path) -> dict[str, Any]:
+    """Metrics, records and server info of every eval of one setting: kept results reused, the
+    others run on a server launched for them (none when every eval is kept)."""
+    results = {name: kept_result(args, setting, name) for name in args.evals}
+    todo = [name for name, r in results.items() if r is None]
+    if todo:
+        port = args.port or free_port(args.host)
+        url = base_url(args.host, port)
+        cmd = server_command(args, setting.fusion, port, setting.tp_size)
+        print(f"[{setting.title}] {shlex.join(cmd)}", flush=True)
+        log_path = log_dir / f"server_{setting.label}.log"
+        with running_server(cmd, url, log_path, args.server_timeout):
+            try:
+                info = fetch_json(f"{url}/get_server_info")
+                print(f"[{setting.title}] server fusion info: {json.dumps(info.get('fusion'))}", flush=True)
+                for name in todo:
+                    bench = gsm8k_bench if name == "gsm8k" else mmlu_bench
+                    result = bench.run(bench.build_parser().parse_args(eval_argv(args, name, port)))
+                    results[name] = {"server_command": cmd, "server_info": info, "metrics": result.metrics(),
+                                     "records": result.records}
+                    keep_result(args, setting, name, results[name])
+            except (OSError, aiohttp.ClientError, ServerError) as exc:
+                raise ServerFailed(f"request to the {setting.title} server failed ({exc!r}); "
+                                   f"log tail ({log_path}):\n{log_tail(log_path)}") from exc
+    first = results[args.evals[0]]
+    return {"server_command": first["server_command"], "server_info": first["server_info"],
+            "metrics": {name: r["metrics"] for name, r in results.items()},
+            "records": {name: r["records"] for name, r in results.items()}}
 
 
 def check_data(args: argparse.Namespace) -> None:
@@ -246,22 +267,58 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=None, help="server port (default: a free one per launch)")
     g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
     g.add_argument("--log-dir", help="server logs (default: a new temporary directory)")
-    e = p.add_argument_group("evals")
+    b = p.add_argument_group("baseline and checks")
+    b.add_argument("--baseline-tp-size", type=int, help="also run fusion off at this TP size (e.g. 1), the first column")
+    b.add_argument("--tolerance", type=float, default=1.0, help="largest allowed |accuracy on - off| in points")
+    b.add_argument("--baseline-tolerance", type=float, default=1.0,
+                   help="largest allowed |accuracy off - baseline| in points")
+    b.add_argument("--results-dir", help="keep each (setting, eval) result here and reuse it when run again with the "
+                                         "same options (resumes a run that was cut short)")
+    e = p.add_argument_group("evals (all questions by default; the limits are for smoke runs)")
     e.add_argument("--evals", default="gsm8k,mmlu", help="comma-separated subset of gsm8k,mmlu")
     e.add_argument("--gsm8k-data-path")
     e.add_argument("--gsm8k-train-path")
-    e.add_argument("--gsm8k-num-questions", type=int, default=200)
+    e.add_argument("--gsm8k-num-questions", type=int, help="the first N test questions (default: all)")
     e.add_argument("--gsm8k-num-shots", type=int, default=8)
     e.add_argument("--mmlu-data-dir")
-    e.add_argument("--mmlu-examples", type=int, default=10, help="test questions per subject")
+    e.add_argument("--mmlu-examples", type=int, help="the first N test questions per subject (default: all)")
     e.add_argument("--mmlu-num-shots", type=int, default=5)
-    e.add_argument("--mmlu-subjects")
+    e.add_argument("--mmlu-subjects", help="comma-separated subjects (default: all)")
     e.add_argument("--parallel", type=int, default=64)
     e.add_argument("--sampling-seed", type=int, default=0, help="seed sent with every eval request (the server's own --seed goes in --server-args)")
     e.add_argument("--no-progress", action="store_true")
-    p.add_argument("--tolerance", type=float, default=1.5, help="largest allowed |accuracy diff| in points")
     p.add_argument("--output-file", help="write the full comparison as JSON")
     return p
+
+
+def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], titles: dict[str, str]) -> int:
+    """Print the comparison and PASS/FAIL, write ``--output-file``; returns the exit code."""
+    baseline = runs.get("baseline")
+    rows = compare(runs["off"]["metrics"], runs["on"]["metrics"], args.tolerance,
+                   baseline and baseline["metrics"], args.baseline_tolerance)
+    agreement = {name: generation_agreement(runs["off"]["records"][name], runs["on"]["records"][name]) for name in args.evals}
+    baseline_agreement = {name: generation_agreement(baseline["records"][name], runs["off"]["records"][name])
+                          for name in args.evals} if baseline else None
+    print(format_table(rows, agreement, baseline_agreement, titles))
+    code = exit_code(rows)
+    failed = []
+    if any(r["exceeds"] for r in rows):
+        failed.append(f"on vs off by more than {args.tolerance} points")
+    if any(r["baseline_exceeds"] for r in rows):
+        failed.append(f"off vs baseline by more than {args.baseline_tolerance} points")
+    print("PASS" if code == 0 else "FAIL: an accuracy differs " + " and ".join(failed))
+    if args.output_file:
+        generations = {name: [{"id": r["id"], **{label: run["records"][name][i]["generation"] for label, run in runs.items()}}
+                              for i, r in enumerate(runs["off"]["records"][name])] for name in args.evals}
+        Path(args.output_file).write_text(json.dumps({
+            "config": vars(args), "tolerance_points": args.tolerance, "baseline_tolerance_points": args.baseline_tolerance,
+            "passed": code == 0, "titles": titles,
+            "runs": {k: {"server_command": r["server_command"], "server_info": r["server_info"], "metrics": r["metrics"]}
+                     for k, r in runs.items()},
+            "comparison": rows, "generation_agreement": agreement, "baseline_generation_agreement": baseline_agreement,
+            "generations": generations,
+        }, indent=2))
+    return code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -272,34 +329,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--evals must be a subset of gsm8k,mmlu, got {args.evals}")
     if "mmlu" in args.evals and not args.mmlu_data_dir:
         parser.error("mmlu needs --mmlu-data-dir (or --evals gsm8k)")
+    if any(n is not None and n < 1 for n in (args.gsm8k_num_questions, args.mmlu_examples)):
+        parser.error("--gsm8k-num-questions and --mmlu-examples must be >= 1 (leave them out for all questions)")
     check_data(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="accuracy_regression_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {log_dir}", flush=True)
+    settings = settings_of(args)
     runs = {}
     try:
-        for fusion in (False, True):
-            runs["on" if fusion else "off"] = run_setting(args, fusion, log_dir)
+        for setting in settings:
+            start = time.perf_counter()
+            runs[setting.label] = run_setting(args, setting, log_dir)
+            print(f"[{setting.title}] done in {time.perf_counter() - start:.1f} s", flush=True)
     except ServerFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    rows = compare(runs["off"]["metrics"], runs["on"]["metrics"], args.tolerance)
-    agreement = {name: generation_agreement(runs["off"]["records"][name], runs["on"]["records"][name]) for name in args.evals}
-    print(format_table(rows, agreement))
-    code = exit_code(rows)
-    print("PASS" if code == 0 else f"FAIL: an accuracy differs by more than {args.tolerance} points")
-    if args.output_file:
-        generations = {name: [{"id": a["id"], "off": a["generation"], "on": b["generation"]}
-                              for a, b in zip(runs["off"]["records"][name], runs["on"]["records"][name])]
-                       for name in args.evals}
-        report = {
-            "config": vars(args), "tolerance_points": args.tolerance, "passed": code == 0,
-            "runs": {k: {"server_command": r["server_command"], "server_info": r["server_info"], "metrics": r["metrics"]}
-                     for k, r in runs.items()},
-            "comparison": rows, "generation_agreement": agreement, "generations": generations,
-        }
-        Path(args.output_file).write_text(json.dumps(report, indent=2))
-    return code
+    return report(args, runs, {s.label: s.title for s in settings})
 
 
 if __name__ == "__main__":

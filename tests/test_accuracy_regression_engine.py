@@ -1,32 +1,94 @@
-"""The accuracy regression runner end to end against the real engine: tiny model, TP2 over
-gloo, fusion off then on (torch backend). Accuracy of a dummy model is ~0; the pipeline must
-run, report both settings, and, since the torch backend computes the same fp32 math, find
-identical generations."""
+"""The accuracy regression runner: the baseline column and its check, resuming from kept results
+(against the scripted fake server), and end to end against the real engine: tiny model, a TP1
+baseline, TP2 over gloo with fusion off then on (torch backend). Accuracy of a dummy model is ~0;
+the pipeline must run, report every setting, and, since the torch backend computes the same fp32
+math, find identical generations for on and off."""
 import json
 from pathlib import Path
 
 import pytest
 
 from benchmarks import accuracy_regression as regression
+from benchmarks.accuracy_compare import compare, exit_code, format_table
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.parametrize("baseline_acc, code", [(0.625, 0), (0.60, 1), (0.64, 1)])
+def test_baseline_column_and_check(baseline_acc, code):
+    off = {"gsm8k": {"accuracy": 0.62, "latency_s": 10.0, "output_throughput": 900.0}}
+    on = {"gsm8k": {"accuracy": 0.62, "latency_s": 8.0, "output_throughput": 1000.0}}
+    baseline = {"gsm8k": {"accuracy": baseline_acc, "latency_s": 12.0, "output_throughput": 700.0}}
+    rows = {r["metric"]: r for r in compare(off, on, 1.0, baseline, 1.0)}
+    acc = rows["gsm8k accuracy (%)"]
+    assert acc["baseline"] == pytest.approx(baseline_acc * 100)
+    assert acc["baseline_diff"] == pytest.approx((0.62 - baseline_acc) * 100)
+    assert acc["baseline_exceeds"] == bool(code) and not acc["exceeds"]
+    assert not rows["gsm8k latency_s"]["baseline_exceeds"], "only accuracy is checked"
+    assert exit_code(list(rows.values())) == code
+    table = format_table(list(rows.values()), {}, {}, {"baseline": "TP1", "off": "TP2 off", "on": "TP2 on"})
+    assert [h.strip() for h in table.splitlines()[0].split("  ") if h.strip()] == [
+        "metric", "TP1", "TP2 off", "TP2 on", "on - off", "off - baseline"]
+    assert ("EXCEEDS BASELINE TOLERANCE" in table) == bool(code)
+
+
+def _fake_argv(tmp_path, *extra):
+    return ["--gsm8k-data-path", str(FIXTURES / "gsm8k" / "test.jsonl"), "--gsm8k-num-shots", "2",
+            "--mmlu-data-dir", str(FIXTURES / "mmlu"), "--mmlu-num-shots", "2", "--parallel", "4", "--no-progress",
+            "--log-dir", str(tmp_path / "logs"), "--results-dir", str(tmp_path / "results"),
+            "--output-file", str(tmp_path / "report.json"), "--server-timeout", "60", *extra]
+
+
+def test_results_dir_resumes_only_what_is_missing(monkeypatch, tmp_path, capsys):
+    """A second run reuses every kept (setting, eval) result; one deleted result is run again
+    (here by a server that answers wrongly when fused: only that eval changes); changed options
+    are not reused."""
+    monkeypatch.setattr(regression, "SERVER_MODULE", "tests.fixtures.fake_openai_server")
+    monkeypatch.chdir(REPO)
+    assert regression.main(_fake_argv(tmp_path, "--baseline-tp-size", "1")) == 0
+    kept = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert kept == [f"{s}_{e}.json" for s in ("baseline", "off", "on") for e in ("gsm8k", "mmlu")]
+    (tmp_path / "results" / "on_mmlu.json").unlink()
+    monkeypatch.setenv("FAKE_SERVER_WRONG_EVERY_WHEN_FUSED", "2")
+    capsys.readouterr()
+    assert regression.main(_fake_argv(tmp_path, "--baseline-tp-size", "1")) == 1
+    out = capsys.readouterr().out
+    assert out.count("reusing") == 5 and out.count("engine.launch_server") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {r["metric"]: r for r in report["comparison"]}
+    assert rows["gsm8k accuracy (%)"]["diff"] == 0.0 and rows["mmlu accuracy (%)"]["diff"] < 0
+    assert report["titles"] == {"baseline": "TP1", "off": "TP1 off", "on": "TP1 on"}
+    capsys.readouterr()
+    assert regression.main(_fake_argv(tmp_path, "--baseline-tp-size", "1", "--gsm8k-num-questions", "3")) == 1
+    assert "run with other options: running gsm8k again" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(600)
 def test_regression_runner_on_the_tiny_model(monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     output = tmp_path / "regression.json"
-    code = regression.main([
-        "--tp-size", "2", "--device", "cpu", "--allreduce-fusion-backend", "torch",
+    argv = [
+        "--tp-size", "2", "--baseline-tp-size", "1", "--device", "cpu", "--allreduce-fusion-backend", "torch",
         "--gsm8k-data-path", str(FIXTURES / "gsm8k" / "test.jsonl"), "--gsm8k-num-shots", "1",
         "--gsm8k-num-questions", "4", "--mmlu-data-dir", str(FIXTURES / "mmlu"), "--mmlu-num-shots", "1",
         "--mmlu-examples", "2", "--parallel", "4", "--no-progress", "--log-dir", str(tmp_path / "logs"),
-        "--output-file", str(output), "--server-timeout", "120",
-    ])
+        "--results-dir", str(tmp_path / "results"), "--output-file", str(output), "--server-timeout", "120",
+    ]
+    code = regression.main(argv)
     report = json.loads(output.read_text())
     assert code == 0, report["comparison"]
+    assert report["titles"] == {"baseline": "TP1", "off": "TP2 off", "on": "TP2 on"}
     assert report["runs"]["on"]["server_info"]["fusion"]["active"] is True
     assert report["runs"]["off"]["server_info"]["fusion"]["active"] is False
+    assert "--tp-size 1" in " ".join(report["runs"]["baseline"]["server_command"])
     for name in ("gsm8k", "mmlu"):
         assert report["generation_agreement"][name]["identical"] == 1.0
+        assert report["baseline_generation_agreement"][name]["questions"] == 4
+    gsm8k = {r["metric"]: r for r in report["comparison"]}["gsm8k output_throughput"]
+    assert all(gsm8k[k] > 0 for k in ("baseline", "off", "on")), "every gsm8k run reports its token throughput"
+    def no_server(*args, **kwargs):
+        raise AssertionError("every result is kept: no server may start")
+
+    monkeypatch.setattr(regression, "running_server", no_server)
+    assert regression.main(argv) == 0 and json.loads(output.read_text())["runs"] == report["runs"]

@@ -9,8 +9,8 @@ openai/grade-school-math are downloaded (urllib) into ``~/.cache/arfusion/gsm8k`
 network, pass ``--data-path``. The official copies used for real runs in this project live in
 ``/work/shared/data/gsm8k/{test,train}.jsonl`` (see ``/work/shared/data/SOURCES.md``).
 
-The first ``--num-shots`` train rows are the shots, the first ``--num-questions`` test rows the
-questions; greedy decoding (``--temperature 0``) with stop sequences ``scoring.STOP``.
+The first ``--num-shots`` train rows are the shots, the first ``--num-questions`` test rows (all
+by default) the questions; greedy decoding (``--temperature 0``) with stop sequences ``scoring.STOP``.
 Prints accuracy, the invalid fraction (no number in the generation), wall latency and output
 throughput (completion tokens from the server's usage / latency); ``--result-file`` appends
 one JSON line per run.
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", help="test JSON-lines file (default: download the public one)")
     p.add_argument("--train-path", help="train JSON-lines file for the shots (default: train.jsonl next to --data-path)")
     p.add_argument("--num-shots", type=int, default=8, help="few-shot examples from the train file")
-    p.add_argument("--num-questions", type=int, default=200, help="first N test questions")
+    p.add_argument("--num-questions", type=int, default=None, help="first N test questions (default: all)")
     p.add_argument("--max-tokens", type=int, default=256)
     add_eval_client_arguments(p)
     return p
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_shots < 0 or args.num_questions < 1 or args.parallel < 1:
+    if args.num_shots < 0 or (args.num_questions is not None and args.num_questions < 1) or args.parallel < 1:
         raise SystemExit("--num-shots must be >= 0, --num-questions and --parallel >= 1")
     try:
         run(args)
