@@ -10,6 +10,7 @@ Generation: the reply to a prompt is its text (specials dropped) reversed, then 
 and cuts the text before it, text that may begin a stop string is held back until it cannot;
 ``max_tokens`` ends with "length". Every submitted request is kept in ``requests``; a request that
 ends without a finish_reason (closed by a client disconnect, or failed) is listed in ``aborted``.
+``fail_after=k`` raises ``failure`` after k tokens (0: at once).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class FakeEngine:
-    """`EngineClient` with scripted output; ``fail_after=k`` raises after k tokens (0: at once)."""
+    """`EngineClient` with scripted output; ``fail_after=k`` raises ``failure`` after k tokens."""
 
     def __init__(self, context_length: int = 64, token_delay_s: float = 0.0) -> None:
         self.model_name = "fake-model"
@@ -54,6 +55,7 @@ class FakeEngine:
         self.token_delay_s = token_delay_s
         self.healthy = True
         self.fail_after: Optional[int] = None
+        self.failure: Exception = RuntimeError("fake engine failure")
         self.requests: list[tuple[list[int], SamplingParams]] = []
         self.aborted: list[int] = []  # indices into requests
         self.streams: list[AsyncGenerator[GenerationChunk, None]] = []
@@ -83,7 +85,7 @@ class FakeEngine:
             for step, token in zip(range(params.max_tokens), self.reply_ids(prompt_ids, params.ignore_eos)):
                 await asyncio.sleep(self.token_delay_s)
                 if self.fail_after == step:
-                    raise RuntimeError("fake engine failure")
+                    raise self.failure
                 done = step + 1
                 if token in params.stop_token_ids or (token in self.tokenizer.eos_token_ids and not params.ignore_eos):
                     finished = True

@@ -70,3 +70,19 @@ def test_sampling_without_gathered_logits_is_refused():
     with pytest.raises(ValueError, match="did not gather its logits"):
         sample(StepLogits(torch.tensor([0, 0])), [SamplingParams(temperature=0), SamplingParams(temperature=0.7)],
                [None, gen(1)])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                          ("top_p", float("nan")), ("top_k", 2**63), ("seed", 2**64),
+                                          ("max_tokens", 2**63), ("stop_token_ids", (2**63,))])
+def test_params_the_sampler_cannot_hold_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_temperatures_too_small_to_divide_by_decode_greedily():
+    """logits / 1e-30 overflows fp32 (softmax of inf is NaN): such rows take the argmax."""
+    logits = torch.randn(2, 50, generator=gen(6)) * 10
+    params = [SamplingParams(temperature=1e-30), SamplingParams(temperature=1e-5)]
+    assert all(p.greedy for p in params)
+    assert sample(step(logits), params, [gen(1), gen(2)]).tolist() == logits.argmax(-1).tolist()

@@ -1,11 +1,13 @@
 """Scheduler behaviour with a fake model: continuous batching, limits, and failing loudly."""
 import threading
+import time
 import types
 
 import pytest
 import torch
 
-from engine.server.engine_client import GenerationChunk
+from engine.scheduling import scheduler as scheduler_module
+from engine.server.engine_client import EngineError, GenerationChunk
 from engine.scheduling.request import Request
 from engine.runtime.sampler import StepLogits
 from engine.scheduling.sampling_params import SamplingParams
@@ -91,7 +93,7 @@ def test_a_request_that_can_never_fit_is_refused_with_numbers():
         s.submit(Request([1] * 30, SamplingParams(max_tokens=5), emit=lambda c: None))
 
 
-def test_a_failing_step_aborts_every_request_and_reports_once():
+def test_a_failing_step_reports_once_then_fails_every_request_with_a_500():
     failures = []
     s = Scheduler(FakeRunner(fail_at=2), build_tiny_tokenizer(), max_prefill_tokens=64, on_failure=failures.append)
     chunks, emit = collect()
@@ -100,10 +102,92 @@ def test_a_failing_step_aborts_every_request_and_reports_once():
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive() and not s.alive
-    assert chunks[-1].finish_reason == "abort"
+    assert isinstance(chunks[-1], EngineError) and chunks[-1].status == 500
+    assert "injected forward failure" in chunks[-1].message
     assert len(failures) == 1 and "injected forward failure" in failures[0]
     with pytest.raises(RuntimeError, match="scheduler has stopped"):
         s.submit(Request([1], SamplingParams(max_tokens=1), emit=emit))
+
+
+def test_a_stopped_scheduler_ends_the_requests_left_with_a_503():
+    s = Scheduler(FakeRunner(), build_tiny_tokenizer(), max_prefill_tokens=64)
+    (running, emit_running), (queued, emit_queued) = collect(), collect()
+    s.submit(Request([1, 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), emit=emit_running))
+    s._drain_inbox(block=False)
+    s.step()
+    s.submit(Request([3], SamplingParams(max_tokens=2), emit=emit_queued))  # still in the inbox
+    s.stop()
+    s.run_forever()
+    assert [c.status for c in (running[-1], queued[-1])] == [503, 503]
+    assert s.slots.available == s.runner.num_kv_slots - 1 and not s.running and not s.waiting
+
+
+def test_a_seed_that_cannot_seed_a_generator_is_refused_at_submit():
+    s = Scheduler(FakeRunner(), build_tiny_tokenizer(), max_prefill_tokens=64)
+    params = SamplingParams(max_tokens=2, temperature=1.0)
+    object.__setattr__(params, "seed", 2**64)  # past SamplingParams' own check, as a bug elsewhere would be
+    with pytest.raises(ValueError, match="seed 18446744073709551616"):
+        s.submit(Request([1], params, emit=lambda c: None))
+
+
+def _run_to_completion(s: Scheduler) -> None:
+    s._drain_inbox(block=False)
+    while s.step():
+        pass
+
+
+def test_a_request_whose_sampling_fails_fails_alone(monkeypatch: pytest.MonkeyPatch):
+    """Sampling the batch raises because of one request's parameters (here: temperature 0.123):
+    that request gets a 500, the greedy and the other sampled request finish, exactly as alone."""
+    def picky_sample(step, params, generators):
+        if any(p.temperature == 0.123 for p in params):
+            raise OverflowError("cannot sample this row")
+        return real_sample(step, params, generators)
+
+    real_sample = scheduler_module.sample
+    requests = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                SamplingParams(max_tokens=4, temperature=0.123, ignore_eos=True),
+                SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True)]
+    alone = []
+    for params in (requests[0], requests[2]):
+        s = Scheduler(FakeRunner(rows=3), build_tiny_tokenizer(), max_prefill_tokens=64)
+        chunks, emit = collect()
+        s.submit(Request([1, 2, 3], params, emit=emit))
+        _run_to_completion(s)
+        alone.append([t for c in chunks for t in c.token_ids])
+    monkeypatch.setattr(scheduler_module, "sample", picky_sample)
+    runner = FakeRunner(rows=3)
+    s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64)
+    outs = [collect() for _ in requests]
+    for params, (_, emit) in zip(requests, outs):
+        s.submit(Request([1, 2, 3], params, emit=emit))
+    _run_to_completion(s)
+    good, bad, sampled = (chunks for chunks, _ in outs)
+    assert len(bad) == 1 and bad[0].status == 500 and "cannot sample this row" in bad[0].message
+    assert [t for c in good for t in c.token_ids] == alone[0]
+    assert [t for c in sampled for t in c.token_ids] == alone[1], "the seeded request samples as if alone"
+    assert s.alive and not s.running and s.slots.available == runner.num_kv_slots - 1
+
+
+def test_a_request_whose_token_cannot_be_taken_in_fails_alone(monkeypatch: pytest.MonkeyPatch):
+    release = Request.release
+
+    def fragile_release(self, tokenizer):
+        if self.params.stop == ("boom",):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return release(self, tokenizer)
+
+    monkeypatch.setattr(Request, "release", fragile_release)
+    runner = FakeRunner(rows=2)
+    s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64)
+    (good, emit_good), (bad, emit_bad) = collect(), collect()
+    s.submit(Request([1, 2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), emit=emit_good))
+    s.submit(Request([1, 2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, stop=("boom",)),
+                     emit=emit_bad))
+    _run_to_completion(s)
+    assert len(bad) == 1 and bad[0].status == 500 and "injected" in bad[0].message
+    assert good[-1].finish_reason == "length" and good[-1].completion_tokens == 5
+    assert s.alive and s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2
 
 
 def _serve(overlap: bool, requests: list[tuple[list[int], SamplingParams]]) -> tuple[FakeRunner, Scheduler, list]:
@@ -175,3 +259,29 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token():
     assert [c.token_ids for c in chunks] == [[13]], "the in-flight token of an aborted request is dropped"
     assert other[-1].finish_reason == "length" and other[-1].completion_tokens == 3
     assert s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2
+
+
+class RecordingGroup:
+    """A two-rank group on the CPU that only records what rank 0 broadcasts."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self) -> None:
+        self.plans: list[str] = []
+
+    def broadcast_object(self, obj, src=0):
+        self.plans.append(obj.kind)
+        return obj
+
+
+def test_an_idle_scheduler_sends_heartbeats_so_waiting_ranks_do_not_time_out():
+    runner = FakeRunner()
+    runner.group = RecordingGroup()
+    s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64, heartbeat_s=0.05)
+    thread = threading.Thread(target=s.run_forever)
+    thread.start()
+    time.sleep(0.4)
+    s.stop()
+    thread.join(timeout=5)
+    assert runner.group.plans[-1] == "shutdown" and set(runner.group.plans[:-1]) == {"idle"}
+    assert 2 <= len(runner.group.plans) - 1 <= 9, runner.group.plans

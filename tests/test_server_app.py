@@ -361,18 +361,35 @@ async def _stream_then_disconnect(fake: FakeEngine, path: str, body: dict, spec_
     return sent, list(fake.aborted)
 
 
-@pytest.mark.parametrize("spec_version, events_read", [("2.0", 1), ("2.4", 1), ("2.4", 0)])
-@pytest.mark.parametrize("path, body", [
+DISCONNECTING = [
     (COMPLETIONS, {"prompt": "abc"}),
     (CHAT_URL, {"messages": [{"role": "user", "content": "abc"}]}),
     ("/generate", {"text": "abc"}),
-])
+]
+
+
+def _long_request(path: str, body: dict, stream: bool) -> dict:
+    if path == "/generate":
+        return {"text": "abc", "stream": stream, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    return {**body, "stream": stream, "max_tokens": 40, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("spec_version, events_read", [("2.0", 1), ("2.4", 1), ("2.4", 0)])
+@pytest.mark.parametrize("path, body", DISCONNECTING)
 def test_client_disconnect_aborts_the_request(path: str, body: dict, spec_version: str, events_read: int) -> None:
     fake = FakeEngine(context_length=CTX, token_delay_s=0.005)
-    body = {**body, "stream": True, "max_tokens": 40, "ignore_eos": True}
-    if path == "/generate":
-        body = {"text": "abc", "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    body = _long_request(path, body, stream=True)
     sent, aborted_on_return = asyncio.run(_stream_then_disconnect(fake, path, body, spec_version, events_read))
     assert len(sent) == events_read if spec_version == "2.4" else 1 <= len(sent) < 40
     assert b"[DONE]" not in b"".join(sent)
     assert aborted_on_return == [0] and fake.running == 0
+
+
+@pytest.mark.parametrize("path, body", DISCONNECTING)
+def test_client_disconnect_aborts_a_non_streaming_request(path: str, body: dict) -> None:
+    """The client leaves while its request runs (40 tokens, 5 ms each): the request is aborted
+    at once, not run to its end for no one."""
+    fake = FakeEngine(context_length=CTX, token_delay_s=0.005)
+    sent, aborted_on_return = asyncio.run(_stream_then_disconnect(fake, path, _long_request(path, body, False),
+                                                                  "2.0", events_read=0))
+    assert sent == [] and aborted_on_return == [0] and fake.running == 0

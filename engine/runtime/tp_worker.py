@@ -1,4 +1,5 @@
-"""TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown"."""
+"""TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown" ("idle"
+plans only keep the wait for the next plan within ``--dist-timeout``)."""
 from __future__ import annotations
 
 import logging
@@ -47,6 +48,8 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
             plan = group.broadcast_object(None, src=0)
             if plan.kind == "shutdown":
                 break
+            if plan.kind == "idle":
+                continue
             runner.forward(plan)
             runner.commit_tokens(None)  # rank 0's sampled tokens, into this rank's table
     except Exception:

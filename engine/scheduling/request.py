@@ -1,30 +1,31 @@
 """`Request`: one generation on TP rank 0: its tokens, KV slots, and the output text that has
-been released so far (stop strings cut, a possible stop-string prefix held back)."""
+been released so far (stop strings cut, a possible stop-string prefix held back). Requests
+compare by identity."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
-from engine.server.engine_client import GenerationChunk, TokenizerLike
+from engine.server.engine_client import EngineError, GenerationChunk, TokenizerLike
 from engine.scheduling.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
-    emit: Callable[[GenerationChunk], None]  # thread-safe delivery to the waiting client
+    emit: Callable[[Union[GenerationChunk, EngineError]], None]  # thread-safe delivery to the waiting client
     rid: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slots of all tokens so far
     row: Optional[int] = None  # request-to-token table row while running
     generator: Optional[torch.Generator] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", or "error" (it got an EngineError)
     tokens_in_flight: int = 0  # tokens sampled on the device by launched steps, not yet in output_ids
     text: str = ""  # output decoded so far (complete characters)
     released_text: str = ""  # the part of ``text`` already sent to the client

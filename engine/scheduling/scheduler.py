@@ -15,24 +15,36 @@ request finished: that request runs one more step whose token is dropped (its KV
 within the reservation, since a request is never launched past ``max_tokens``), and its first
 token is emitted after the next step's launch. ``overlap=False`` reads each step's tokens
 before planning the next.
+
+Heartbeat: the other ranks wait for each plan in a collective bounded by ``--dist-timeout``;
+an idle rank 0 broadcasts an "idle" plan every ``heartbeat_s`` so that an idle server's workers
+do not time out.
+
+Isolation: a fault while sampling or taking in the tokens of one request fails that request
+alone (its client gets `EngineError` 500) and the step goes on for the others. A fault of a
+whole step (the forward, a collective) stops the scheduler: ``on_failure`` is told (the
+launcher brings the server down), then every request left gets `EngineError` 500. A scheduler
+that was stopped ends the requests left with `EngineError` 503.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from engine.server.engine_client import GenerationChunk, TokenizerLike
+from engine.server.engine_client import EngineError, TokenizerLike
 from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
 from engine.runtime.model_runner import ModelRunner
 from engine.scheduling.pending_tokens import PendingTokens
 from engine.scheduling.request import Request
-from engine.runtime.sampler import sample
+from engine.scheduling.sampling_params import SamplingParams
+from engine.runtime.sampler import StepLogits, sample
 from engine.runtime.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -48,7 +60,8 @@ class LaunchedStep:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
-                 on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True) -> None:
+                 on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True,
+                 heartbeat_s: float = 30.0) -> None:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
@@ -66,6 +79,9 @@ class Scheduler:
         self.failure: Optional[str] = None
         self._on_failure = on_failure  # the launcher brings the server down (peers may wait on us)
         self.steps = 0
+        self.heartbeat_s = heartbeat_s
+        self._idle_wait_s = min(0.5, heartbeat_s / 2)
+        self._last_broadcast = time.monotonic()
 
     # ---- called from other threads ----
     def submit(self, req: Request) -> None:
@@ -81,7 +97,10 @@ class Scheduler:
         if self._stopped.is_set():
             raise RuntimeError(f"the scheduler has stopped{': ' + self.failure if self.failure else ''}")
         seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.rid
-        req.generator = torch.Generator().manual_seed(seed)
+        try:
+            req.generator = torch.Generator().manual_seed(seed)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"seed {seed} cannot seed a generator: {exc}") from None
         self._inbox.put(("add", req))
 
     def abort(self, rid: int) -> None:
@@ -101,27 +120,42 @@ class Scheduler:
 
     # ---- the scheduler thread ----
     def run_forever(self) -> None:
-        """Step until `stop`; then tell the other ranks to shut down."""
+        """Step until `stop`, then tell the other ranks to shut down; on a failed step, report
+        it to ``on_failure`` (the other ranks may be gone) instead. Either way every request
+        left gets an `EngineError`."""
         try:
             while not self._stopped.is_set():
                 self._drain_inbox(block=not (self.waiting or self.running or self.launched))
-                if not self._stopped.is_set():
-                    self.step()
+                if not self._stopped.is_set() and not self.step():
+                    self._heartbeat()
         except Exception as exc:  # fail loudly: every waiting client gets an error, the server reports unhealthy
             self.failure = f"{type(exc).__name__}: {exc}"
             logger.exception("scheduler failed; the server stops serving")
             self._stopped.set()
         finally:
-            for req in list(self.running) + list(self.waiting):
-                self._finish(req, "abort")
             if self.failure is not None:
                 self._on_failure(self.failure)
-            elif self.group.world_size > 1:
-                self.group.broadcast_object(StepPlan("shutdown"))
+                error = EngineError(500, f"the engine failed: {self.failure}")
+            else:
+                error = EngineError(503, "the server is shutting down")
+            self._drain_inbox(block=False)
+            for req in list(self.running) + list(self.waiting):
+                self._fail(req, error)
+            if self.failure is None and self.group.world_size > 1:
+                self._broadcast(StepPlan("shutdown"))
+
+    def _heartbeat(self) -> None:
+        """Broadcast an "idle" plan if no plan went out for ``heartbeat_s``."""
+        if self.group.world_size > 1 and time.monotonic() - self._last_broadcast >= self.heartbeat_s:
+            self._broadcast(StepPlan("idle"))
+
+    def _broadcast(self, plan: StepPlan) -> None:
+        self.group.broadcast_object(plan)
+        self._last_broadcast = time.monotonic()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -163,25 +197,50 @@ class Scheduler:
         """Broadcast the plan, run it, sample, commit the tokens on every rank and start their copy
         to the host; no host sync."""
         if self.group.world_size > 1:
-            self.group.broadcast_object(plan)
+            self._broadcast(plan)
         logits = self.runner.forward(plan)
-        tokens = self.runner.commit_tokens(sample(logits, [r.params for r in reqs], [r.generator for r in reqs]))
+        tokens = self.runner.commit_tokens(self._sample(logits, reqs))
         for req in reqs:
             req.tokens_in_flight += 1
         self.launched.append(LaunchedStep(reqs, PendingTokens(tokens)))
         self.steps += 1
 
+    def _sample(self, logits: StepLogits, reqs: list[Request]) -> torch.Tensor:
+        """The step's next tokens. When sampling the batch fails, each sampled row is tried
+        alone (on a copy of its generator); the requests whose rows fail fail alone, their rows
+        take the greedy token (dropped: the request has finished) and the rest are sampled again."""
+        params = [r.params for r in reqs]
+        generators = [r.generator for r in reqs]
+        try:
+            return sample(logits, params, generators)
+        except Exception:
+            logger.exception("sampling a batch of %d failed; finding the requests that fail it", len(reqs))
+        for i, req in enumerate(reqs):
+            if req.params.greedy:
+                continue
+            try:
+                sample(_row(logits, i), [req.params], [_copy(req.generator)])
+            except Exception as exc:
+                self._fail(req, EngineError(500, f"sampling failed: {type(exc).__name__}: {exc}"))
+                params[i], generators[i] = _GREEDY, None
+        return sample(logits, params, generators)
+
     def _take_in(self, step: LaunchedStep) -> None:
         """Append a launched step's tokens to their requests, emit them, and retire the requests
-        that finished (a request that finished or was aborted since the launch drops its token)."""
+        that finished (a request that finished or was aborted since the launch drops its token).
+        A request whose token cannot be taken in (detokenizing, stop checks) fails alone."""
         for req, token in zip(step.requests, step.tokens.get()):
             req.tokens_in_flight -= 1
             if req.finish_reason is not None:
                 continue
-            req.output_ids.append(token)
-            req.check_finished(self.eos_ids, self.runner.context_len)
-            chunk = req.release(self.tokenizer)
-            req.emit(chunk)
+            try:
+                req.output_ids.append(token)
+                req.check_finished(self.eos_ids, self.runner.context_len)
+                req.emit(req.release(self.tokenizer))
+            except Exception as exc:
+                logger.exception("request %d failed while taking in its token", req.rid)
+                self._fail(req, EngineError(500, f"the request failed in the engine: {type(exc).__name__}: {exc}"))
+                continue
             if req.finish_reason is not None:
                 self._release_resources(req)
                 self.running.remove(req)
@@ -226,12 +285,34 @@ class Scheduler:
             self.rows.free(req.row)
             req.row, req.slots = None, []
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _fail(self, req: Request, error: EngineError) -> None:
+        """End ``req`` with ``error``: its slots are freed and a launched step's token for it dropped."""
         self._release_resources(req)
-        req.finish_reason = req.finish_reason or reason
-        req.emit(GenerationChunk("", [], len(req.prompt_ids), len(req.output_ids), req.finish_reason))
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason = "error"
+        req.emit(error)
+
+
+_GREEDY = SamplingParams(temperature=0)
 
 
 def _any_sampled(reqs: list[Request]) -> bool:
     """Whether a step of these requests needs the full logits (a row samples with a temperature)."""
     return any(not r.params.greedy for r in reqs)
+
+
+def _row(logits: StepLogits, i: int) -> StepLogits:
+    """Row ``i`` of a step's logits."""
+    return StepLogits(logits.greedy_tokens[i:i + 1], None if logits.full is None else logits.full[i:i + 1])
+
+
+def _copy(generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+    """A generator in the same state (a trial draw leaves the original untouched)."""
+    if generator is None:
+        return None
+    copy = torch.Generator(generator.device)
+    copy.set_state(generator.get_state())
+    return copy

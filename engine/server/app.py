@@ -1,24 +1,31 @@
 """The OpenAI-compatible HTTP layer: `build_app(engine, served_model_name)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-POST /generate (SGLang style), POST /flush_cache, GET /get_server_info. Every request error is
-answered as ``{"error": {"message", "type", "code"}}`` (FastAPI's 422 becomes 400); an engine
-failure becomes 500 (or an error event inside a stream that already started). Streams close the
-engine's generator when they end, so a client disconnect aborts the request.
+POST /generate (SGLang style), POST /flush_cache, GET /get_server_info. Every error is answered
+as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
+are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `EngineError` with its status
+(400, 500, 503), any other fault while serving one request 500; inside a stream that already
+started, an error event and then ``[DONE]``. While the server drains (`Lifecycle.draining`) new
+generation requests get 503. A client disconnect aborts its request in both modes: streams
+close the engine's generator when they end; a non-streaming request is cancelled as soon as its
+client leaves.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
-from engine.server.engine_client import EngineClient, GenerationChunk
 from engine.scheduling.sampling_params import SamplingParams
+from engine.server.engine_client import EngineClient, EngineError, GenerationChunk
+from engine.server.lifecycle import InFlightMiddleware, Lifecycle
 from engine.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, GenerateRequest, SamplingFields,
@@ -28,6 +35,19 @@ from engine.server.streaming import SSE_DONE, ClosingStreamingResponse, sse, unt
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its response."""
+
+
+def _api_error(exc: Exception) -> APIError:
+    """An `EngineError` keeps its status; any other exception is an internal fault (500)."""
+    if isinstance(exc, EngineError):
+        return APIError(exc.status, exc.message)
+    return APIError(500, f"engine error: {exc!r}")
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -36,22 +56,30 @@ def _validation_message(exc: RequestValidationError) -> str:
     for err in exc.errors()[:3]:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _union_member(p))
         if not loc:
             return "the request body must be a JSON object (Content-Type: application/json)"
         parts.append(f"{loc}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
 
 
+def _union_member(part: object) -> bool:
+    """A location part naming a member of a union type (``str``, ``list[int]``, ``function-after[...]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 class _Server:
     """Request handling against one `EngineClient` (turns requests into token ids and params)."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str, lifecycle: Lifecycle) -> None:
         self.engine = engine
         self.model = served_model_name
+        self.lifecycle = lifecycle
 
     def check(self, fields: SamplingFields) -> None:
-        """Health, model name and unsupported fields, before any tokenization."""
+        """Draining, health, model name and unsupported fields, before any tokenization."""
+        if self.lifecycle.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests")
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not healthy")
         if fields.model is not None and fields.model != self.model:
@@ -107,7 +135,7 @@ class _Server:
             raise APIError(400, str(exc)) from exc
 
     async def start(self, ids: list[int], params: SamplingParams) -> Started:
-        """Submit and wait for the first chunk, so that an engine failure is still a 500."""
+        """Submit and wait for the first chunk, so that an engine failure is still an HTTP error."""
         chunks = None
         try:
             chunks = self.engine.generate(ids, params)
@@ -115,7 +143,7 @@ class _Server:
         except Exception as exc:
             if chunks is not None:
                 await chunks.aclose()
-            raise APIError(500, f"engine error: {exc!r}") from exc
+            raise _api_error(exc) from exc
 
     @staticmethod
     async def collect(started: Started) -> tuple[str, list[int], GenerationChunk]:
@@ -126,8 +154,34 @@ class _Server:
                 text.append(chunk.text)
                 ids += chunk.token_ids
         except Exception as exc:
-            raise APIError(500, f"engine error: {exc!r}") from exc
+            raise _api_error(exc) from exc
         return "".join(text), ids, chunk
+
+    async def complete(self, ids: list[int], params: SamplingParams) -> tuple[str, list[int], GenerationChunk]:
+        """`start`, then `collect`."""
+        return await self.collect(await self.start(ids, params))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled when the client disconnects first (cancelling `_Server.collect`
+    closes the engine's generator, which aborts the request); `ClientGone` then."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)  # the request is aborted on return
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (the body has been read: ``receive`` waits)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse_events(started: Started, events: Events) -> AsyncGenerator[str, None]:
@@ -139,38 +193,64 @@ async def _sse_events(started: Started, events: Events) -> AsyncGenerator[str, N
             async for payload in payloads:
                 yield sse(payload)
         except Exception as exc:
-            yield sse(error_body(500, f"engine error: {exc!r}"))
+            yield sse(_api_error(exc).body())
     yield SSE_DONE
 
 
-def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the model name ``served_model_name``."""
+def _http_error_message(request: Request, exc: HTTPException) -> str:
+    if exc.status_code == 404:
+        return f"no such endpoint: {request.method} {request.url.path}"
+    if exc.status_code == 405:
+        return f"method {request.method} is not allowed on {request.url.path}"
+    if exc.__cause__ is not None:  # FastAPI could not parse the body (not UTF-8, nested too deep, ...)
+        return f"the request body is not valid JSON: {exc.__cause__}"
+    return str(exc.detail)
+
+
+def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the model name ``served_model_name``;
+    ``lifecycle`` (default: a new one) counts its requests and says when it drains."""
     app = FastAPI(title="arfusion")
-    server = _Server(engine, served_model_name)
+    lifecycle = lifecycle or Lifecycle()
+    app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)
+    server = _Server(engine, served_model_name, lifecycle)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error_response(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = _http_error_message(request, exc)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # never delivered: for the access log
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
+
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         server.check(req)
         ids = server.completion_ids(req.prompt)
         params = server.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await server.start(ids, params)
 
         def response(choices: list[CompletionChoice], usage: Optional[Usage] = None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=served_model_name, choices=choices, usage=usage)
 
         if not req.stream:
-            text, _, last = await server.collect(started)
+            text, _, last = await _unless_disconnected(request, server.complete(ids, params))
             usage = Usage.of(last.prompt_tokens, last.completion_tokens)
             return response([CompletionChoice(text=text, finish_reason=last.finish_reason)], usage)
+        started = await server.start(ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[CompletionResponse]:
             async for chunk in chunks:
@@ -182,19 +262,18 @@ def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
         return ClosingStreamingResponse(_sse_events(started, events), started[1])
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         server.check(req)
         ids = server.chat_ids(req)
         params = server.params(req, len(ids), req.max_tokens if req.max_completion_tokens is None
                                else req.max_completion_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await server.start(ids, params)
-
         if not req.stream:
-            text, _, last = await server.collect(started)
+            text, _, last = await _unless_disconnected(request, server.complete(ids, params))
             choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=last.finish_reason)
             return ChatCompletionResponse(id=rid, created=created, model=served_model_name, choices=[choice],
                                           usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+        started = await server.start(ids, params)
 
         def chunk_of(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=served_model_name, choices=choices, usage=usage)
@@ -211,14 +290,13 @@ def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
         return ClosingStreamingResponse(_sse_events(started, events), started[1])
 
     @app.post("/generate", response_model=None)
-    async def generate(req: GenerateRequest) -> Any:
+    async def generate(req: GenerateRequest, request: Request) -> Any:
         fields = req.sampling_params.as_fields()
         server.check(fields)
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids")
         ids = server.completion_ids(req.text if req.input_ids is None else req.input_ids)
         params = server.params(fields, len(ids), 16 if fields.max_tokens is None else fields.max_tokens)
-        started = await server.start(ids, params)
 
         def body(text: str, output_ids: list[int], chunk: GenerationChunk) -> dict[str, Any]:
             meta = {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
@@ -226,7 +304,8 @@ def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
             return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
         if not req.stream:
-            return body(*await server.collect(started))
+            return body(*await _unless_disconnected(request, server.complete(ids, params)))
+        started = await server.start(ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
             text, output_ids = "", []
@@ -244,6 +323,8 @@ def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if lifecycle.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         healthy = engine.is_healthy()
         return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
 

@@ -1,7 +1,8 @@
 """The interface between the HTTP server and the engine (the scheduler thread on TP rank 0).
 
 The server only sees `EngineClient`: it submits token ids with `SamplingParams` and iterates
-`GenerationChunk`s; it never touches the model, the KV cache or torch.distributed.
+`GenerationChunk`s; it never touches the model, the KV cache or torch.distributed. A request
+that cannot complete raises `EngineError`, whose status is what its client is answered.
 """
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Protocol
 
 from engine.scheduling.sampling_params import SamplingParams
+
+
+class EngineError(Exception):
+    """A request ended without its output: ``status`` 400 (the engine cannot take this input),
+    500 (a fault while serving it, or a failed engine), 503 (the engine is shutting down)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 @dataclass
@@ -37,8 +48,9 @@ class EngineClient(Protocol):
     tokenizer: TokenizerLike
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[GenerationChunk, None]:
-        """Submit a request; chunks until one with ``finish_reason`` set. Cancelling the
-        iteration or calling ``aclose()`` (client disconnect) aborts the request and frees its KV slots."""
+        """Submit a request; chunks until one with ``finish_reason`` set, or `EngineError`.
+        Cancelling the iteration or calling ``aclose()`` (client disconnect) aborts the request
+        and frees its KV slots."""
         ...
 
     async def flush_cache(self) -> bool:

@@ -1,20 +1,36 @@
 """Request/response models of the served API subset: OpenAI completions and chat completions,
 SGLang's /generate, and the OpenAI error body.
 
-Requests validate strictly (no "1" -> 1 coercion); ``null`` means "the default". Fields a client
-may send that this server cannot honour are rejected by `unsupported_fields` rather than
+Requests validate strictly (no "1" -> 1 coercion); ``null`` means "the default". Every integer
+must fit in int64, every float must be finite (no NaN or Infinity) and every string must be
+valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. Fields a
+client may send that this server cannot honour are rejected by `unsupported_fields` rather than
 silently ignored; unknown extra fields are ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.scheduling.sampling_params import SamplingParams
+from engine.scheduling.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-# OpenAI's error "type" per HTTP status.
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_error", 503: "service_unavailable"}
+# OpenAI's error "type" per HTTP status (other 4xx: invalid_request_error, other 5xx: internal_error).
+ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
+
+
+def _valid_unicode(text: str) -> str:
+    """``text`` if it encodes as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode ({exc.reason} at position {exc.start})") from None
+    return text
+
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class APIError(Exception):
@@ -30,7 +46,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "code": status}}
+    """OpenAI's error object: ``{"error": {"message", "type", "code"}}`` (``code``: the HTTP status)."""
+    kind = ERROR_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 class _Strict(BaseModel):
@@ -44,22 +62,22 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None  # extension (vLLM/SGLang)
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    model: Optional[Text] = None
+    max_tokens: Optional[Int64] = None
+    temperature: Optional[Finite] = None
+    top_p: Optional[Finite] = None
+    top_k: Optional[Int64] = None  # extension (vLLM/SGLang)
+    seed: Optional[Int64] = None
+    stop: Union[Text, list[Text], None] = None
+    stop_token_ids: Optional[list[Int64]] = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Accepted only at their no-op values (see `unsupported_fields`).
-    n: Optional[int] = None
-    logprobs: Union[bool, int, None] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    n: Optional[Int64] = None
+    logprobs: Union[bool, Int64, None] = None
+    presence_penalty: Optional[Finite] = None
+    frequency_penalty: Optional[Finite] = None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -92,9 +110,9 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[Text, list[Int64], list[Text], list[list[Int64]]]
     echo: Optional[bool] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
@@ -107,12 +125,12 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    content: Union[Text, list[TextPart]]
 
     def as_dict(self) -> dict[str, str]:
         """``{"role", "content"}`` with text parts joined, as chat templates expect."""
@@ -122,19 +140,19 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None  # newer OpenAI name for max_tokens
+    max_completion_tokens: Optional[Int64] = None  # newer OpenAI name for max_tokens
 
 
 class GenerateSamplingParams(_Strict):
     """SGLang's ``sampling_params`` (``max_new_tokens`` instead of ``max_tokens``)."""
 
-    max_new_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    max_new_tokens: Optional[Int64] = None
+    temperature: Optional[Finite] = None
+    top_p: Optional[Finite] = None
+    top_k: Optional[Int64] = None
+    seed: Optional[Int64] = None
+    stop: Union[Text, list[Text], None] = None
+    stop_token_ids: Optional[list[Int64]] = None
     ignore_eos: bool = False
 
     def as_fields(self) -> SamplingFields:
@@ -143,8 +161,8 @@ class GenerateSamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
+    text: Optional[Text] = None
+    input_ids: Optional[list[Int64]] = None
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
     stream: bool = False
 
