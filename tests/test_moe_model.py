@@ -1,4 +1,6 @@
-"""The MoE and Qwen3 models on the CPU: the ``tiny-moe`` preset (Qwen3-MoE: q/k norm, 8 experts,
+"""The MoE layer and the MoE and Qwen3 models on the CPU, at TP1, TP2 and TP4 (gloo, one spawn per
+TP size): the `SparseMoeBlock` of tests/test_moe_layer.py (each rank's partial sum; their sum
+against its float64 reference), then the ``tiny-moe`` preset (Qwen3-MoE: q/k norm, 8 experts,
 top-2), a small Mixtral and a small dense Qwen3 (head_dim 32 != hidden / heads, one KV head
 replicated at TP2/TP4), fp32 with dummy weights.
 
@@ -8,6 +10,7 @@ the HF-named weights (per-expert loops, fp64 softmax routing), at TP2 and TP4 (g
 and at TP2/TP4 with fusion on (torch backend) against fusion off, bit for bit. Then HF configs and
 safetensors checkpoints of the MoE architectures, and the errors of a malformed checkpoint.
 """
+import functools
 import json
 
 import pytest
@@ -23,6 +26,7 @@ from engine.weights.dummy import dummy_weights
 from engine.weights.safetensors_loader import load_safetensors
 from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import scaled_inv_freq
+from tests import test_moe_layer as moe_layer
 from tests.dist_utils import make_fusion, run_distributed
 
 DECODE_STEPS = 8
@@ -81,7 +85,7 @@ def _build(config: ModelConfig, **fusion_config):
 
 
 def _worker(rank: int, world: int, checkpoint_dir: str) -> dict:
-    result = {"unfused": {name: _run(*_build(cfg)) for name, cfg in CONFIGS.items()}}
+    result = {"block": moe_layer.block_results(), "unfused": {name: _run(*_build(cfg)) for name, cfg in CONFIGS.items()}}
     if world > 1:
         result["fused"] = {name: _run(*_build(cfg, enabled=True, backend="torch")) for name, cfg in CONFIGS.items()}
         result["checkpoint_equal"] = _checkpoint_loads_as_dummy(checkpoint_dir)
@@ -139,10 +143,39 @@ def runs(request, checkpoint_dir) -> tuple[int, list[dict]]:
     return world, run_distributed(_worker, world_size=world, args=(checkpoint_dir,), timeout_s=240)
 
 
-def reference_logits(config: ModelConfig, ids: list[int]) -> tuple[torch.Tensor, float]:
+@pytest.mark.parametrize("tokens", moe_layer.TOKEN_COUNTS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_block_partial_sums_match_dense_reference(runs, renormalize, tokens):
+    world, ranks = runs
+    expected = moe_layer.reference(moe_layer.layer_input(tokens), moe_layer.full_weights(), renormalize)
+    total = sum(r["block"]["partials"][renormalize, tokens].double() for r in ranks)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    if world > 1:
+        assert not torch.allclose(ranks[0]["block"]["partials"][renormalize, tokens].double(), total), "a partial sum"
+    for other in ranks[1:]:
+        assert torch.equal(other["block"]["all_reduced"], ranks[0]["block"]["all_reduced"])
+
+
+def test_moe_block_weight_loader_errors(runs):
+    messages = runs[1][0]["block"]["load_errors"]
+    assert "(32, 65)" in messages[0] and "(32, 64)" in messages[0]
+    assert "expert 8 is outside" in messages[1]
+    assert "'w1'" in messages[2]
+    assert "does not load into this parameter" in messages[3]
+    assert "(65, 32)" in messages[4] and "(64, 32)" in messages[4]
+
+
+@functools.lru_cache(maxsize=None)
+def _double_weights(name: str) -> dict[str, torch.Tensor]:
+    return {k: v.double() for k, v in dummy_weights(CONFIGS[name], seed=SEED)}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_logits(name: str, ids: tuple[int, ...]) -> tuple[torch.Tensor, float]:
     """Dense float64 forward of a whole sequence from the HF-named dummy weights: ``([len, vocab]
-    logits, the smallest gap between a token's k-th and (k+1)-th routing probability)``."""
-    w = {k: v.double() for k, v in dummy_weights(config, seed=SEED)}
+    logits, the smallest gap between a token's k-th and (k+1)-th routing probability)``; cached,
+    since every TP size checks the same sequences."""
+    config, w = CONFIGS[name], _double_weights(name)
     n, d, heads, kv_heads = len(ids), config.head_dim, config.num_attention_heads, config.num_key_value_heads
     qk_norm = config.architecture.startswith("Qwen3")
     margin = float("inf")
@@ -179,7 +212,7 @@ def reference_logits(config: ModelConfig, ids: list[int]) -> tuple[torch.Tensor,
         return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
 
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    x = w["model.embed_tokens.weight"][ids]
+    x = w["model.embed_tokens.weight"][list(ids)]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
@@ -206,7 +239,7 @@ def reference_logits(config: ModelConfig, ids: list[int]) -> tuple[torch.Tensor,
 def test_matches_dense_float64_reference(runs, name):
     world, ranks = runs
     run = ranks[0]["unfused"][name]
-    references = [reference_logits(CONFIGS[name], seq[:-1]) for seq in run["tokens"]]
+    references = [reference_logits(name, tuple(seq[:-1])) for seq in run["tokens"]]
     assert min(margin for _, margin in references) > 1e-5, "no near-tie in the routing the fp32 model could flip"
     expected = torch.stack([references[s][0][pos] for s, pos in run["rows"]]).float()
     torch.testing.assert_close(run["logits"], expected, rtol=1e-5, atol=1e-5)

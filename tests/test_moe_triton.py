@@ -16,6 +16,11 @@ with the default tiles; fp16 also with 16 x 32 x 32 tiles (several K steps, ragg
   rounding steps, round to nearest in both; only the summation order differs); the unfused
   combine, which has exactly the reference's roundings, is bit-equal on at least 99% of fp16
   outputs.
+The one-launch grouping of slots by expert (layers/moe/triton_align.py) equals the torch version
+(layers/moe/align.py) tensor for tensor: one token, 1 of 128 experts hit by top-8, every token on
+one expert, 60 experts (not a power of two), and 2048 slots (its largest input), at 16- and 64-row
+blocks.
+
 - bf16: the interpreter casts fp32 -> bf16 by truncation where the GPU and torch round to
   nearest, and truncation's errors do not cancel (about 5x the reference's error here), so
   checked is the error against the float64 truth: within 8x the torch reference's (a wrong
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from layers.moe.align import align_by_expert  # noqa: E402
 from layers.moe.router import select_experts  # noqa: E402
 from layers.moe.torch_experts import moe_experts_torch  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
@@ -72,15 +78,32 @@ def truth(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
+# name -> (num_experts, topk_ids)
+ALIGN_CASES = {
+    "one token": (8, torch.tensor([[3, 5]])),
+    "one token, 128 experts, top-8": (128, torch.randperm(128, generator=torch.Generator().manual_seed(0))[:8][None]),
+    "all on one expert": (8, torch.full((5, 1), 2)),
+    "60 experts": (60, torch.stack([torch.randperm(60, generator=torch.Generator().manual_seed(t))[:4] for t in range(33)])),
+    "2048 slots": (128, torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(t))[:8] for t in range(256)])),
+}
+ALIGN_BLOCKS = (16, 64)
+
+
 def _interpreted_cases(rank: int, world: int) -> dict:
+    from layers.moe.triton_align import align_by_expert_triton
     from layers.moe.triton_fused_moe import MoEBlockConfig, fused_moe
 
-    tiles = {"default": None, "small": MoEBlockConfig(block_m=16, block_n_gate_up=32, block_n_down=32, block_k=32)}
+    tiles = {"default": None, "small": MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=32,
+                                                      block_n_down=32, block_k_down=32)}
     results = {}
     for name in CASES:
         for dtype_name, combine, tile in RUNS:
             inputs = case_inputs(name, DTYPES[dtype_name])
             results[name, dtype_name, combine, tile] = fused_moe(*inputs, combine=combine, config=tiles[tile])
+    for name, (experts, ids) in ALIGN_CASES.items():
+        for block_m in ALIGN_BLOCKS:
+            blocks = align_by_expert_triton(ids.to(torch.int32), experts, block_m)
+            results["align", name, block_m] = (blocks.sorted_slots, blocks.block_expert, blocks.num_rows)
     return results
 
 
@@ -103,6 +126,17 @@ def test_equals_torch_reference(interpreted, name, dtype_name, combine, tile):
     assert_close(out, expected)
     if dtype_name == "fp16" and combine == "unfused":
         assert (out == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("block_m", ALIGN_BLOCKS)
+@pytest.mark.parametrize("name", list(ALIGN_CASES))
+def test_align_kernel_equals_torch_align(interpreted, name, block_m):
+    experts, ids = ALIGN_CASES[name]
+    expected = align_by_expert(ids.to(torch.int32), experts, block_m)
+    sorted_slots, block_expert, num_rows = interpreted["align", name, block_m]
+    assert torch.equal(sorted_slots, expected.sorted_slots)
+    assert torch.equal(block_expert, expected.block_expert)
+    assert torch.equal(num_rows, expected.num_rows)
 
 
 @pytest.mark.parametrize("combine", COMBINES)

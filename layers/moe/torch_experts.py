@@ -6,8 +6,8 @@ with this rank's expert shards ``w13 [E, 2I, H]`` (gate rows, then up rows) and 
     gate, up = split(x[t] @ w13[e]^T)            rounded to x's dtype (a matmul's output)
     a        = silu(gate) * up                   silu rounded to the dtype, then the product
     y[t, j]  = a @ w2[e]^T                       rounded to the dtype
-    out[t]   = sum_j w[t, j] * y[t, j]           the unfused combine: fp32 sum in slot order,
-                                                 rounded once
+    out[t]   = sum_j w[t, j] * y[t, j]           the unfused combine: fp32 products and sum
+                                                 (one batched matmul), rounded once
 
 ``out`` is this rank's partial sum (its columns of every gate/up, its rows of every down): the
 sum over TP ranks is the full MoE output, which the caller reduces (fused with the residual add
@@ -39,12 +39,10 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
 
 
 def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The unfused combine: ``y [T, k, H]``, ``topk_weights [T, k]`` -> ``[T, H]`` of y's dtype,
-    ``sum_j w[t, j] * y[t, j]`` accumulated in fp32 in slot order, rounded once."""
-    out = y[:, 0].float() * topk_weights[:, 0:1].float()
-    for j in range(1, y.shape[1]):
-        out += y[:, j].float() * topk_weights[:, j:j + 1].float()
-    return out.to(y.dtype)
+    """The unfused combine: ``y [T, k, H]``, ``topk_weights [T, k]`` -> a new ``[T, H]`` of y's
+    dtype, ``sum_j w[t, j] * y[t, j]`` in fp32 (a batched ``[1, k] @ [k, H]`` per token, as one
+    reduction launch of an engine's MoE sum would do it), rounded once."""
+    return torch.bmm(topk_weights.float().unsqueeze(1), y.float()).squeeze(1).to(y.dtype)
 
 
 def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

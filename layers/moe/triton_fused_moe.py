@@ -1,8 +1,9 @@
 """The experts of a MoE layer in two Triton grouped-GEMM launches (the GPU path of
 layers/moe/experts.py; the math and its roundings are those of layers/moe/torch_experts.py).
 
-Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py); a program
-owns one block of rows (one expert) and BLOCK_N output columns:
+Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py; one Triton
+launch of layers/moe/triton_align.py up to its MAX_SLOTS slots); a program owns one block of rows
+(one expert) and BLOCK_N output columns:
 
     launch 1  act[r] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)    r: a sorted row of
               slot s = t * k + j; gate and up are two fp32 accumulators over the same x tile,
@@ -21,7 +22,8 @@ owns one block of rows (one expert) and BLOCK_N output columns:
                of the folded combine, one rounding more and one pass more.
 
 The folded sum runs in a fixed order whichever program arrives last, so it is deterministic; it
-differs from the unfused combine only by that combine's rounding of y to the dtype.
+differs from the unfused combine by that combine's rounding of y to the dtype (and the order of an
+fp32 sum).
 
 Why not FlashInfer's fused MoE (the library kernel one would prefer): it needs the full flashinfer
 wheel and a JIT build of its CUTLASS MoE modules that takes minutes per fresh machine, and its
@@ -42,6 +44,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from layers.moe.align import ExpertBlocks, align_by_expert
+from layers.moe.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
+from layers.moe.triton_align import align_by_expert_triton
 from layers.moe.torch_experts import combine_topk
 
 COMBINES = ("folded", "unfused")
@@ -49,12 +53,13 @@ COMBINES = ("folded", "unfused")
 
 @dataclass(frozen=True)
 class MoEBlockConfig:
-    """Tile sizes of the two launches (BLOCK_N_GATE_UP: columns of each of gate and up)."""
+    """Tile sizes of the two launches (``block_n_gate_up``: columns of each of gate and up)."""
 
     block_m: int
     block_n_gate_up: int
+    block_k_gate_up: int
     block_n_down: int
-    block_k: int
+    block_k_down: int
     num_warps: int = 4
     num_stages: int = 3
 
@@ -62,13 +67,15 @@ class MoEBlockConfig:
 def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
     """Tiles by the mean number of rows per expert (``num_slots / num_experts``): decode-sized
     groups take 16-row blocks and narrow column tiles (many programs streaming expert weights),
-    prefill-sized groups taller, wider tiles. A starting point, to be tuned on the GPU."""
+    larger groups taller tiles. From a sweep of each launch alone at Qwen3-30B-A3B's TP2 shards
+    on an H200 (CUDA graphs; 8 to 64 tokens: 3.7-4.1 TB/s on the expert weights read)."""
     rows_per_expert = num_slots / num_experts
     if rows_per_expert <= 16:
-        return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_n_down=64, block_k=128, num_stages=4)
+        return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64, block_k_down=64)
     if rows_per_expert <= 64:
-        return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_n_down=64, block_k=64)
-    return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_n_down=128, block_k=64, num_warps=8)
+        return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64, block_k_down=64,
+                              num_stages=4)
+    return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64, block_k_down=64)
 
 
 @triton.jit
@@ -211,7 +218,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
     cfg = config or default_block_config(num_slots, num_experts)
-    blocks: ExpertBlocks = align_by_expert(topk_ids, num_experts, cfg.block_m)
+    align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
+    blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
     folded = combine == "folded"
     # fp32 operands: IEEE fp32 products, not TF32. Under the interpreter every dot runs in fp32: its
     # dot multiplies bf16 bit patterns (it stores bf16 as uint16); bf16/fp16 products are exact in
@@ -231,14 +239,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _gate_up_silu_kernel[(grid_gate_up,)](
         x, w13, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, counters,
         num_slots, hidden, inter, counters.numel(), x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k,
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
         COUNTERS_PER_PROGRAM=counters_per_program, FP32_DOT=fp32_dot,
         LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     weights = topk_weights.to(torch.float32).contiguous()
     _down_kernel[(blocks.max_blocks * n_down,)](
         act, w2, out, scratch, counters, weights, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), scratch.stride(0),
-        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, FOLDED=folded,
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, FOLDED=folded,
         FP32_DOT=fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if folded:
         return out
