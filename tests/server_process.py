@@ -1,4 +1,8 @@
-"""Start `python -m engine.launch_server` in a subprocess for tests, wait until healthy, stop it."""
+"""Start `python -m engine.launch_server` in a subprocess for tests, wait until healthy, stop it.
+
+The server's output goes to an anonymous temporary file (no file is left behind); `log_tail`
+reads it, also after the server exited.
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,30 +51,54 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
+    """``python -m engine.launch_server --port P *args``. A port is free when it is chosen, but
+    the server's own rendezvous may take it before the HTTP server binds it: `wait_healthy` then
+    starts the server again on another port (unless the port was given)."""
+
     def __init__(self, *args: str, port: Optional[int] = None, wait_healthy: bool = True, timeout_s: float = 90) -> None:
-        self.port = port or free_port()
-        cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"arfusion-server-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.args = args
+        self.fixed_port = port is not None
+        self._start(port or free_port())
         if wait_healthy:
             self.wait_healthy(timeout_s)
+
+    def _start(self, port: int) -> None:
+        self.port = port
+        cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *self.args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.log = tempfile.TemporaryFile()
+        self._final_log: Optional[str] = None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def log_text(self) -> str:
+        """Everything the server printed so far (read without moving the shared file offset)."""
+        if self._final_log is not None:
+            return self._final_log
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
     def log_tail(self, lines: int = 40) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def worker_pids(self) -> list[int]:
+        """The spawned TP worker processes (children of the server)."""
+        return [p for p in child_pids(self.proc.pid) if "spawn" in Path(f"/proc/{p}/cmdline").read_text()]
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        restarts = 2
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if restarts and not self.fixed_port and "address already in use" in self.log_text():
+                    restarts -= 1
+                    self.kill()
+                    self._start(free_port())
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -101,7 +130,10 @@ class ServerProcess:
         return time.monotonic() - start
 
     def kill(self) -> None:
+        """Kill the server's process group if it still runs; keep its log for `log_text`."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
-        self.log.close()
+        if self._final_log is None:
+            self._final_log = self.log_text()
+            self.log.close()

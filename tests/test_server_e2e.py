@@ -1,16 +1,14 @@
 """The real server (tiny model, TP2 over gloo, CPU) in a subprocess: the API, bad requests,
-fusion status, identical greedy output with fusion on and off, SIGTERM with no orphans, a dying
-worker, and a TP group spread over two "nodes" on localhost."""
+fusion status, identical greedy output with fusion on and off, and a TP group spread over two
+"nodes" on localhost (faults: test_server_faults.py)."""
 import json
-import os
 import signal
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.server_process import ServerProcess, child_pids, free_port, pid_alive
+from tests.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(300)
 TP2_TORCH_FUSION = ("--tp-size", "2", "--device", "cpu", "--enable-flashinfer-allreduce-fusion",
@@ -95,7 +93,8 @@ def test_server_info_shows_active_torch_fusion_and_flush_clears_its_cache(fused_
     assert status == 200
     fusion = info["fusion"]
     assert fusion["active"] and fusion["backend"] == "torch" and fusion["reason_inactive"] is None
-    assert fusion["reductions"]["fused"] > 0 and fusion["cache"]["hits"] > 0
+    assert sum(n for strategy, n in fusion["reductions"].items() if strategy != "nccl") > 0, fusion["reductions"]
+    assert fusion["cache"]["hits"] > 0
     assert info["server_args"]["enable_flashinfer_allreduce_fusion"] is True
     assert fused_server.request("/flush_cache", {})[0] == 200
     assert fused_server.request("/get_server_info")[1]["fusion"]["cache"]["currsize"] == 0
@@ -109,28 +108,6 @@ def test_fusion_on_and_off_give_identical_greedy_completions(fused_server):
             assert greedy(off, prompt, 24)[0] == greedy(fused_server, prompt, 24)[0]
     finally:
         off.kill()
-
-
-def test_sigterm_stops_everything_within_10s():
-    server = ServerProcess("--tp-size", "2", "--device", "cpu")
-    workers = child_pids(server.proc.pid)
-    assert workers, "the TP worker process should be a child of the server"
-    elapsed = server.stop(signal.SIGTERM)
-    assert server.proc.returncode == 0 and elapsed < 10, (elapsed, server.log_tail())
-    time.sleep(0.5)
-    assert not [p for p in workers if pid_alive(p)], "orphaned worker processes"
-
-
-def test_a_dying_worker_brings_the_server_down_with_a_message():
-    server = ServerProcess("--tp-size", "2", "--device", "cpu")
-    worker = max(p for p in child_pids(server.proc.pid) if "spawn" in open(f"/proc/{p}/cmdline").read())
-    os.kill(worker, signal.SIGKILL)
-    try:
-        server.proc.wait(timeout=15)
-    finally:
-        server.kill()
-    assert server.proc.returncode != 0
-    assert "TP worker rank 1 exited" in server.log_tail()
 
 
 def test_tp_group_across_two_nodes_turns_flashinfer_fusion_off():

@@ -23,6 +23,12 @@ def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def load_serving_tokenizer(model_path: str, tokenizer_path: Optional[str] = None) -> Tokenizer:
+    """ValueError naming the path when ``model_path`` (or ``tokenizer_path``) does not exist or
+    holds no tokenizer."""
+    for flag, given in (("--model-path", model_path), ("--tokenizer-path", tokenizer_path)):
+        if given and given not in BUILTIN_MODELS and not Path(given).exists():
+            raise ValueError(f"{flag} {given!r}: no such file or directory"
+                             + (f" (nor a built-in model: {', '.join(BUILTIN_MODELS)})" if flag == "--model-path" else ""))
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
     if model_path in BUILTIN_MODELS:

@@ -27,6 +27,8 @@ def resolve_load_format(model_path: Union[str, Path], load_format: str = "auto")
     if load_format != "auto":
         return load_format
     path = Path(model_path)
+    if not path.exists():
+        raise ValueError(f"cannot infer the weight format of {str(model_path)!r}: no such file or directory")
     if path.is_dir() and (path / "config.json").is_file():
         return "safetensors"
     if path.is_file() and path.suffix == ".gguf":
