@@ -27,12 +27,12 @@ class ServerError(RuntimeError):
 
 def add_eval_client_arguments(p: argparse.ArgumentParser) -> None:
     """The flags every eval shares: concurrency, sampling, the server address, output."""
-    p.add_argument("--parallel", type=int, default=64, help="concurrent requests")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--result-file", help="append the metrics as one JSON line")
+    p.add_argument("--parallel", type=int, default=64, help="concurrent requests (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request (default: none sent)")
+    p.add_argument("--host", default="127.0.0.1", help="the server's host (default: %(default)s)")
+    p.add_argument("--port", type=int, default=30000, help="the server's port (default: %(default)s)")
+    p.add_argument("--result-file", help="append the metrics as one JSON line (default: not written)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -110,6 +110,20 @@ class CompletionClient:
         if not models or "id" not in models[0]:
             raise ServerError(f"{self.url}/v1/models lists no model: {body!r}")
         return str(models[0]["id"])
+
+    async def context_length(self) -> Optional[int]:
+        """The served model's context length: ``max_model_len`` of ``GET /v1/models``, else
+        ``model.context_length`` of ``GET /get_server_info`` (SGLang, this server), else None."""
+        async with self.session.get(f"{self.url}/v1/models") as resp:
+            models = (await _json_or_raise(resp)).get("data") or [{}]
+        if isinstance(models[0].get("max_model_len"), int):
+            return models[0]["max_model_len"]
+        async with self.session.get(f"{self.url}/get_server_info") as resp:
+            if resp.status != 200:
+                return None
+            info = await resp.json(content_type=None)
+        length = (info.get("model") or {}).get("context_length") if isinstance(info, dict) else None
+        return length if isinstance(length, int) else None
 
     def _payload(self, prompt: str, stream: bool, params: dict[str, Any]) -> dict[str, Any]:
         payload = {"model": self.model, "prompt": prompt, "stream": stream}

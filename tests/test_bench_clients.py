@@ -124,6 +124,47 @@ def test_bench_serving_end_to_end(tmp_path, capsys, send_usage):
     assert "max_concurrency" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("given, context, fitted", [
+    ((None, None), None, (1024, 1024)),
+    ((None, None), 2048, (512, 512)),
+    ((None, None), 8192, (1024, 1024)),
+    ((100, None), 2048, (100, 512)),
+    ((1500, 548), 2048, (1500, 548)),
+])
+def test_lengths_fit_the_served_context(given, context, fitted):
+    assert bench_serving.fit_lengths(*given, context) == fitted
+
+
+def test_lengths_that_cannot_fit_are_refused_with_what_to_pass():
+    with pytest.raises(SystemExit, match=r"--random-input-len 1024 \+ --random-output-len 1024 = 2048 tokens exceed the "
+                                         r"served model's context length 2000; .*e\.g\. --random-input-len 500 "
+                                         r"--random-output-len 500"):
+        bench_serving.fit_lengths(1024, 1024, 2000)
+
+
+def test_bench_serving_measures_tokens_per_word_and_fits_the_context(tmp_path, capsys):
+    """A byte-level tokenizer (one token per byte, plus BOS) and a context of 400 tokens: the
+    defaults become 100 input and 100 output tokens, and the prompts have about 100 tokens."""
+    app = build_app([], context_length=400, prompt_tokens=lambda prompt: len(prompt.encode()) + 1)
+    output = tmp_path / "serving.jsonl"
+    with ThreadedServer(app) as server:
+        argv = ["--port", str(server.port), "--num-prompts", "8", "--max-concurrency", "4", "--warmup-requests", "0",
+                "--output-file", str(output), "--no-progress"]
+        assert bench_serving.main(argv) == 0
+        with pytest.raises(SystemExit, match="e.g. --random-input-len 100 --random-output-len 100"):
+            bench_serving.main([*argv, "--random-input-len", "300", "--random-output-len", "200"])
+    row = json.loads(output.read_text())
+    assert (row["context_length"], row["random_input_len"], row["random_output_len"]) == (400, 100, 100)
+    assert row["total_output_tokens"] == 800 and 8 * 85 <= row["total_input_tokens"] <= 8 * 115, row
+    assert "context length 400; input 100 and output 100 tokens" in capsys.readouterr().out
+
+
+def test_bench_serving_help_states_every_default():
+    for action in bench_serving.build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and ("(default: " in action.help or action.const is True), action.option_strings
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
 def test_random_request_lengths(ratio):
     specs = bench_serving.random_requests(200, 40, 10, ratio, seed=3)
