@@ -10,7 +10,8 @@ Generation: the reply to a prompt is its text (specials dropped) reversed, then 
 and cuts the text before it, text that may begin a stop string is held back until it cannot;
 ``max_tokens`` ends with "length". Every submitted request is kept in ``requests``; a request that
 ends without a finish_reason (closed by a client disconnect, or failed) is listed in ``aborted``.
-``fail_after=k`` raises ``failure`` after k tokens (0: at once).
+``fail_after=k`` raises ``failure`` after k tokens (0: at once); `fail_all` ends every running
+request with an error at its next token.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class FakeEngine:
         self.healthy = True
         self.fail_after: Optional[int] = None
         self.failure: Exception = RuntimeError("fake engine failure")
+        self.ended_by: Optional[Exception] = None  # set by fail_all
         self.requests: list[tuple[list[int], SamplingParams]] = []
         self.aborted: list[int] = []  # indices into requests
         self.streams: list[AsyncGenerator[GenerationChunk, None]] = []
@@ -86,6 +88,8 @@ class FakeEngine:
                 await asyncio.sleep(self.token_delay_s)
                 if self.fail_after == step:
                     raise self.failure
+                if self.ended_by is not None:
+                    raise self.ended_by
                 done = step + 1
                 if token in params.stop_token_ids or (token in self.tokenizer.eos_token_ids and not params.ignore_eos):
                     finished = True
@@ -106,6 +110,11 @@ class FakeEngine:
             self.running -= 1
             if not finished:
                 self.aborted.append(index)
+
+    def fail_all(self, error: Exception) -> int:
+        """End every running request with ``error``; returns how many were running."""
+        self.ended_by = error
+        return self.running
 
     async def flush_cache(self) -> bool:
         if self.running:
