@@ -1,5 +1,6 @@
-"""The Llama-family decoder with its attention and MLP blocks chosen by the architecture:
-the base of Qwen3 (q/k RMSNorm per head), Qwen3-MoE and Mixtral (a sparse MoE MLP).
+"""The decoder every model shares, with its attention and MLP blocks chosen by the architecture:
+Llama / Qwen2 / Mistral (engine/models/llama.py), Qwen3 (q/k RMSNorm per head), Qwen3-MoE and
+Mixtral (a sparse MoE MLP).
 
 A layer runs engine/models/llama.py's reductions, one for one (see that module's docstring):
 
@@ -23,7 +24,6 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.hf_layouts import ParamShard
-from engine.models.llama import LlamaAttention
 from engine.runtime.forward_batch import ForwardBatch, KVCache
 from fusion import AllReduceFusion
 from layers.communicator import LayerCommunicator
@@ -87,7 +87,7 @@ class BlockDecoderForCausalLM(nn.Module):
     `ShardedLogits` (``LlamaForCausalLM``'s contract). ``fusion``: the model's fused all-reduce
     op, shared by every layer's communicator. Subclasses set the class attributes below."""
 
-    attention_class: type[LlamaAttention] = LlamaAttention
+    attention_class: type[nn.Module]  # (config, layer_id, dtype, device) -> the attention block of a layer
     make_mlp: MlpFactory  # (config, dtype, device) -> the MLP block of a layer
     hf_weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # every checkpoint tensor
     param_target: Callable[[str], tuple[str, ParamShard]]  # checkpoint name -> (parameter, shard id)

@@ -1,6 +1,10 @@
 """HF checkpoint layouts of the block decoders (engine/models/block_decoder.py): which tensors a
 checkpoint holds, and which parameter (and shard) each one loads into.
 
+    Llama          embed_tokens, per layer q/k/v/o_proj (q/k/v bias with ``attention_bias``;
+                   o_proj bias for Llama only), gate/up/down_proj, the two norms; norm, lm_head
+                   (unless tied)
+
     Qwen3          Llama's tensors + ``self_attn.{q,k}_norm.weight`` [head_dim] per layer
     Qwen3-MoE      Qwen3's attention; ``mlp.gate.weight`` [E, H] (router) and per expert e
                    ``mlp.experts.{e}.{gate,up}_proj.weight`` [I, H], ``down_proj.weight`` [H, I]
@@ -17,7 +21,6 @@ import re
 from typing import Union
 
 from engine.models.config import ModelConfig
-from engine.models.llama import hf_weight_shapes as llama_weight_shapes
 from layers.linear import ShardId
 from layers.moe.experts import ExpertShardId
 
@@ -31,6 +34,40 @@ _LAYER = r"^(?P<layer>model\.layers\.\d+)\."
 _EXPERT = re.compile(_LAYER + r"(mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _ROUTER = re.compile(_LAYER + r"(mlp|block_sparse_moe)\.gate\.weight$")
 _PROJ = re.compile(_LAYER + r"(?P<block>self_attn|mlp)\.(?P<proj>\w+)\.(?P<kind>weight|bias)$")
+
+
+def o_proj_has_bias(config: ModelConfig) -> bool:
+    """HF Llama gives o_proj a bias with ``attention_bias``; Qwen2 biases q/k/v only."""
+    return config.attention_bias and config.architecture == "LlamaForCausalLM"
+
+
+def llama_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF checkpoint of this model holds: name -> full (unsharded) shape."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_size, h),
+            p + "self_attn.k_proj.weight": (kv_size, h),
+            p + "self_attn.v_proj.weight": (kv_size, h),
+            p + "self_attn.o_proj.weight": (h, q_size),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_size,), p + "self_attn.k_proj.bias": (kv_size,),
+                           p + "self_attn.v_proj.bias": (kv_size,)})
+        if o_proj_has_bias(config):
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
 
 
 def _moe_block_name(config: ModelConfig) -> str:

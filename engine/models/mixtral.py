@@ -7,6 +7,7 @@ from __future__ import annotations
 from engine.models.block_decoder import BlockDecoderForCausalLM, sparse_moe_block
 from engine.models.config import ModelConfig
 from engine.models.hf_layouts import Shapes, block_decoder_param_target, block_decoder_weight_shapes
+from engine.models.llama import LlamaAttention
 
 
 def mixtral_weight_shapes(config: ModelConfig) -> Shapes:
@@ -14,6 +15,7 @@ def mixtral_weight_shapes(config: ModelConfig) -> Shapes:
 
 
 class MixtralForCausalLM(BlockDecoderForCausalLM):
+    attention_class = LlamaAttention
     make_mlp = staticmethod(sparse_moe_block)
     hf_weight_shapes = staticmethod(mixtral_weight_shapes)
     param_target = staticmethod(block_decoder_param_target)

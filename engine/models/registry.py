@@ -2,21 +2,18 @@
 checkpoint layout (tensor names and full shapes) of each."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
 
 from engine.models.block_decoder import BlockDecoderForCausalLM
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.models.llama import hf_weight_shapes as llama_weight_shapes
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from fusion import AllReduceFusion
 
-CausalLM = Union[LlamaForCausalLM, BlockDecoderForCausalLM]
-
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+MODEL_REGISTRY: dict[str, type[BlockDecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias: config.attention_bias
     "MistralForCausalLM": LlamaForCausalLM,
@@ -26,7 +23,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 }
 
 
-def model_class(architecture: str) -> type[CausalLM]:
+def model_class(architecture: str) -> type[BlockDecoderForCausalLM]:
     """The class implementing ``architecture``; ValueError listing the supported ones."""
     try:
         return MODEL_REGISTRY[architecture]
@@ -36,15 +33,11 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of ``config``'s architecture holds: name -> full shape."""
-    cls = model_class(config.architecture)
-    shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = (
-        cls.hf_weight_shapes if issubclass(cls, BlockDecoderForCausalLM) else llama_weight_shapes
-    )
-    return shapes(config)
+    return model_class(config.architecture).hf_weight_shapes(config)
 
 
 def build_model(config: ModelConfig, fusion: AllReduceFusion, dtype: torch.dtype = torch.float32,
-                device: Optional[torch.device] = None) -> CausalLM:
+                device: Optional[torch.device] = None) -> BlockDecoderForCausalLM:
     """An unloaded model (parameters uninitialised) for this rank of the TP group, whose layers
     reduce through ``fusion``; fill it with ``load_weights``."""
     return model_class(config.architecture)(config, fusion, dtype=dtype, device=device)
