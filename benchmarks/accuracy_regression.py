@@ -25,8 +25,9 @@ identical. The JSON output holds the config, every run's metrics and server info
 comparison and every question's generations.
 
 Exit status: 0 when every accuracy of on is within ``--tolerance`` points of off and every
-accuracy of off within ``--baseline-tolerance`` points of the baseline, 1 when one is not, 3 when
-a server fails to start or dies (its log tail is printed).
+accuracy of off within ``--baseline-tolerance`` points of the baseline, 1 when one is not or when
+the on server reports fusion inactive, 3 when a server fails to start or dies (its log tail is
+printed).
 """
 from __future__ import annotations
 
@@ -300,13 +301,16 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], titles: di
     baseline_agreement = {name: generation_agreement(baseline["records"][name], runs["off"]["records"][name])
                           for name in args.evals} if baseline else None
     print(format_table(rows, agreement, baseline_agreement, titles))
-    code = exit_code(rows)
-    failed = []
+    code, failed = exit_code(rows), []
     if any(r["exceeds"] for r in rows):
-        failed.append(f"on vs off by more than {args.tolerance} points")
+        failed.append(f"an accuracy of on differs from off by more than {args.tolerance} points")
     if any(r["baseline_exceeds"] for r in rows):
-        failed.append(f"off vs baseline by more than {args.baseline_tolerance} points")
-    print("PASS" if code == 0 else "FAIL: an accuracy differs " + " and ".join(failed))
+        failed.append(f"an accuracy of off differs from the baseline by more than {args.baseline_tolerance} points")
+    fusion = runs["on"]["server_info"].get("fusion", {})
+    if fusion.get("active") is False:
+        failed.append(f"fusion was not active in the on run ({fusion.get('reason_inactive')}): nothing was compared")
+        code = 1
+    print("PASS" if code == 0 else "FAIL: " + "; ".join(failed))
     if args.output_file:
         generations = {name: [{"id": r["id"], **{label: run["records"][name][i]["generation"] for label, run in runs.items()}}
                               for i, r in enumerate(runs["off"]["records"][name])] for name in args.evals}

@@ -33,6 +33,18 @@ def test_baseline_column_and_check(baseline_acc, code):
     assert ("EXCEEDS BASELINE TOLERANCE" in table) == bool(code)
 
 
+@pytest.mark.parametrize("active, code", [(True, 0), (False, 1)])
+def test_inactive_fusion_fails_the_comparison(tmp_path, capsys, active, code):
+    args = regression.build_parser().parse_args(["--evals", "gsm8k", "--output-file", str(tmp_path / "r.json")])
+    args.evals = ["gsm8k"]
+    records = {"gsm8k": [{"id": "0", "generation": " 6"}]}
+    run = {"server_command": [], "metrics": {"gsm8k": {"accuracy": 0.5}}, "records": records}
+    runs = {"off": {**run, "server_info": {"fusion": {"active": False}}},
+            "on": {**run, "server_info": {"fusion": {"active": active, "reason_inactive": None if active else "no GPU"}}}}
+    assert regression.report(args, runs, {"off": "TP2 off", "on": "TP2 on"}) == code
+    assert ("fusion was not active in the on run (no GPU)" in capsys.readouterr().out) == (not active)
+
+
 def _fake_argv(tmp_path, *extra):
     return ["--gsm8k-data-path", str(FIXTURES / "gsm8k" / "test.jsonl"), "--gsm8k-num-shots", "2",
             "--mmlu-data-dir", str(FIXTURES / "mmlu"), "--mmlu-num-shots", "2", "--parallel", "4", "--no-progress",
