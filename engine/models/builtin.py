@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from engine.models.config import ModelConfig
@@ -111,25 +112,9 @@ MIXTRAL_8X7B = ModelConfig(
 
 
 def tiny_moe_config() -> ModelConfig:
-    tokenizer = build_tiny_tokenizer()
-    return ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=512,
-        vocab_size=tokenizer.vocab_size,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_ids=tokenizer.eos_token_ids,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        norm_topk_prob=True,
-    )
+    """The tiny model with Qwen3-MoE's blocks: 8 experts of intermediate 128, top 2."""
+    return dataclasses.replace(tiny_config(), architecture="Qwen3MoeForCausalLM", rms_norm_eps=1e-6, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 
 
 _BUILTIN: dict[str, Callable[[], ModelConfig]] = {
