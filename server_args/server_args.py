@@ -36,7 +36,7 @@ class ServerArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
     # Model
-    model_path: str = Field("tiny", description="HF model directory, a .gguf file, or a built-in config name (tiny, llama3-8b, qwen2.5-0.5b)")
+    model_path: str = Field("tiny", description="HF model directory, a .gguf file, or a built-in config with dummy weights (tiny, llama3-8b, qwen2.5-0.5b, tiny-moe, qwen3-30b-a3b, mixtral-8x7b)")
     tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory or tokenizer.json (default: from the model)")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
@@ -67,8 +67,10 @@ class ServerArgs(BaseModel):
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="Fraction of GPU memory for weights and KV cache")
     max_running_requests: int = Field(256, ge=1, description="Most requests decoded together")
     max_prefill_tokens: int = Field(8192, ge=16, description="Most tokens one prefill step takes")
+    chunked_prefill_size: int = Field(8192, ge=-1, description="Most tokens one forward step prefills: a longer prompt is prefilled in chunks over several steps, and the running requests' decode tokens ride along in the same forward (one token each, counted in this size); -1 or 0 disables chunking (whole prompts, in steps without decodes)")
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
+    skip_server_warmup: bool = Field(False, description="Skip the start-up warm-up (forwards of every shape class the server runs: Triton kernels, eager decode sizes, sampling), so the first requests pay those first-use costs")
     disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (without it, step n+1 is launched first, so the GPU does not wait for the host)")
 
     # Server

@@ -100,3 +100,51 @@ def test_dense_names_and_architectures_are_left_to_the_dense_mapping():
     assert hf_moe_architecture("llama", 0) is None and hf_moe_architecture("qwen2", 0) is None
     assert hf_moe_architecture("llama", 8) == "MixtralForCausalLM"
     assert moe_config_fields(lambda key, default=None: default, "qwen3") == {"architecture": "Qwen3ForCausalLM"}
+
+
+# HF name -> llama.cpp base name of the dense parts (the MoE parts are stacked by write_moe_gguf's rule)
+_DENSE = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def write_whole_qwen3_moe(path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A complete qwen3moe GGUF (F32) of ``config``'s dummy weights, laid out as llama.cpp's
+    converter writes it; returns the HF tensors."""
+    from tests.gguf_files import write_gguf
+
+    weights = dict(dummy_weights(config, seed=1))
+    meta = {
+        "qwen3moe.block_count": config.num_hidden_layers, "qwen3moe.context_length": 4096,
+        "qwen3moe.embedding_length": config.hidden_size, "qwen3moe.attention.head_count": config.num_attention_heads,
+        "qwen3moe.attention.head_count_kv": config.num_key_value_heads,
+        "qwen3moe.attention.key_length": config.head_dim, "qwen3moe.attention.value_length": config.head_dim,
+        "qwen3moe.rope.freq_base": 1e6, "qwen3moe.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen3moe.expert_count": config.num_experts, "qwen3moe.expert_used_count": config.num_experts_per_tok,
+        "qwen3moe.expert_feed_forward_length": config.moe_intermediate_size,
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(config.vocab_size)],
+    }
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"].numpy()}
+    for i in range(config.num_hidden_layers):
+        for hf, base in _DENSE.items():
+            tensors[f"blk.{i}.{base}.weight"] = weights[f"model.layers.{i}.{hf}.weight"].numpy()
+        block = f"model.layers.{i}.mlp"
+        tensors[f"blk.{i}.ffn_gate_inp.weight"] = weights[f"{block}.gate.weight"].numpy()
+        for base, proj in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), ("gate_proj", "up_proj", "down_proj")):
+            tensors[f"blk.{i}.{base}.weight"] = _stacked(weights, block, proj, config.num_experts)
+    tensors |= {"output_norm.weight": weights["model.norm.weight"].numpy(), "output.weight": weights["lm_head.weight"].numpy()}
+    write_gguf(path, "qwen3moe", meta, {name: (data, None) for name, data in tensors.items()})
+    return weights
+
+
+def test_a_whole_moe_gguf_loads_into_the_model(tmp_path):
+    from engine.weights.gguf_loader import load_gguf
+
+    weights = write_whole_qwen3_moe(tmp_path / "qwen3moe.gguf", QWEN3_MOE)
+    config, tensors = load_gguf(tmp_path / "qwen3moe.gguf")
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.head_dim, config.intermediate_size) == ("Qwen3MoeForCausalLM", 4, 2, 48, 32, 48)
+    loaded = dict(tensors)
+    assert loaded.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor), name

@@ -23,6 +23,7 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from engine.models.config import ModelConfig
+from engine.weights.gguf_moe_names import MOE_NAME_ARCHITECTURES, hf_moe_tensors, is_moe_tensor
 from engine.weights.gguf_names import (
     PERMUTED_QK_ARCHITECTURES,
     ROPE_FREQS_NAME,
@@ -106,18 +107,20 @@ def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tup
     shard_paths = gguf_shard_paths(path, first)  # before reading metadata: only the first shard has it
     arch = gguf_architecture(first, str(path))
     readers = [first] + [GGUFReader(p) for p in shard_paths[1:]]
-    for reader in readers:
-        for t in reader.tensors:
-            hf_tensor_name(t.name)  # raises for unknown names before any tensor is loaded
-            if not _dequantizable(t.tensor_type):
-                raise UnsupportedTensorTypeError(
-                    f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which gguf.quants.dequantize does not support"
-                )
     rope_freqs = _find(readers, ROPE_FREQS_NAME)
     names = {t.name for r in readers for t in r.tensors}
     config = config_from_gguf(
         first, names, str(path), None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type)
     )
+    moe_names = config.architecture in MOE_NAME_ARCHITECTURES  # experts, router or q/k norms are this file's
+    for reader in readers:
+        for t in reader.tensors:
+            if not (moe_names and is_moe_tensor(t.name)):
+                hf_tensor_name(t.name)  # raises for unknown names before any tensor is loaded
+            if not _dequantizable(t.tensor_type):
+                raise UnsupportedTensorTypeError(
+                    f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which gguf.quants.dequantize does not support"
+                )
     embedding = _find(readers, TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
     if embedding is None:
         raise ValueError(f"{path} has no token_embd.weight tensor")
@@ -128,6 +131,9 @@ def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tup
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for reader in readers:
             for t in reader.tensors:
+                if moe_names and is_moe_tensor(t.name):
+                    yield from hf_moe_tensors(t.name, _to_torch(t, dtype), config.architecture)
+                    continue
                 name = hf_tensor_name(t.name)
                 if name is None:
                     continue

@@ -30,6 +30,8 @@ from gguf import Keys, MODEL_TENSOR, TENSOR_NAMES
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 MIXTRAL = "MixtralForCausalLM"
+# the HF architectures whose files hold this module's tensors
+MOE_NAME_ARCHITECTURES = frozenset(GGUF_MOE_ARCHITECTURES.values()) | {MIXTRAL}
 
 
 def _block_suffix(tensor: MODEL_TENSOR) -> str:

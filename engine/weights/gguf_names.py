@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGUFReader, Keys, MODEL_TENSOR, TENSOR_NAMES
 
 from engine.models.config import ModelConfig
+from engine.weights.gguf_moe_names import GGUF_MOE_ARCHITECTURES, moe_config_fields
 
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -97,10 +98,9 @@ def field_value(reader: GGUFReader, key: str, default: Any = ..., path: str = ""
 def gguf_architecture(reader: GGUFReader, path: str = "") -> str:
     """``general.architecture``, checked against the supported ones."""
     arch = field_value(reader, Keys.General.ARCHITECTURE, path=path)
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unknown GGUF architecture {arch!r} in {path or 'file'}; supported: {sorted(GGUF_ARCHITECTURES)}"
-        )
+    supported = sorted(GGUF_ARCHITECTURES.keys() | GGUF_MOE_ARCHITECTURES.keys())
+    if arch not in supported:
+        raise ValueError(f"unknown GGUF architecture {arch!r} in {path or 'file'}; supported: {supported}")
     return arch
 
 
@@ -226,13 +226,14 @@ def config_from_gguf(
             raise ValueError(f"{path}: both rope_freqs and rope.scaling metadata; ambiguous rope scaling")
         original = int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, 8192))
         rope_scaling = rope_scaling_from_freq_factors(rope_freqs, rope_theta, head_dim, original)
+    moe = moe_config_fields(get, arch)  # the MoE / Qwen3 fields, architecture included, or {}
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=moe.pop("architecture", GGUF_ARCHITECTURES.get(arch)),
         hidden_size=hidden,
         num_hidden_layers=int(get(Keys.LLM.BLOCK_COUNT)),
         num_attention_heads=heads,
         num_key_value_heads=int(get(Keys.Attention.HEAD_COUNT_KV, heads)),
-        intermediate_size=int(get(Keys.LLM.FEED_FORWARD_LENGTH)),
+        intermediate_size=int(get(Keys.LLM.FEED_FORWARD_LENGTH, moe.get("moe_intermediate_size", ...))),
         vocab_size=int(vocab),
         rms_norm_eps=float(get(Keys.Attention.LAYERNORM_RMS_EPS)),
         rope_theta=rope_theta,
@@ -243,4 +244,5 @@ def config_from_gguf(
         head_dim=head_dim,
         bos_token_id=get(Keys.Tokenizer.BOS_ID, None),
         eos_token_ids=eos_token_ids(reader),
+        **moe,
     )
