@@ -23,9 +23,10 @@
 #   serving        the server with fusion off and on, interleaved, REPEATS (default 3) times
 #                  each; bench_serving at CONCURRENCY (default 1 32), input 512 / output 1024,
 #                  NUM_PROMPTS (default 2 x concurrency, at least 4) into $OUT/serving.jsonl.
-#   accuracy       benchmarks.accuracy_regression (fusion off vs on) on MODEL (default
-#                  /tmp/model.gguf, see model-piece) for TP_SIZES (default 2), plus TP 1 when
-#                  TP1=1, with the evaluation data carried in .data/ (gsm8k/, mmlu/).
+#   accuracy       benchmarks.accuracy_regression on MODEL (default /tmp/model.gguf, see
+#                  model-piece): TP1, then TP (default 2) with fusion off and on, the evaluation
+#                  data carried in .data/ (gsm8k/, mmlu/); results kept in RESULTS_DIR (default
+#                  .accuracy, carried: a later call resumes) and returned in accuracy_results.tgz.
 #   model-piece N  appends the carried .model/part-0N to /tmp/model.gguf (0 starts it afresh),
 #                  prints its size and, after the last piece, checks its sha256.
 #
@@ -220,9 +221,7 @@ part_serving() {
 }
 
 part_accuracy() {
-  local model=${MODEL:-/tmp/model.gguf} tp_sizes data=() logs=/tmp/accuracy_logs tp i rc=0
-  read -ra tp_sizes <<< "${TP_SIZES:-2}"
-  [ "${TP1:-0}" = 1 ] && tp_sizes+=(1)
+  local model=${MODEL:-/tmp/model.gguf} data=() results=${RESULTS_DIR:-.accuracy} logs=/tmp/accuracy_logs rc=0
   rm -rf "$logs"
   if [ ! -f "$model" ]; then
     echo "!! no model at $model: assemble it first (model-piece 0 .. 7)"
@@ -233,14 +232,14 @@ part_accuracy() {
   else
     echo "!! no .data/ carried: the evaluations will look for their data elsewhere (no network here)"
   fi
-  for i in "${!tp_sizes[@]}"; do
-    tp=${tp_sizes[$i]}
-    need_gpus "$tp" || { rc=2; continue; }
-    # the budget left, shared among the TP sizes still to run
-    run_timed $(($(left) / (${#tp_sizes[@]} - i))) python -m benchmarks.accuracy_regression \
-      --model-path "$model" --tp-size "$tp" "${data[@]}" --no-progress --log-dir "$logs/tp$tp" \
-      --output-file "$OUT/accuracy_tp$tp.json" "${EXTRA[@]}" || rc=1
-  done
+  # TP1 (the baseline), then TP$TP fusion off and on; every (setting, eval) result is kept in
+  # $results as it finishes and comes back in accuracy_results.tgz: carry the folder in the next
+  # call (unpacked there) and the same command resumes with what is missing. With fewer GPUs than
+  # TP the baseline runs and the TP$TP settings fail to start.
+  run_timed "$(left)" python -m benchmarks.accuracy_regression --model-path "$model" --tp-size "$TP" \
+    --baseline-tp-size 1 "${data[@]}" --parallel 256 --no-progress --results-dir "$results" --log-dir "$logs" \
+    --output-file "$OUT/accuracy.json" "${EXTRA[@]}" || rc=$?
+  [ -d "$results" ] && tar czf "$OUT/accuracy_results.tgz" -C "$results" .
   [ -d "$logs" ] && tar czf "$OUT/accuracy_server_logs.tgz" -C "$logs" .
   return "$rc"
 }
