@@ -274,6 +274,8 @@ part_model_piece() {  # part_model_piece N
 # ---- main -------------------------------------------------------------------------------------
 
 run_part() {  # run_part PART [N]
+  # a model piece is carried alone (60 MiB of the call's 64): it needs no .gpu/ environment
+  [ "$1" = model-piece ] && { part_model_piece "${2:-}"; return; }
   start_part || return
   case $1 in
     tests) part_tests ;;
@@ -282,7 +284,6 @@ run_part() {  # run_part PART [N]
     engine) part_engine ;;
     serving) part_serving ;;
     accuracy) part_accuracy ;;
-    model-piece) part_model_piece "${2:-}" ;;
   esac
   local rc=$?
   [ "${SAVE_JIT:-0}" = 1 ] && save_jit_cache
