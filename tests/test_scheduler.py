@@ -1,59 +1,16 @@
 """Scheduler behaviour with a fake model: continuous batching, limits, and failing loudly."""
 import threading
 import time
-import types
 
 import pytest
-import torch
 
 from engine.scheduling import scheduler as scheduler_module
-from engine.server.engine_client import EngineError, GenerationChunk
+from engine.server.engine_client import EngineError
 from engine.scheduling.request import Request
-from engine.runtime.sampler import StepLogits
 from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
-from engine.runtime.step_plan import RequestTable
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
-from fusion.group import TensorParallelGroup
-
-VOCAB = 264
-
-
-class FakeRunner:
-    """Logits that always prefer token (position mod 200) + 10; optionally fails at step N."""
-
-    def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64) -> None:
-        self.group = TensorParallelGroup(0, 1, torch.device("cpu"))
-        self.num_kv_slots, self.max_rows, self.context_len = slots, rows, 32
-        self.config = types.SimpleNamespace(eos_token_ids=())
-        self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
-        self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
-        self.inputs: list[list[int]] = []  # each step's input tokens
-        self.gathered: list[bool] = []  # each step's plan.gather_logits
-        self._rows = None
-
-    def forward(self, plan):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("injected forward failure")
-        batch, self._rows = self.table.apply(plan)
-        self.inputs.append(batch.input_ids.tolist())
-        self.batch_sizes.append((plan.kind, plan.batch_size))
-        self.gathered.append(plan.gather_logits)
-        logits = torch.zeros(plan.batch_size, VOCAB)
-        for i, seq_len in enumerate(plan.seq_lens):
-            logits[i, seq_len % 200 + 10] = 1.0
-        return StepLogits(logits.argmax(-1), logits if plan.gather_logits else None)
-
-    def commit_tokens(self, tokens):
-        self.table.commit_tokens(self._rows, tokens)
-        return tokens
-
-
-def collect() -> tuple[list[GenerationChunk], callable]:
-    chunks: list[GenerationChunk] = []
-    return chunks, chunks.append
-
+from tests.fake_runner import FakeRunner, collect
 
 def test_requests_join_and_leave_between_steps():
     runner = FakeRunner(rows=2)

@@ -80,6 +80,29 @@ def test_a_plan_takes_its_tokens_from_one_place(plan, message):
     assert not table.table.any(), "a refused plan records nothing"
 
 
+def test_a_mixed_plan_reads_its_decodes_tokens_on_the_device_and_the_chunks_from_the_host():
+    """Two decodes ride along with a prefill chunk after a cached prefix of 2 tokens."""
+    table = RequestTable(ROWS, CONTEXT, CPU)
+    table.commit_tokens(torch.tensor([5, 2]), torch.tensor([11, 12]))
+    plan = StepPlan("extend", rows=[5, 2, 7], new_tokens=[[3, 4, 5]], new_slots=[[40], [41], [42, 43, 44]],
+                    seq_lens=[3, 1, 5], tokens_on_device=True)
+    assert plan.device_token_count == 2
+    batch, rows = table.apply(plan)
+    assert not batch.is_decode and rows.tolist() == [5, 2, 7]
+    assert batch.input_ids.tolist() == [11, 12, 3, 4, 5] and batch.positions.tolist() == [2, 0, 2, 3, 4]
+    assert batch.extend_lens.tolist() == [1, 1, 3] and batch.seq_lens.tolist() == [3, 1, 5]
+    assert table.table[7, 2:5].tolist() == [42, 43, 44] and table.table[5, 2] == 40 and table.table[2, 0] == 41
+
+
+def test_a_sequence_whose_token_is_on_the_device_has_one_new_slot():
+    table = RequestTable(ROWS, CONTEXT, CPU)
+    plan = StepPlan("extend", rows=[0, 1], new_tokens=[[1, 2]], new_slots=[[1, 2], [3, 4]], seq_lens=[2, 2],
+                    tokens_on_device=True)
+    with pytest.raises(ValueError, match="exactly one new slot"):
+        table.apply(plan)
+    assert not table.table.any(), "a refused plan records nothing"
+
+
 def _decode_both_ways(rank: int, world_size: int) -> dict:
     """Prefill the three prompts, then greedy decode, once through `apply` (gathered rows) and
     once through `DecodeBuffers` of 4 (one padding row) and of 3 (none) in turn, each with its

@@ -2,8 +2,9 @@
 
 A batch holds B sequences. Sequence i has ``seq_lens[i]`` tokens in total, of which the last
 ``extend_lens[i]`` are new in this pass (a prefill: the whole prompt, or the part after a
-cached prefix; a decode step: one token). The T = sum(extend_lens) new tokens are packed
-sequence after sequence.
+cached prefix, such as a chunk of a long prompt; a decode step: one token; a mixed extend batch
+has both, decodes riding along with prefill chunks). The T = sum(extend_lens) new tokens are
+packed sequence after sequence.
 
 KV cache: token-slot paging. Every layer has one K and one V tensor of shape
 ``[num_slots, num_kv_heads_local, head_dim]``; any slot can hold any token of any sequence.

@@ -6,9 +6,11 @@ last row is the padding row) and each row's last committed token (``last_tokens`
 sampler picked for that sequence, broadcast from rank 0 on the device); a plan carries only
 what changed: for each sequence its table row, its new tokens, the slots of those new tokens
 and its total length. That keeps the broadcast small (O(new tokens)), whatever the context
-lengths. A decode plan may leave its tokens on the device (``tokens_on_device``): each
-sequence's input is then its row's last committed token, so the host can build and launch
-step n+1 before it has seen step n's tokens (the overlap schedule).
+lengths. A plan may leave tokens on the device (``tokens_on_device``): the sequences without a
+host token list (all of a decode plan's; the leading ones of an extend plan, decodes riding
+along with prefill chunks in one mixed batch) each take one new token, their row's last
+committed token, so the host can build and launch step n+1 before it has seen step n's tokens
+(the overlap schedule).
 
 `RequestTable.apply` builds a batch of any shape (its own tensors, a gathered req_to_token);
 `DecodeBuffers` refills the static buffers a CUDA-graph decode step reads, with one
@@ -30,7 +32,9 @@ class StepPlan:
     new_tokens: list[list[int]] = field(default_factory=list)
     new_slots: list[list[int]] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    # decode only: ``new_tokens`` is empty and each sequence's input is ``last_tokens[row]``
+    # the first ``device_token_count`` sequences have no host token list: each one's one new
+    # token is ``last_tokens[row]`` (a decode plan: every sequence; an extend plan: the decodes
+    # that ride along, before the prefill sequences whose tokens ``new_tokens`` lists)
     tokens_on_device: bool = False
     # some sequence samples with a temperature: every rank gathers the full logits (a
     # collective); greedy steps take the argmax without gathering them
@@ -39,6 +43,11 @@ class StepPlan:
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    @property
+    def device_token_count(self) -> int:
+        """Sequences whose one new token is read on the device (the leading ones)."""
+        return self.batch_size - len(self.new_tokens) if self.tokens_on_device else 0
 
 
 class RequestTable:
@@ -81,8 +90,11 @@ class RequestTable:
         packed = torch.split(host.to(self.device, non_blocking=True), [len(f) for f in fields])
         input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = packed
         self.record(rows_t, positions, slot_mapping)
-        if plan.tokens_on_device:
+        on_device = plan.device_token_count
+        if on_device == plan.batch_size:
             input_ids_t = self.last_tokens[plan_rows]
+        elif on_device:
+            input_ids_t = torch.cat([self.last_tokens[plan_rows[:on_device]], input_ids_t])
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE if plan.kind == "decode" else ForwardMode.EXTEND,
             input_ids=input_ids_t,
@@ -97,14 +109,22 @@ class RequestTable:
 
 
 def check_token_source(plan: StepPlan) -> None:
-    """ValueError unless the plan's tokens come from exactly one place: ``tokens_on_device``
-    (decode plans only, no host tokens) or one host token list per sequence."""
-    if plan.tokens_on_device:
-        if plan.kind != "decode" or plan.new_tokens:
-            raise ValueError(f"tokens_on_device is for decode plans without host tokens, got a {plan.kind!r} plan "
-                             f"with {len(plan.new_tokens)} token lists")
-    elif len(plan.new_tokens) != plan.batch_size:
-        raise ValueError(f"the plan has {plan.batch_size} rows but {len(plan.new_tokens)} token lists")
+    """ValueError unless every sequence's tokens come from exactly one place: one host token list
+    per sequence, or ``tokens_on_device`` for a decode plan without host tokens, or for an
+    extend plan whose leading sequences (at least one, not all) have no host token list and one
+    new slot each."""
+    if not plan.tokens_on_device:
+        if len(plan.new_tokens) != plan.batch_size:
+            raise ValueError(f"the plan has {plan.batch_size} rows but {len(plan.new_tokens)} token lists")
+    elif plan.kind == "decode":
+        if plan.new_tokens:
+            raise ValueError(f"tokens_on_device is for decode plans without host tokens, got "
+                             f"{len(plan.new_tokens)} token lists")
+    elif plan.kind != "extend" or not 0 < plan.device_token_count < plan.batch_size:
+        raise ValueError(f"tokens_on_device in a {plan.kind!r} plan needs host tokens for some but not all of its "
+                         f"{plan.batch_size} sequences, got {len(plan.new_tokens)} token lists")
+    elif any(len(s) != 1 for s in plan.new_slots[:plan.device_token_count]):
+        raise ValueError("a sequence whose token is read on the device has exactly one new slot")
 
 
 DECODE_FIELDS = ("input_ids", "positions", "seq_lens", "slot_mapping", "row_ids")

@@ -1,6 +1,7 @@
-"""`Request`: one generation on TP rank 0: its tokens, KV slots, and the output text that has
-been released so far (stop strings cut, a possible stop-string prefix held back). Requests
-compare by identity."""
+"""`Request`: one generation on TP rank 0: its tokens, KV slots, how much of its prompt has been
+prefilled (a long prompt may be prefilled in chunks over several steps), and the output text
+that has been released so far (stop strings cut, a possible stop-string prefix held back).
+Requests compare by identity."""
 from __future__ import annotations
 
 import itertools
@@ -24,6 +25,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # KV slots of all tokens so far
     row: Optional[int] = None  # request-to-token table row while running
+    prefilled: int = 0  # prompt tokens launched in prefill steps (their K/V written by then)
     generator: Optional[torch.Generator] = None
     finish_reason: Optional[str] = None  # "stop", "length", "abort", or "error" (it got an EngineError)
     tokens_in_flight: int = 0  # tokens sampled on the device by launched steps, not yet in output_ids
@@ -44,9 +46,16 @@ class Request:
         return self.seq_len + self.tokens_in_flight
 
     @property
+    def prefill_done(self) -> bool:
+        """Its whole prompt has been launched: the step of its last prompt token samples its first
+        output token."""
+        return self.prefilled == len(self.prompt_ids)
+
+    @property
     def wants_decode_step(self) -> bool:
-        """Still running and not every one of its ``max_tokens`` has been launched."""
-        return self.finish_reason is None and len(self.output_ids) + self.tokens_in_flight < self.params.max_tokens
+        """Still running, prefilled, and not every one of its ``max_tokens`` has been launched."""
+        return (self.finish_reason is None and self.prefill_done
+                and len(self.output_ids) + self.tokens_in_flight < self.params.max_tokens)
 
     @property
     def reserved_tokens(self) -> int:

@@ -1,12 +1,21 @@
 """Continuous batching on TP rank 0 (a thread beside the HTTP server).
 
-Each step: admit waiting requests as one prefill (extend) step while they fit (free rows,
-``max_running_requests``, ``max_prefill_tokens`` new tokens per step, and KV slots for the
-prompt plus all of ``max_tokens``, reserved up front so a running request never runs out);
-otherwise run one decode step over every running request. Requests join and leave between
-steps. Rank 0 broadcasts each `StepPlan` to the other ranks, which run the same forward, then
-the sampled tokens on the device (`ModelRunner.commit_tokens`), where the next decode step
-reads them.
+Admission: a waiting request joins while it fits (a free row, ``max_running_requests``, and
+KV slots for the prompt plus all of ``max_tokens``, reserved up front so a running request
+never runs out). Requests join and leave between steps. Rank 0 broadcasts each `StepPlan` to
+the other ranks, which run the same forward, then the sampled tokens on the device
+(`ModelRunner.commit_tokens`), where the next decode step reads them.
+
+Steps, with chunked prefill (``chunked_prefill_size`` > 0, the server's default): every step
+runs one decode token of every running request and, in the same forward (a mixed extend
+batch), prompt tokens up to ``min(chunked_prefill_size, max_prefill_tokens)`` tokens in all:
+first the rest of a prompt already being prefilled, then new requests; a prompt longer than
+what is left is prefilled in chunks over several steps, so no running request misses a step
+while others are admitted. A chunk that does not end its prompt samples nothing (its row's
+token is dropped; its generator is not drawn). A step with no prompt tokens is a plain decode
+step (a CUDA graph). Without chunking (``chunked_prefill_size`` <= 0): admit whole prompts as
+one prefill-only step while they fit ``max_prefill_tokens`` (the first one whatever its
+length); otherwise run one decode step over every running request.
 
 Overlap schedule (the default, as SGLang's): step n+1 is planned and launched before step n's
 tokens reach the host, so the GPU never waits for the host's bookkeeping (detokenizing, stop
@@ -54,19 +63,21 @@ logger = logging.getLogger(__name__)
 class LaunchedStep:
     """A step whose tokens are on their way to the host, and the requests they belong to."""
 
-    requests: list[Request]
+    requests: list[Optional[Request]]  # the request of each row's token; None: a chunk that samples nothing
     tokens: PendingTokens
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
                  on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True,
-                 heartbeat_s: float = 30.0) -> None:
+                 heartbeat_s: float = 30.0, chunked_prefill_size: int = -1) -> None:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
+        # tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
+        self.step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
         self.seed = seed
         self.slots = SlotAllocator(runner.num_kv_slots)
         self.rows = RowAllocator(runner.max_rows)
@@ -179,12 +190,23 @@ class Scheduler:
                 self._release_resources(req)
                 self.running.remove(req)
 
+    @property
+    def max_extend_tokens(self) -> int:
+        """The most tokens an extend step can hold: a mixed step's size, or without chunking the
+        prefill budget or a whole prompt admitted alone (at most the context length - 1)."""
+        if self.step_tokens is not None:
+            return self.step_tokens
+        return max(self.max_prefill_tokens, self.runner.context_len - 1)
+
     def step(self) -> bool:
         """Launch one forward step (if any is due), then take in the tokens of every launched
         step but the newest (with overlap) or of all (without); False when nothing happened."""
-        plan, reqs = self._plan_prefill()
-        if plan is None:
-            plan, reqs = self._plan_decode()
+        if self.step_tokens is not None:
+            plan, reqs = self._plan_mixed()
+        else:
+            plan, reqs = self._plan_prefill()
+            if plan is None:
+                plan, reqs = self._plan_decode()
         if plan is not None:
             self._launch(plan, reqs)
         in_flight = 1 if self.overlap and plan is not None else 0
@@ -199,24 +221,27 @@ class Scheduler:
         if self.group.world_size > 1:
             self._broadcast(plan)
         logits = self.runner.forward(plan)
-        tokens = self.runner.commit_tokens(self._sample(logits, reqs))
-        for req in reqs:
-            req.tokens_in_flight += 1
-        self.launched.append(LaunchedStep(reqs, PendingTokens(tokens)))
+        samplers = [r if r.prefill_done else None for r in reqs]
+        tokens = self.runner.commit_tokens(self._sample(logits, samplers))
+        for req in samplers:
+            if req is not None:
+                req.tokens_in_flight += 1
+        self.launched.append(LaunchedStep(samplers, PendingTokens(tokens)))
         self.steps += 1
 
-    def _sample(self, logits: StepLogits, reqs: list[Request]) -> torch.Tensor:
-        """The step's next tokens. When sampling the batch fails, each sampled row is tried
-        alone (on a copy of its generator); the requests whose rows fail fail alone, their rows
-        take the greedy token (dropped: the request has finished) and the rest are sampled again."""
-        params = [r.params for r in reqs]
-        generators = [r.generator for r in reqs]
+    def _sample(self, logits: StepLogits, reqs: list[Optional[Request]]) -> torch.Tensor:
+        """The step's next tokens (a None row, a chunk that samples nothing, takes the greedy
+        token). When sampling the batch fails, each sampled row is tried alone (on a copy of its
+        generator); the requests whose rows fail fail alone, their rows take the greedy token
+        (dropped: the request has finished) and the rest are sampled again."""
+        params = [_GREEDY if r is None else r.params for r in reqs]
+        generators = [None if r is None else r.generator for r in reqs]
         try:
             return sample(logits, params, generators)
         except Exception:
             logger.exception("sampling a batch of %d failed; finding the requests that fail it", len(reqs))
         for i, req in enumerate(reqs):
-            if req.params.greedy:
+            if req is None or req.params.greedy:
                 continue
             try:
                 sample(_row(logits, i), [req.params], [_copy(req.generator)])
@@ -230,6 +255,8 @@ class Scheduler:
         that finished (a request that finished or was aborted since the launch drops its token).
         A request whose token cannot be taken in (detokenizing, stop checks) fails alone."""
         for req, token in zip(step.requests, step.tokens.get()):
+            if req is None:
+                continue
             req.tokens_in_flight -= 1
             if req.finish_reason is not None:
                 continue
@@ -256,10 +283,9 @@ class Scheduler:
             slots = self.slots.allocate(req.reserved_tokens)
             if slots is None:
                 break
-            self.waiting.popleft()
-            req.slots, req.row = slots, self.rows.allocate()
+            self._admit(slots)
+            req.prefilled = prompt
             admitted.append(req)
-            self.running.append(req)
             budget -= prompt
         if not admitted:
             return None, []
@@ -278,6 +304,46 @@ class Scheduler:
                         seq_lens=[r.launched_len for r in reqs], tokens_on_device=True,
                         gather_logits=_any_sampled(reqs))
         return plan, reqs
+
+    def _plan_mixed(self) -> tuple[Optional[StepPlan], list[Request]]:
+        """One step of chunked prefill: a decode token of every running request that wants one
+        (read on the device, first in the batch), then prompt chunks within ``step_tokens`` in
+        all: the rest of the prompts being prefilled, then waiting requests admitted while they
+        fit. Advances each chunk's ``prefilled``; a plain decode plan when there is no chunk."""
+        decodes = [r for r in self.running if r.wants_decode_step]
+        budget = self.step_tokens - len(decodes)
+        prefilling = [r for r in self.running if not r.prefill_done]
+        chunks: list[tuple[Request, int]] = []  # (request, its chunk's first prompt position)
+        while budget > 0:
+            if prefilling:
+                req = prefilling.pop(0)
+            elif self.waiting and self.rows.available and (
+                    slots := self.slots.allocate(self.waiting[0].reserved_tokens)) is not None:
+                req = self._admit(slots)
+            else:
+                break
+            start = req.prefilled
+            req.prefilled = min(len(req.prompt_ids), start + budget)
+            budget -= req.prefilled - start
+            chunks.append((req, start))
+        if not chunks:
+            return self._plan_decode()
+        prefills = [r for r, _ in chunks]
+        plan = StepPlan("extend", rows=[r.row for r in decodes + prefills],
+                        new_tokens=[r.prompt_ids[start:r.prefilled] for r, start in chunks],
+                        new_slots=[[r.slots[r.launched_len - 1]] for r in decodes]
+                        + [r.slots[start:r.prefilled] for r, start in chunks],
+                        seq_lens=[r.launched_len for r in decodes] + [r.prefilled for r in prefills],
+                        tokens_on_device=bool(decodes),
+                        gather_logits=_any_sampled(decodes + [r for r in prefills if r.prefill_done]))
+        return plan, decodes + prefills
+
+    def _admit(self, slots: list[int]) -> Request:
+        """Move the first waiting request to the running ones with these KV slots and a free row."""
+        req = self.waiting.popleft()
+        req.slots, req.row = slots, self.rows.allocate()
+        self.running.append(req)
+        return req
 
     def _release_resources(self, req: Request) -> None:
         if req.row is not None:

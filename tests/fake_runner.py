@@ -1,0 +1,55 @@
+"""`FakeRunner`: a `ModelRunner` stand-in for scheduler tests (TP1, CPU, no model): the next
+token of a sequence is (its length mod 200) + 10, so outputs follow from the plans alone."""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+from engine.runtime.sampler import StepLogits
+from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.server.engine_client import GenerationChunk
+from fusion.group import TensorParallelGroup
+
+VOCAB = 264
+
+
+class FakeRunner:
+    """Logits that always prefer token (position mod 200) + 10; optionally fails at step N.
+    Records every step's plan, input tokens, (kind, batch size) and ``gather_logits``."""
+
+    def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64, context_len: int = 32) -> None:
+        self.group = TensorParallelGroup(0, 1, torch.device("cpu"))
+        self.num_kv_slots, self.max_rows, self.context_len = slots, rows, context_len
+        self.config = types.SimpleNamespace(eos_token_ids=())
+        self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
+        self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
+        self.plans: list[StepPlan] = []
+        self.inputs: list[list[int]] = []  # each step's input tokens
+        self.gathered: list[bool] = []  # each step's plan.gather_logits
+        self._rows = None
+
+    def forward(self, plan: StepPlan) -> StepLogits:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected forward failure")
+        batch, self._rows = self.table.apply(plan)
+        self.plans.append(plan)
+        self.inputs.append(batch.input_ids.tolist())
+        self.batch_sizes.append((plan.kind, plan.batch_size))
+        self.gathered.append(plan.gather_logits)
+        logits = torch.zeros(plan.batch_size, VOCAB)
+        for i, seq_len in enumerate(plan.seq_lens):
+            logits[i, seq_len % 200 + 10] = 1.0
+        return StepLogits(logits.argmax(-1), logits if plan.gather_logits else None)
+
+    def commit_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.table.commit_tokens(self._rows, tokens)
+        return tokens
+
+
+def collect() -> tuple[list[GenerationChunk], Callable[[GenerationChunk], None]]:
+    """A list of a request's chunks and the ``emit`` that appends to it."""
+    chunks: list[GenerationChunk] = []
+    return chunks, chunks.append

@@ -1,0 +1,20 @@
+"""What a TP rank other than 0 does in the engine's plan loop, for tests that drive rank 0
+themselves (`engine.runtime.tp_worker` runs the same loop in a server's worker processes)."""
+from __future__ import annotations
+
+from engine.runtime.model_runner import ModelRunner
+
+
+def follow_plans(runner: ModelRunner) -> int:
+    """Run every plan rank 0 broadcasts and commit its tokens, until a "shutdown" plan; returns
+    the number of forward steps run."""
+    steps = 0
+    while True:
+        plan = runner.group.broadcast_object(None, src=0)
+        if plan.kind == "shutdown":
+            return steps
+        if plan.kind == "idle":
+            continue
+        runner.forward(plan)
+        runner.commit_tokens(None)
+        steps += 1
