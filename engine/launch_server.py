@@ -31,6 +31,13 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)  # a shutdown requested before the HTTP server runs is a clean exit
 
 
+def startup_summary(seconds: dict[str, float]) -> str:
+    """The start-up part of the startup line: the runner's phases (``startup_s``: weights,
+    fusion setup, KV cache, graphs, warm-up) and their sum."""
+    phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items())
+    return f"start-up {sum(seconds.values()):.1f} s: {phases}"
+
+
 def fusion_summary(status: dict[str, Any]) -> str:
     """The fusion part of the startup line, from the fusion op's status dict."""
     return "all-reduce fusion active" if status["active"] else f"all-reduce unfused: {status['reason_inactive']}"
@@ -89,7 +96,10 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
         runner = ModelRunner(launch.runner, group)
         scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
                               on_failure=lambda why: supervisor.fail(f"the scheduler failed: {why}"),
-                              overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4)
+                              overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
+                              chunked_prefill_size=args.chunked_prefill_size)
+        if not args.skip_server_warmup:
+            runner.warm_up(scheduler.max_extend_tokens)  # before the scheduler's first plan and before /health
         model_name = args.served_model_name or args.model_path
 
         def info() -> dict[str, Any]:
@@ -112,8 +122,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
         config = uvicorn.Config(build_app(engine, model_name, lifecycle), host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=3)
-        logger.info("serving %s on http://%s:%d (TP %d, %s)", model_name, args.host, args.port,
-                    group.world_size, fusion_summary(runner.fusion.status()))
+        logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
+                    group.world_size, fusion_summary(runner.fusion.status()), startup_summary(runner.startup_s))
         DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown)).run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up below is bounded: let it finish

@@ -4,11 +4,13 @@ Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same log
 Start-up order matters: the model's fusion op (no collective yet), the model built on it and its
 weights, then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
-cached, since capture runs the forward once per batch size).
+cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
+of each phase; `warm_up` (rank 0, before serving) adds its own.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +23,7 @@ from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.runtime.warm_up import WarmUpShapes, run_warm_up, warm_up_plans
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 
@@ -72,6 +75,8 @@ class ModelRunner:
         self.settings = settings
         self.group = group
         self.device = group.device
+        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
         config, weights = load_config_and_weights(settings, self.dtype, self.device)
         self.config: ModelConfig = config
@@ -83,15 +88,42 @@ class ModelRunner:
         self.model = build_model(config, self.fusion, self.dtype, self.device)
         self.model.load_weights(weights)
         self.model.eval()
+        start = self._phase_done("weights", start)
         self.fusion.setup()
+        start = self._phase_done("fusion setup", start)
         self.max_rows = settings.max_running_requests
         self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
         self.table = RequestTable(self.max_rows, self.context_len, self.device)
+        start = self._phase_done("KV cache", start)
         self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
             self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
+        self._phase_done("graphs", start)
+
+    def _phase_done(self, phase: str, start: float) -> float:
+        """Record ``phase`` as lasting from ``start`` until the device has finished its work; returns now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.startup_s[phase] = now - start
+        return now
+
+    def warm_up(self, max_extend_tokens: int) -> None:
+        """Collective, on TP rank 0 before serving, while the other ranks wait in their plan
+        loop: run one step of every shape class the server can run with extend steps of up to
+        ``max_extend_tokens`` tokens (`engine.runtime.warm_up`), so that none compiles or loads
+        anything on first use. Writes only the scratch KV slot 0; the request table and every
+        other slot are left as they were. Records ``startup_s["warm-up"]``."""
+        start = time.perf_counter()
+        graph_max_batch = self.graphs.sizes[-1] if self.graphs is not None else 0
+        shapes = WarmUpShapes(context_len=self.context_len, max_extend_tokens=max_extend_tokens,
+                              max_decode_batch=self.max_rows, graph_max_batch=graph_max_batch,
+                              ladder=self.device.type == "cuda", pad_row=self.table.pad_row,
+                              vocab_size=self.config.vocab_size)
+        run_warm_up(self, warm_up_plans(shapes))
+        self._phase_done("warm-up", start)
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
