@@ -6,9 +6,10 @@ Shape classes. Triton compiles a kernel once per specialization: its constexprs 
 attention's split count and key block, from the batch and context width) and, for every integer
 argument, whether it is 1 or divisible by 16, for every pointer whether it is 16-byte aligned
 (the plan's integers travel packed in one tensor, so a field's alignment follows the parity of
-the token and sequence counts before it). So the plans cover: extend batches of 1-3 sequences
-with odd, even and 16-divisible token counts and context widths; a mixed batch (decodes riding
-along with a prefill chunk that has a cached prefix), with an odd and an even sequence count;
+the token and sequence counts before it). So the plans cover: extend batches of 1-3, 16 and 17
+sequences with odd, even and 16-divisible token counts and context widths; a mixed batch (decodes
+riding along with a prefill chunk that has a cached prefix), with odd, even and 16-divisible
+sequence counts;
 eager decode at the batch sizes no CUDA graph holds; steps that gather the logits and sample
 with a temperature. On a device that compiles (CUDA), also the token-count ladder up to the
 largest extend step: for every power of two 2^k, 2^k - 1 and 2^k - 2 tokens (each fusion
@@ -36,8 +37,11 @@ if TYPE_CHECKING:
     from engine.runtime.model_runner import ModelRunner
 
 SCRATCH_SLOT = 0
-EXTEND_CLASSES = ([1], [7], [16], [5, 12], [16, 16], [3, 9, 20])  # new tokens per sequence
-MIXED_CLASSES = ((2, 20, 12), (3, 3, 13))  # (riding decodes, the chunk's cached prefix, its new tokens)
+# new tokens per sequence; the last two: a sequence count of 16 and of 17 (a serving step of many
+# prompts, or many decodes riding along, has these integer classes too)
+EXTEND_CLASSES = ([1], [7], [16], [5, 12], [16, 16], [3, 9, 20], [2] * 16, [1] * 17)
+# (riding decodes, the chunk's cached prefix, its new tokens)
+MIXED_CLASSES = ((2, 20, 12), (3, 3, 13), (15, 20, 12), (16, 3, 1))
 DECODE_WIDTHS = (16, 17)  # context widths of eager decode steps
 SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
 
