@@ -84,11 +84,16 @@ class RequestTable:
         input_ids = [t for toks in plan.new_tokens for t in toks]
         extend_lens = [len(s) for s in plan.new_slots]
         fields = (input_ids, cols, slots, rows, plan.seq_lens, extend_lens, plan.rows)
-        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        # every field padded to an even length, so that each starts 16-byte aligned whatever the
+        # counts: the kernels that read them see one pointer-alignment class (one compile)
+        lengths = [len(f) for f in fields]
+        padded = [n + n % 2 for n in lengths]
+        host = torch.tensor([v for f, p in zip(fields, padded) for v in [*f, *[0] * (p - len(f))]], dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
-        packed = torch.split(host.to(self.device, non_blocking=True), [len(f) for f in fields])
-        input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = packed
+        packed = torch.split(host.to(self.device, non_blocking=True), padded)
+        input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = (
+            t[:n] for t, n in zip(packed, lengths))
         self.record(rows_t, positions, slot_mapping)
         on_device = plan.device_token_count
         if on_device == plan.batch_size:

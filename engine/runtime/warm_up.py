@@ -5,8 +5,8 @@ kernels and decision, a sampling kernel).
 Shape classes. Triton compiles a kernel once per specialization: its constexprs (decode
 attention's split count and key block, from the batch and context width) and, for every integer
 argument, whether it is 1 or divisible by 16, for every pointer whether it is 16-byte aligned
-(the plan's integers travel packed in one tensor, so a field's alignment follows the parity of
-the token and sequence counts before it). So the plans cover: extend batches of 1-3, 16 and 17
+(the plan's integers travel packed in one tensor whose fields `RequestTable.apply` starts on
+16-byte boundaries, so that one is a single class). So the plans cover: extend batches of 1-3, 16 and 17
 sequences with odd, even and 16-divisible token counts and context widths; a mixed batch (decodes
 riding along with a prefill chunk that has a cached prefix), with odd, even and 16-divisible
 sequence counts;
