@@ -83,10 +83,12 @@ class AllReduceFusion:
         if reason is None and uses_workspace:
             if not self.workspace.ensure(self.config.max_tokens, self.hidden_size, self.dtype):
                 reason = f"workspace creation failed ({self.workspace.failure})"
+            self._resources = replace(self._resources, workspace=self.workspace.handle)  # start-up tuning runs it
         if reason:
             env = replace(env, enabled=False, disabled_reason=reason)
         elif uses_workspace:
             env = self._with_table(env)
+            self.counts.clear()  # start-up tuning's measurements are no reductions of the model
         self._update(env)
         if self.config.enabled and reason and self.group.rank == 0:
             logger.warning("all-reduce fusion was requested but runs unfused: %s", reason)

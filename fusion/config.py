@@ -6,7 +6,7 @@ from typing import Optional
 
 FUSION_BACKENDS = ("flashinfer", "torch")
 # Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
-# (32 layers x 128 sizes; a hit costs ~0.1 us, an entry ~100 bytes).
+# (32 layers x 128 batch sizes).
 DEFAULT_CACHE_SIZE = 4096
 NO_TABLE = "none"  # table_path value: no measured table, the built-in rule decides
 

@@ -5,7 +5,7 @@
 "anything but nccl". Both answer from a `FusionEnvironment` that is identical on every rank
 (its inputs are rank-independent; per-rank failures such as a workspace allocation are voted,
 and a measured table is rank 0's, broadcast), so the answer is identical on every rank.
-Answers sit in a bounded LRU (functools.lru_cache: a C implementation, ~0.1 us a hit) keyed on
+Answers sit in a bounded LRU (functools.lru_cache: a C implementation) keyed on
 (layer_id, batch_size); it is cleared whenever the environment (workspace, table) changes.
 
 With a measured table (`fusion.tuning_table`: packaged, given, or measured at start-up) the

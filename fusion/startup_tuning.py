@@ -6,7 +6,8 @@ Collective: every rank measures together (`fusion.tune`: each timing is the slow
 rank 0's table is broadcast, so every rank decides alike, and rank 0 alone reads and writes
 the cache. The measurement covers the power-of-two token counts up to the op's largest batch;
 a measurement that passes its time budget is abandoned (logged) and the built-in rule decides.
-The cache file is keyed by the configuration and by the torch and flashinfer versions.
+The cache file is keyed by the configuration, the table format and the torch and flashinfer
+versions.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _version(package: str) -> str:
 
 def cache_file(fusion: "AllReduceFusion", cache_dir: Optional[str]) -> Path:
     """Where this configuration's measured table is cached."""
-    versions = f"torch-{torch.__version__}_flashinfer-{_version('flashinfer-python')}"
+    versions = f"table-v{TABLE_VERSION}_torch-{torch.__version__}_flashinfer-{_version('flashinfer-python')}"
     key = f"{gpu_name(fusion.group.device)}_tp{fusion.group.world_size}_h{fusion.hidden_size}_{dtype_name(fusion.dtype)}"
     return Path(cache_dir or DEFAULT_CACHE_DIR) / _safe(versions) / f"{_safe(key)}.json"
 

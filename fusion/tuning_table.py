@@ -75,7 +75,8 @@ def read_table(path: str | Path) -> Optional[list[dict[str, Any]]]:
         return parse_table(json.loads(Path(path).read_text()))
     except FileNotFoundError:
         logger.warning("strategy table %s not found: using the built-in rule", path)
-    except (json.JSONDecodeError, TuningTableError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, TuningTableError, UnicodeDecodeError) as exc:
+        # rank 0 reads alone, before a broadcast: any failure must become "no table", not an exit
         logger.warning("strategy table %s is unusable (%s): using the built-in rule", path, exc)
     return None
 

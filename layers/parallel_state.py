@@ -59,11 +59,6 @@ def get_tp_group() -> TensorParallelGroup:
     return _TP_GROUP
 
 
-def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the TP group, in place; returns ``x``."""
-    return get_tp_group().all_reduce(x)
-
-
 def destroy_tensor_parallel() -> None:
     """Destroy the process groups. Destroy every fusion op made over the group first (IPC state
     held past the process group can hang the exit)."""

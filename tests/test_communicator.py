@@ -145,3 +145,24 @@ def test_no_fusion_state_on_the_tp_group():
 
     assert not hasattr(TensorParallelGroup, "fusion") and not hasattr(parallel_state, "init_allreduce_fusion")
     assert not [name for name, value in vars(parallel_state).items() if "fusion" in type(value).__name__.lower()]
+
+
+def _norm_with_fusion(rank, world_size):
+    fusion = make_fusion(HIDDEN, enabled=True, backend="torch")
+    norm = RMSNorm(HIDDEN, EPS)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3)))
+    partial = [torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(10 + r)) for r in range(world_size)]
+    residual = toy_input(5)
+    summed = sum(partial)
+    fused, fused_residual = norm.forward_with_allreduce_fusion(partial[rank].clone(), residual.clone(), fusion, 0)
+    expected, expected_residual = norm(summed.clone(), residual.clone())
+    assert_close(fused, expected)
+    assert_close(fused_residual, expected_residual)
+    alone = norm.forward_with_allreduce_fusion(partial[rank].clone(), None, fusion, 0)
+    assert isinstance(alone, torch.Tensor), "without a residual it returns what forward(x) returns: one tensor"
+    assert_close(alone, norm(summed.clone()))
+    return fusion.counts[Strategy.TORCH]
+
+
+def test_rms_norm_forward_with_allreduce_fusion_returns_what_forward_returns():
+    assert run_distributed(_norm_with_fusion, timeout_s=60) == [2, 2]

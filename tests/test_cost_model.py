@@ -1,6 +1,5 @@
-"""The built-in rule (`fusion.cost_model`): against the packaged measurements, against the
-shapes where a threshold on hidden size alone picked a strategy up to 1.4x slower, and its
-reach (world sizes it has no model for)."""
+"""The built-in rule (`fusion.cost_model`): against the packaged measurements, against measured
+shapes no table holds, and its reach (world sizes it has no model for)."""
 import json
 
 import pytest

@@ -1,8 +1,9 @@
 """Start-up tuning over gloo (2 ranks; flashinfer and an sm90 GPU pretended, a fake workspace):
 a configuration no table holds is measured at set-up, every rank gets rank 0's table, rank 0
 caches it, the next set-up reads the cache instead of measuring, and the switches work (off,
-an explicit table, a passed budget). On the CPU only nccl (gloo) measures: the flashinfer and
-symmetric-memory strategies fail there and are left out on every rank, as on a GPU where one fails."""
+an explicit table, a passed budget). On the CPU nccl (gloo) measures; flashinfer two-shot and the
+symmetric-memory strategies fail there and are left out on every rank, as on a GPU where one fails;
+flashinfer one-shot is played by the torch runner, which checks that it gets the op's workspace."""
 import pytest
 import torch
 
@@ -29,14 +30,27 @@ def _op(cache_dir, **config):
                        max_tokens=16, symm_max_tokens=16, tuning_cache_dir=cache_dir, **config)
 
 
+def _pretend_flashinfer_kernel() -> None:
+    """flashinfer one-shot as the torch runner, refusing to run without the op's workspace."""
+    import fusion.strategies as strategies
+
+    def one_shot(res, *args):
+        assert isinstance(res.workspace, _FakeWorkspace), f"one-shot ran with workspace {res.workspace!r}"
+        return strategies.run_torch(res, *args)
+
+    strategies.RUNNERS[strategies.Strategy.FLASHINFER_ONE_SHOT] = one_shot
+
+
 def _tune_then_reuse(rank, world_size, cache_dir):
     import fusion.tune as tune
 
     _pretend_flashinfer()
+    _pretend_flashinfer_kernel()
     first = _op(cache_dir)
     table = first.dispatcher.environment.table
     out = {"buckets": table.buckets,
-           "strategies": [first.strategy(0, t) for t in (1, 5, 16, 40)],
+           "measured": sorted({s for row in table.timings_us for s in row}),
+           "reductions_after_setup": dict(first.counts),
            "cached": cache_file(first, cache_dir).exists()}
     first.destroy()
 
@@ -54,7 +68,8 @@ def _tune_then_reuse(rank, world_size, cache_dir):
 def test_a_configuration_without_a_table_is_measured_once_and_cached(tmp_path):
     r0, r1 = run_distributed(_tune_then_reuse, args=(str(tmp_path / "cache"),), timeout_s=120)
     assert r0["buckets"] == r1["buckets"] == (1, 2, 4, 8, 16)
-    assert r0["strategies"] == r1["strategies"] == ["nccl"] * 4, "only nccl ran here"
+    assert r0["measured"] == r1["measured"] == ["flashinfer_one_shot", "nccl"], "one-shot ran with the workspace"
+    assert r0["reductions_after_setup"] == {}, "tuning's runs are not counted as the model's reductions"
     assert r0["cached"] and r0["reused"] and r1["reused"]
     assert r0["off"] is None and r1["off"] is None, "--disable-allreduce-fusion-tuning: the built-in rule"
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 1

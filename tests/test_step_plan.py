@@ -94,6 +94,21 @@ def test_a_mixed_plan_reads_its_decodes_tokens_on_the_device_and_the_chunks_from
     assert table.table[7, 2:5].tolist() == [42, 43, 44] and table.table[5, 2] == 40 and table.table[2, 0] == 41
 
 
+@pytest.mark.parametrize("new_lens", [[1], [2, 3], [3, 3, 1], [5, 4, 2, 1]])
+def test_every_packed_field_of_a_plan_starts_16_byte_aligned(new_lens):
+    """Token and sequence counts of any parity leave every integer field 16-byte aligned (the
+    kernels that read them then see one pointer-alignment class), with the right values."""
+    table = RequestTable(ROWS, CONTEXT, CPU)
+    slots = iter(range(1, 100))
+    plan = StepPlan("extend", rows=list(range(len(new_lens))), new_tokens=[list(range(n)) for n in new_lens],
+                    new_slots=[[next(slots) for _ in range(n)] for n in new_lens], seq_lens=[n + 1 for n in new_lens])
+    batch, rows = table.apply(plan)
+    fields = (batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.extend_lens, rows)
+    assert all(f.data_ptr() % 16 == 0 for f in fields)
+    assert batch.extend_lens.tolist() == new_lens and batch.seq_lens.tolist() == [n + 1 for n in new_lens]
+    assert batch.slot_mapping.tolist() == list(range(1, sum(new_lens) + 1))
+
+
 def test_a_sequence_whose_token_is_on_the_device_has_one_new_slot():
     table = RequestTable(ROWS, CONTEXT, CPU)
     plan = StepPlan("extend", rows=[0, 1], new_tokens=[[1, 2]], new_slots=[[1, 2], [3, 4]], seq_lens=[2, 2],

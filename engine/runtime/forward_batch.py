@@ -133,10 +133,6 @@ class KVCache:
     def num_layers(self) -> int:
         return len(self.k)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Memory one token slot takes over all layers (K and V): for sizing the cache."""

@@ -79,7 +79,7 @@ class Engine:
         load = self.scheduler.load()
         if load["running"] or load["waiting"]:
             return False
-        self.scheduler.runner.fusion.dispatcher.cache_clear()
+        self.scheduler.runner.fusion.cache_clear()
         return True
 
     def server_info(self) -> dict[str, Any]:

@@ -1,6 +1,5 @@
 """`align_by_expert` (layers/moe/align.py) in one Triton launch of one program, for decode-sized
-routings: the torch version is some twenty small launches (about 50 µs in a CUDA graph on an
-H200 at 8 slots, most of a decode step's MoE time), this one is one.
+routings: the torch version is some twenty small launches, this one is one.
 
 The program walks the slots in chunks of CHUNK, each chunk as a ``[CHUNK, E]`` one-hot of its
 expert ids:

@@ -67,8 +67,8 @@ class MoEBlockConfig:
 def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
     """Tiles by the mean number of rows per expert (``num_slots / num_experts``): decode-sized
     groups take 16-row blocks and narrow column tiles (many programs streaming expert weights),
-    larger groups taller tiles. From a sweep of each launch alone at Qwen3-30B-A3B's TP2 shards
-    on an H200 (CUDA graphs; 8 to 64 tokens: 3.7-4.1 TB/s on the expert weights read)."""
+    larger groups taller tiles (chosen by a sweep of each launch at Qwen3-30B-A3B's TP2 shards on
+    an H200; the numbers are in docs/notes.md)."""
     rows_per_expert = num_slots / num_experts
     if rows_per_expert <= 16:
         return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64, block_k_down=64)
