@@ -40,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     server configures it) plus this benchmark's flags in their own group."""
     from server_args import ServerArgs
 
-    parser = ServerArgs.build_parser(prog="python -m engine.bench_one_batch")
-    parser.description = __doc__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser = ServerArgs.build_parser(prog="python -m engine.bench_one_batch", description=__doc__)
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to measure (default: 1 8 32)")
     bench.add_argument("--input-len", type=int, default=256, help="prompt tokens per sequence (default: 256)")

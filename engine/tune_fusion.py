@@ -29,9 +29,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def build_parser() -> argparse.ArgumentParser:
     from server_args import ServerArgs
 
-    parser = ServerArgs.build_parser(prog="torchrun --nproc_per_node=N -m engine.tune_fusion")
-    parser.description = __doc__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser = ServerArgs.build_parser(prog="torchrun --nproc_per_node=N -m engine.tune_fusion", description=__doc__)
     tune = parser.add_argument_group("tuning")
     tune.add_argument("--hidden", type=int, nargs="+", default=[4096], help="hidden sizes to measure (default: 4096)")
     tune.add_argument("--tune-dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
