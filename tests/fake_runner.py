@@ -9,6 +9,9 @@ import torch
 
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.scheduling.request import Request
+from engine.scheduling.sampling_params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 from engine.server.engine_client import GenerationChunk
 from fusion.group import TensorParallelGroup
 
@@ -53,3 +56,20 @@ def collect() -> tuple[list[GenerationChunk], Callable[[GenerationChunk], None]]
     """A list of a request's chunks and the ``emit`` that appends to it."""
     chunks: list[GenerationChunk] = []
     return chunks, chunks.append
+
+
+def serve_all(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams]]) -> list[list[GenerationChunk]]:
+    """Submit every (prompt, params) at once and step until the scheduler is idle; each
+    request's chunks, in order."""
+    outs = [collect() for _ in requests]
+    for (prompt, params), (_, emit) in zip(requests, outs):
+        scheduler.submit(Request(prompt, params, emit=emit))
+    scheduler._drain_inbox(block=False)
+    while scheduler.step():
+        pass
+    return [chunks for chunks, _ in outs]
+
+
+def token_ids(chunks: list[GenerationChunk]) -> list[int]:
+    """The tokens a request's chunks carried, in order."""
+    return [t for c in chunks for t in c.token_ids]

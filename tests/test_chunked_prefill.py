@@ -10,7 +10,7 @@ from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from server_args import ServerArgs, ServerArgsError
-from tests.fake_runner import FakeRunner, collect
+from tests.fake_runner import FakeRunner, collect, serve_all, token_ids
 
 CONTEXT = 160
 
@@ -26,15 +26,10 @@ def scheduler(chunk: int, overlap: bool = True, rows: int = 4) -> Scheduler:
 
 
 def serve(s: Scheduler, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    """Submit every request at once and step until all finished; each request's tokens."""
-    outs = [collect() for _ in requests]
-    for (prompt, params), (_, emit) in zip(requests, outs):
-        s.submit(Request(prompt, params, emit=emit))
-    s._drain_inbox(block=False)
-    while s.step():
-        pass
+    """Every request's tokens; the scheduler ends idle with every KV slot free."""
+    outs = serve_all(s, requests)
     assert not s.running and not s.launched and s.slots.available == s.runner.num_kv_slots - 1
-    return [[t for c in chunks for t in c.token_ids] for chunks, _ in outs]
+    return [token_ids(chunks) for chunks in outs]
 
 
 LONG_PROMPT = [200 + i % 50 for i in range(100)]  # the only prompt with ids >= 200

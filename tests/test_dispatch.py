@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from fusion import FusionDispatcher, FusionEnvironment
-from layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 
 GOOD = FusionEnvironment(

@@ -10,7 +10,7 @@ from engine.scheduling.request import Request
 from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
-from tests.fake_runner import FakeRunner, collect
+from tests.fake_runner import FakeRunner, collect, serve_all
 
 def test_requests_join_and_leave_between_steps():
     runner = FakeRunner(rows=2)
@@ -150,13 +150,7 @@ def test_a_request_whose_token_cannot_be_taken_in_fails_alone(monkeypatch: pytes
 def _serve(overlap: bool, requests: list[tuple[list[int], SamplingParams]]) -> tuple[FakeRunner, Scheduler, list]:
     runner = FakeRunner(rows=3)
     s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64, overlap=overlap)
-    outs = [collect() for _ in requests]
-    for (prompt, params), (_, emit) in zip(requests, outs):
-        s.submit(Request(prompt, params, emit=emit))
-    s._drain_inbox(block=False)
-    while s.step():
-        pass
-    return runner, s, [chunks for chunks, _ in outs]
+    return runner, s, serve_all(s, requests)
 
 
 def test_overlap_gives_the_same_outputs_and_drops_one_token_per_early_finish():

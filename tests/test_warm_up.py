@@ -66,17 +66,13 @@ def _unchanged_but_scratch(before: dict, after: dict) -> bool:
 
 
 def _serve(runner, scheduler) -> list[list[int]]:
-    from engine.scheduling.request import Request
     from engine.scheduling.sampling_params import SamplingParams
+    from tests.fake_runner import serve_all, token_ids
 
-    outs: list[list] = [[] for _ in range(3)]
-    for i, n in enumerate((9, 30, 4)):
-        params = SamplingParams(max_tokens=6, temperature=0.8 if i == 1 else 0, seed=2, ignore_eos=True)
-        scheduler.submit(Request([(7 * i + 3 * j) % 264 for j in range(n)], params, emit=outs[i].append))
-    scheduler._drain_inbox(block=False)
-    while scheduler.step():
-        pass
-    return [[t for c in chunks for t in c.token_ids] for chunks in outs]
+    requests = [([(7 * i + 3 * j) % 264 for j in range(n)],
+                 SamplingParams(max_tokens=6, temperature=0.8 if i == 1 else 0, seed=2, ignore_eos=True))
+                for i, n in enumerate((9, 30, 4))]
+    return [token_ids(chunks) for chunks in serve_all(scheduler, requests)]
 
 
 def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
