@@ -70,7 +70,7 @@ def test_running_requests_get_a_token_every_step_while_a_long_prompt_is_prefille
     assert all(b - a == 1 for a, b in zip(counts, counts[1:])), f"a step without the running request's token: {counts}"
     chunk_steps = [p for p in s.runner.plans if p.new_tokens and len(p.new_tokens[-1]) > 3]
     assert len(chunk_steps) == 120 // 15, "each step: the running request's decode and 15 prompt tokens"
-    assert all(p.kind == "extend" and p.device_token_count == 1 and sum(len(x) for x in p.new_slots) == 16
+    assert all(p.kind == "extend" and p.num_device_tokens == 1 and sum(len(x) for x in p.new_slots) == 16
                for p in chunk_steps)
 
 
@@ -131,6 +131,6 @@ def test_the_chunked_prefill_size_option(value: int, chunked: bool):
     args = ServerArgs.from_cli(["--chunked-prefill-size", str(value)])
     s = Scheduler(FakeRunner(), build_tiny_tokenizer(), args.max_prefill_tokens,
                   chunked_prefill_size=args.chunked_prefill_size)
-    assert (s.step_tokens is not None) == chunked
+    assert (s.max_step_tokens is not None) == chunked
     with pytest.raises(ServerArgsError, match="--chunked-prefill-size"):
         ServerArgs.from_cli(["--chunked-prefill-size", "-2"])

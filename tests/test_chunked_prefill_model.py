@@ -45,7 +45,7 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
                 break
             if len(plans) > before:
                 plan = plans[-1]
-                decoded = plan.rows if plan.kind == "decode" else plan.rows[:plan.device_token_count]
+                decoded = plan.rows if plan.kind == "decode" else plan.rows[:plan.num_device_tokens]
                 rides_along &= wanting <= set(decoded)
                 prompt_steps += plan.kind == "extend"
     finally:

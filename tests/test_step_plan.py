@@ -86,7 +86,7 @@ def test_a_mixed_plan_reads_its_decodes_tokens_on_the_device_and_the_chunks_from
     table.commit_tokens(torch.tensor([5, 2]), torch.tensor([11, 12]))
     plan = StepPlan("extend", rows=[5, 2, 7], new_tokens=[[3, 4, 5]], new_slots=[[40], [41], [42, 43, 44]],
                     seq_lens=[3, 1, 5], tokens_on_device=True)
-    assert plan.device_token_count == 2
+    assert plan.num_device_tokens == 2
     batch, rows = table.apply(plan)
     assert not batch.is_decode and rows.tolist() == [5, 2, 7]
     assert batch.input_ids.tolist() == [11, 12, 3, 4, 5] and batch.positions.tolist() == [2, 0, 2, 3, 4]

@@ -1,21 +1,8 @@
-"""The Llama family on the block decoder (engine/models/block_decoder.py): LlamaForCausalLM,
-Qwen2ForCausalLM (q/k/v bias) and MistralForCausalLM share it. Its attention and dense MLP
-blocks, and its HF checkpoint layout, are the base the other decoders extend.
-
-One decoder layer (h_partial: a row-parallel output not yet summed over TP ranks):
-
-    h, residual = comm.prepare_attn(h, residual)        input RMSNorm (takes the previous
-                                                         layer's deferred all-reduce)
-    h_partial   = o_proj(attn(rope(qkv_proj(h))))       o_proj: reduce_results=False; rope
-                                                         also writes k, v into the KV cache
-    h, residual = comm.prepare_mlp(h_partial, residual) all-reduce + add + post-attention RMSNorm
-    h_partial   = down_proj(silu(gate) * up)            down_proj: reduce_results=False
-    h, residual = comm.postprocess_layer(h_partial, r)  reduce now, or defer to the next norm
-
-and after the last layer ``comm.prepare_final_norm(h, residual, norm)``. Which of these
-reductions fuse with their norm is `layers.communicator.LayerCommunicator`'s business; every
-one of them runs exactly once.
-"""
+"""The Llama family on the block decoder (engine/models/block_decoder.py, whose docstring has a
+layer's data flow and its reductions): LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias) and
+MistralForCausalLM share it. Its attention block (qkv_proj -> rope + KV-cache write -> attention
+-> o_proj with ``reduce_results=False``) and dense MLP (gate_up_proj -> SiLU * up -> down_proj with
+``reduce_results=False``) are the base the other decoders extend."""
 from __future__ import annotations
 
 from typing import Optional

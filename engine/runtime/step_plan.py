@@ -32,7 +32,7 @@ class StepPlan:
     new_tokens: list[list[int]] = field(default_factory=list)
     new_slots: list[list[int]] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    # the first ``device_token_count`` sequences have no host token list: each one's one new
+    # the first ``num_device_tokens`` sequences have no host token list: each one's one new
     # token is ``last_tokens[row]`` (a decode plan: every sequence; an extend plan: the decodes
     # that ride along, before the prefill sequences whose tokens ``new_tokens`` lists)
     tokens_on_device: bool = False
@@ -45,7 +45,7 @@ class StepPlan:
         return len(self.rows)
 
     @property
-    def device_token_count(self) -> int:
+    def num_device_tokens(self) -> int:
         """Sequences whose one new token is read on the device (the leading ones)."""
         return self.batch_size - len(self.new_tokens) if self.tokens_on_device else 0
 
@@ -95,7 +95,7 @@ class RequestTable:
         input_ids_t, positions, slot_mapping, rows_t, seq_lens, extend_lens_t, plan_rows = (
             t[:n] for t, n in zip(packed, lengths))
         self.record(rows_t, positions, slot_mapping)
-        on_device = plan.device_token_count
+        on_device = plan.num_device_tokens
         if on_device == plan.batch_size:
             input_ids_t = self.last_tokens[plan_rows]
         elif on_device:
@@ -125,10 +125,10 @@ def check_token_source(plan: StepPlan) -> None:
         if plan.new_tokens:
             raise ValueError(f"tokens_on_device is for decode plans without host tokens, got "
                              f"{len(plan.new_tokens)} token lists")
-    elif plan.kind != "extend" or not 0 < plan.device_token_count < plan.batch_size:
+    elif plan.kind != "extend" or not 0 < plan.num_device_tokens < plan.batch_size:
         raise ValueError(f"tokens_on_device in a {plan.kind!r} plan needs host tokens for some but not all of its "
                          f"{plan.batch_size} sequences, got {len(plan.new_tokens)} token lists")
-    elif any(len(s) != 1 for s in plan.new_slots[:plan.device_token_count]):
+    elif any(len(s) != 1 for s in plan.new_slots[:plan.num_device_tokens]):
         raise ValueError("a sequence whose token is read on the device has exactly one new slot")
 
 

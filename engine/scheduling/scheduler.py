@@ -77,7 +77,7 @@ class Scheduler:
         self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         # tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
-        self.step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
+        self.max_step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
         self.seed = seed
         self.slots = SlotAllocator(runner.num_kv_slots)
         self.rows = RowAllocator(runner.max_rows)
@@ -194,14 +194,14 @@ class Scheduler:
     def max_extend_tokens(self) -> int:
         """The most tokens an extend step can hold: a mixed step's size, or without chunking the
         prefill budget or a whole prompt admitted alone (at most the context length - 1)."""
-        if self.step_tokens is not None:
-            return self.step_tokens
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
         return max(self.max_prefill_tokens, self.runner.context_len - 1)
 
     def step(self) -> bool:
         """Launch one forward step (if any is due), then take in the tokens of every launched
         step but the newest (with overlap) or of all (without); False when nothing happened."""
-        if self.step_tokens is not None:
+        if self.max_step_tokens is not None:
             plan, reqs = self._plan_mixed()
         else:
             plan, reqs = self._plan_prefill()
@@ -307,11 +307,11 @@ class Scheduler:
 
     def _plan_mixed(self) -> tuple[Optional[StepPlan], list[Request]]:
         """One step of chunked prefill: a decode token of every running request that wants one
-        (read on the device, first in the batch), then prompt chunks within ``step_tokens`` in
+        (read on the device, first in the batch), then prompt chunks within ``max_step_tokens`` in
         all: the rest of the prompts being prefilled, then waiting requests admitted while they
         fit. Advances each chunk's ``prefilled``; a plain decode plan when there is no chunk."""
         decodes = [r for r in self.running if r.wants_decode_step]
-        budget = self.step_tokens - len(decodes)
+        budget = self.max_step_tokens - len(decodes)
         prefilling = [r for r in self.running if not r.prefill_done]
         chunks: list[tuple[Request, int]] = []  # (request, its chunk's first prompt position)
         while budget > 0:
