@@ -128,6 +128,19 @@ def test_sigterm_under_load_drains_then_exits_0_on_every_rank(idling: IdlingServ
     assert_no_orphans(workers)
 
 
+def assert_failed_together(server, outcomes, workers, reason: str) -> None:
+    """The server exited 1 naming ``reason`` in its log; every client got a 500 saying it, or
+    (a short request that finished first) its whole answer; no worker is left."""
+    assert server.proc.returncode == 1
+    assert reason in server.log_text()
+    for outcome in outcomes:
+        if outcome.body is not None and "error" not in outcome.body:
+            assert outcome.body["usage"]["completion_tokens"] == 50, "only a short one may have finished first"
+        else:
+            assert_error(outcome, 500, reason)
+    assert_no_orphans(workers)
+
+
 def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     server = ServerProcess(*TP2)
     workers = server.worker_pids()
@@ -138,14 +151,7 @@ def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     outcomes = result(30)
     print(f"\nkill -9 of rank 1 under load: exit code {server.proc.returncode} after {elapsed:.2f} s; "
           f"clients: {[(o.status, o.error_object()) for o in outcomes]}")
-    assert server.proc.returncode == 1
-    assert "TP worker rank 1 exited (code -9)" in server.log_text()
-    for outcome in outcomes:
-        if outcome.body is not None and "error" not in outcome.body:
-            assert outcome.body["usage"]["completion_tokens"] == 50, "only a short one may have finished first"
-        else:
-            assert_error(outcome, 500, "TP worker rank 1 exited (code -9)")
-    assert_no_orphans(workers)
+    assert_failed_together(server, outcomes, workers, "TP worker rank 1 exited (code -9)")
 
 
 def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survives_it(idling: IdlingServer):
@@ -162,11 +168,4 @@ def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survive
     outcomes = result(30)
     print(f"\nSIGSTOP of rank 1 under load, --dist-timeout {DIST_TIMEOUT_S:g}: exit code {server.proc.returncode} after "
           f"{elapsed:.2f} s; clients: {[(o.status, o.error_object()) for o in outcomes]}")
-    assert server.proc.returncode == 1
-    assert "TP worker rank 1 is stopped" in server.log_text()
-    for outcome in outcomes:
-        if outcome.body is not None and "error" not in outcome.body:
-            assert outcome.body["usage"]["completion_tokens"] == 50, "only a short one may have finished first"
-        else:
-            assert_error(outcome, 500, "TP worker rank 1 is stopped")
-    assert_no_orphans(workers)
+    assert_failed_together(server, outcomes, workers, "TP worker rank 1 is stopped")
