@@ -10,18 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runtime.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.weights.dummy import dummy_weights
 
-from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import scaled_inv_freq
 from tests.dist_utils import make_fusion, run_distributed
+from tests.model_scenario import run_scenario
 
 DECODE_STEPS = 32
 NUM_SLOTS = 256
-PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]
 
 LLAMA = ModelConfig(
     architecture="LlamaForCausalLM", hidden_size=128, num_hidden_layers=3, num_attention_heads=8,
@@ -37,59 +35,20 @@ QWEN = ModelConfig(
 CONFIGS = {"llama": LLAMA, "qwen": QWEN}
 
 
-def _run(model, steps: int) -> dict:
-    """The scenario of the module docstring; every logits row with its (sequence, position)."""
-    group = get_tp_group()
-    cache = model.allocate_kv_cache(NUM_SLOTS)
-    free = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(7)).tolist()
-    seqs = [list(p) for p in PROMPTS]
-    slots: list[list[int]] = [[] for _ in PROMPTS]
-    rows, logits = [], []
-    group.counters.reset()
-
-    def step(chunks: list[tuple[int, list[int]]]) -> list[int]:
-        for s, new in chunks:
-            slots[s].extend(free.pop() for _ in new)
-        batch = ForwardBatch.from_lists([new for _, new in chunks], [slots[s] for s, _ in chunks])
-        out = model(batch, cache)
-        full = out.gather()
-        assert full.dtype == torch.float32 and full.shape == (len(chunks), model.config.vocab_size)
-        assert out.greedy_tokens.tolist() == full.argmax(dim=-1).tolist(), "greedy over the shards = argmax of the whole"
-        rows.extend((s, len(slots[s]) - 1) for s, _ in chunks)
-        logits.append(full)
-        return out.greedy_tokens.tolist()
-
-    first = step([(0, seqs[0]), (1, seqs[1]), (2, seqs[2][:4])])
-    for s in (0, 1):
-        seqs[s].append(first[s])
-    mixed = step([(0, seqs[0][-1:]), (1, seqs[1][-1:]), (2, seqs[2][4:])])
-    for s, token in enumerate(mixed):
-        seqs[s].append(token)
-    for _ in range(steps):
-        tokens = step([(s, seqs[s][-1:]) for s in range(3)])
-        for s, token in enumerate(tokens):
-            seqs[s].append(token)
-    return {"logits": torch.cat(logits), "rows": rows, "tokens": seqs, "forwards": len(logits),
-            "all_reduces": group.counters.total, "fused": sum(n for s, n in model_fusion(model).counts.items() if s != "nccl")}
-
-
-def model_fusion(model):
-    return model.model.layers[0].comm.fusion
-
-
-def _build(config: ModelConfig, **fusion_config):
-    model = build_model(config, make_fusion(config.hidden_size, **fusion_config))
+def _run(config: ModelConfig, **fusion_config) -> dict:
+    fusion = make_fusion(config.hidden_size, **fusion_config)
+    model = build_model(config, fusion)
     model.load_weights(dummy_weights(config, seed=3))
-    return model
+    return run_scenario(model, fusion, NUM_SLOTS, DECODE_STEPS)
 
 
 def _tp_worker(rank: int, world: int) -> dict:
-    unfused = {name: _run(_build(cfg), DECODE_STEPS) for name, cfg in CONFIGS.items()}
+    unfused = {name: _run(cfg) for name, cfg in CONFIGS.items()}
     if world == 1:
         return {"unfused": unfused}
     fused = {}
     for name, cfg in CONFIGS.items():
-        fused[name] = _run(_build(cfg, enabled=True, backend="torch"), DECODE_STEPS)
+        fused[name] = _run(cfg, enabled=True, backend="torch")
     return {"unfused": unfused, "fused": fused, "load_errors": _load_errors()}
 
 

@@ -21,17 +21,15 @@ from safetensors.torch import save_file
 from engine.models.builtin import builtin_config
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model, hf_weight_shapes
-from engine.runtime.forward_batch import ForwardBatch
 from engine.weights.dummy import dummy_weights
 from engine.weights.safetensors_loader import load_safetensors
-from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import scaled_inv_freq
 from tests import test_moe_layer as moe_layer
 from tests.dist_utils import make_fusion, run_distributed
+from tests.model_scenario import run_scenario
 
 DECODE_STEPS = 8
 NUM_SLOTS = 128
-PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]
 
 MIXTRAL = ModelConfig(
     architecture="MixtralForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -47,36 +45,6 @@ CONFIGS = {"tiny-moe": builtin_config("tiny-moe"), "mixtral": MIXTRAL, "qwen3": 
 SEED = 3
 
 
-def _run(model, fusion) -> dict:
-    """The scenario of the module docstring: every logits row with its (sequence, position)."""
-    group = get_tp_group()
-    cache = model.allocate_kv_cache(NUM_SLOTS)
-    free = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(7)).tolist()
-    seqs = [list(p) for p in PROMPTS]
-    slots: list[list[int]] = [[] for _ in PROMPTS]
-    rows, logits = [], []
-    group.counters.reset()
-
-    def step(chunks: list[tuple[int, list[int]]]) -> list[int]:
-        for s, new in chunks:
-            slots[s].extend(free.pop() for _ in new)
-        full = model(ForwardBatch.from_lists([new for _, new in chunks], [slots[s] for s, _ in chunks]), cache).gather()
-        rows.extend((s, len(slots[s]) - 1) for s, _ in chunks)
-        logits.append(full)
-        return full.argmax(dim=-1).tolist()
-
-    first = step([(0, seqs[0]), (1, seqs[1]), (2, seqs[2][:4])])
-    for s in (0, 1):
-        seqs[s].append(first[s])
-    chunks = [(0, seqs[0][-1:]), (1, seqs[1][-1:]), (2, seqs[2][4:])]
-    for _ in range(1 + DECODE_STEPS):
-        for s, token in enumerate(step(chunks)):
-            seqs[s].append(token)
-        chunks = [(s, seqs[s][-1:]) for s in range(3)]
-    return {"logits": torch.cat(logits), "rows": rows, "tokens": seqs, "forwards": len(logits),
-            "all_reduces": group.counters.total, "fused": sum(n for s, n in fusion.counts.items() if s.value != "nccl")}
-
-
 def _build(config: ModelConfig, **fusion_config):
     fusion = make_fusion(config.hidden_size, **fusion_config)
     model = build_model(config, fusion)
@@ -85,9 +53,9 @@ def _build(config: ModelConfig, **fusion_config):
 
 
 def _worker(rank: int, world: int, checkpoint_dir: str) -> dict:
-    result = {"block": moe_layer.block_results(), "unfused": {name: _run(*_build(cfg)) for name, cfg in CONFIGS.items()}}
+    result = {"block": moe_layer.block_results(), "unfused": {name: run_scenario(*_build(cfg), NUM_SLOTS, DECODE_STEPS) for name, cfg in CONFIGS.items()}}
     if world > 1:
-        result["fused"] = {name: _run(*_build(cfg, enabled=True, backend="torch")) for name, cfg in CONFIGS.items()}
+        result["fused"] = {name: run_scenario(*_build(cfg, enabled=True, backend="torch"), NUM_SLOTS, DECODE_STEPS) for name, cfg in CONFIGS.items()}
         result["checkpoint_equal"] = _checkpoint_loads_as_dummy(checkpoint_dir)
         result["load_errors"] = _load_errors()
     return result
