@@ -11,14 +11,15 @@ Qwen3-MoE replaces every layer's MLP by a `SparseMoeBlock`: ``num_experts`` expe
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from engine.models.block_decoder import BlockDecoderForCausalLM, sparse_moe_block
+from engine.models.block_decoder import sparse_moe_block
 from engine.models.config import ModelConfig
-from engine.models.hf_layouts import Shapes, block_decoder_param_target, block_decoder_weight_shapes
-from engine.models.llama import LlamaAttention, LlamaMLP
+from engine.models.hf_layouts import block_decoder_weight_shapes
+from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.runtime.forward_batch import ForwardBatch, KVCache
 from layers.layernorm import RMSNorm
 
@@ -44,15 +45,9 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 
-def qwen3_weight_shapes(config: ModelConfig) -> Shapes:
-    return block_decoder_weight_shapes(config, qk_norm=True)
-
-
-class Qwen3ForCausalLM(BlockDecoderForCausalLM):
+class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_class = Qwen3Attention
-    make_mlp = staticmethod(LlamaMLP)
-    hf_weight_shapes = staticmethod(qwen3_weight_shapes)
-    param_target = staticmethod(block_decoder_param_target)
+    hf_weight_shapes = staticmethod(functools.partial(block_decoder_weight_shapes, qk_norm=True))
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
