@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
     from server_args import ServerArgs
 
     parser = build_parser()
@@ -282,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if world != server.tp_size:
         parser.error(f"--tp-size {server.tp_size} but {world} processes: run it under torchrun --nproc_per_node={server.tp_size}")
     use_cuda = server.device == "cuda" or (server.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    device = default_device(int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     init_tensor_parallel(world, rank, "env://", device=device, timeout_s=server.dist_timeout)
     options = AgreementOptions(ns.gsm8k_data_path, ns.gsm8k_train_path, ns.num_shots, ns.min_positions, ns.batch_size)
     try:

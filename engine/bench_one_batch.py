@@ -98,10 +98,10 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
     from engine.launch_config import fusion_config, runner_settings
     from engine.runtime.model_runner import ModelRunner
     from fusion.config import NO_TABLE
-    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
 
     use_cuda = server.device == "cuda" or (server.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    device = default_device(rank) if use_cuda else torch.device("cpu")
     group = init_tensor_parallel(server.tp_size, rank, init_method, device=device, timeout_s=server.dist_timeout)
     base = fusion_config(server)
     configs = {"off": replace(base, enabled=False), "on": replace(base, enabled=True),
@@ -127,6 +127,7 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
                     "fusion": setting, "fusion_active": status["active"],
                     "strategy_table": status["measured_strategy_table"],
                     "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs, "overlap": overlap,
+                    "shared_gpu": group.shared_gpu_note,
                     "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
                 })
@@ -145,6 +146,9 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
 
 
 def report(server: Any, args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    shared = next((r["shared_gpu"] for r in results if r.get("shared_gpu")), None)
+    if shared:
+        print(f"NOT REPRESENTATIVE (every row is 'shared GPU'): {shared}")
     print(format_table(server, args, results))
     inactive = {r["fusion_reason_inactive"] for r in results if r["fusion"] != "off" and not r["fusion_active"]}
     for reason in inactive:
@@ -176,7 +180,8 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
 
         cells = ([cell(s, "prefill_ms") for s in measured] + [cell(s, "tpot_ms") for s in measured]
                  + [gain(s, "tpot_ms") for s in compared] + [gain(s, "prefill_ms") for s in compared])
-        lines.append(f"{bs:>5} " + " ".join(f"{c:>17}" for c in cells))
+        shared = any(r.get("shared_gpu") for (_, b), r in by.items() if b == bs)
+        lines.append(f"{bs:>5} " + " ".join(f"{c:>17}" for c in cells) + ("  shared GPU" if shared else ""))
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from engine.runtime.model_runner import RunnerSettings
 from fusion import FusionConfig
+from layers.parallel_state import default_device
 from server_args import ServerArgs
 
 
@@ -38,8 +39,10 @@ class LaunchConfig:
         return range(start, start + self.ranks_per_node)
 
     def device_for(self, rank: int) -> torch.device:
+        """``rank``'s device: its local index modulo the visible GPUs (more ranks per node than
+        GPUs share them: the TP group detects it and runs in its shared-GPU mode)."""
         if self.device_type == "cuda":
-            return torch.device("cuda", rank % self.ranks_per_node)
+            return default_device(rank % self.ranks_per_node)
         return torch.device("cpu")
 
 
@@ -58,9 +61,6 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda was given but no CUDA GPU is visible")
-        if torch.cuda.device_count() < args.tp_size_per_node:
-            raise ValueError(f"--tp-size {args.tp_size} needs {args.tp_size_per_node} GPUs per node; "
-                             f"{torch.cuda.device_count()} visible")
     addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
     threads = max(1, (os.cpu_count() or 1) // max(1, args.tp_size_per_node))
     return LaunchConfig(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}", device_type, args.dist_timeout,

@@ -108,7 +108,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
                 "model": {"name": model_name, "context_length": runner.context_len,
                           "num_layers": runner.config.num_hidden_layers, "hidden_size": runner.config.hidden_size},
                 "device": str(runner.device), "dtype": str(runner.dtype), "tp_size": group.world_size,
-                "tp_spans_nodes": group.spans_nodes, "kv_cache_slots": runner.num_kv_slots,
+                "tp_spans_nodes": group.spans_nodes, "tp_shared_gpu": group.shared_gpu_note,
+                "kv_cache_slots": runner.num_kv_slots,
                 "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs else [],
                 "fusion": runner.fusion.status(), "load": scheduler.load(),
             }

@@ -12,7 +12,6 @@ size, hidden and dtype and merged into an existing file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,10 +52,11 @@ def existing_entries(path: Path) -> list[dict[str, Any]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.launch_config import fusion_config
-    from fusion import AllReduceFusion, TensorParallelGroup
+    from fusion import AllReduceFusion
     from fusion.config import NO_TABLE
     from fusion.tune import make_buffers, table_entry, token_buckets
     from fusion.tuning_table import TABLE_VERSION, merge_entry
+    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
     from server_args import ServerArgs
 
     ns = build_parser().parse_args(argv)
@@ -68,12 +67,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     output = Path(ns.output)
     entries = existing_entries(output) if rank == 0 else []
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=server.dist_timeout)
-    dist.init_process_group("nccl", world_size=world, rank=rank, timeout=timeout)
-    group = TensorParallelGroup(rank, world, device, dist.group.WORLD,
-                                dist.new_group(list(range(world)), backend="gloo", timeout=timeout))
+    device = default_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = init_tensor_parallel(world, rank, device=device, timeout_s=server.dist_timeout)
+    if group.shares_gpu:
+        if rank == 0:
+            print(f"error: {group.shared_gpu_note}. A strategy table measured there would be wrong: tune with one "
+                  "GPU per rank", file=sys.stderr)
+        destroy_tensor_parallel()
+        return 2
     config = replace(fusion_config(server), enabled=True, table_path=NO_TABLE, tune_at_startup=False)
     buckets = token_buckets(config.max_tokens)
     try:
@@ -93,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())), flush=True)
                     output.write_text(json.dumps({"version": TABLE_VERSION, "entries": entries}, indent=1))
     finally:
-        dist.destroy_process_group()
+        destroy_tensor_parallel()
     return 0
 
 

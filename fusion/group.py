@@ -8,6 +8,11 @@ A `TensorParallelGroup` bundles the two process groups a TP rank needs:
 
 It counts the activation reductions run over it (its own all-reduces and those of the fused
 kernels) so that tests can check that deferring a reduction never adds or drops one.
+
+It also knows which CUDA device each rank runs on (the identities the ranks exchange when the
+group is made). Two ranks on one GPU are supported for correctness (`shared_gpu_note`): the
+device group is then gloo (NCCL refuses two ranks per GPU), and every timing taken there is
+not representative of two GPUs.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class TensorParallelGroup:
         device_group: Optional[dist.ProcessGroup] = None,
         cpu_group: Optional[dist.ProcessGroup] = None,
         node_ids: Optional[list[Any]] = None,
+        device_ids: Optional[list[Any]] = None,
     ) -> None:
         if world_size > 1 and (device_group is None or cpu_group is None):
             raise ValueError("a TP group of world_size > 1 needs a device group and a CPU group")
@@ -55,12 +61,47 @@ class TensorParallelGroup:
         self.device_group = device_group
         self.cpu_group = cpu_group
         self.node_ids = list(node_ids) if node_ids is not None else [0] * world_size
+        # per rank: (node identity, device identity); the device identity is None off CUDA
+        self.device_ids = list(device_ids) if device_ids is not None else [None] * world_size
         self.counters = ReductionCounters()
 
     @property
     def spans_nodes(self) -> bool:
         """True when the ranks live on more than one node (CUDA IPC cannot reach them all)."""
         return len(set(self.node_ids)) > 1
+
+    @property
+    def shared_gpus(self) -> dict[str, list[int]]:
+        """``{GPU name: [ranks]}`` of every CUDA device that more than one rank of the group
+        runs on (ranks on other nodes never share one); empty when each rank has its own."""
+        ranks: dict[Any, list[int]] = {}
+        for rank, (node, dev) in enumerate(zip(self.node_ids, self.device_ids)):
+            if dev is not None:
+                ranks.setdefault((node, dev[0]), []).append(rank)
+        return {self.device_ids[rs[0]][1]: rs for rs in ranks.values() if len(rs) > 1}
+
+    @property
+    def shares_gpu(self) -> bool:
+        """True when two or more ranks of the group run on one CUDA device."""
+        return bool(self.shared_gpus)
+
+    @property
+    def ranks_on_this_gpu(self) -> int:
+        """How many ranks of the group run on this rank's device (1 off CUDA)."""
+        me = (self.node_ids[self.rank], self.device_ids[self.rank])
+        if me[1] is None:
+            return 1
+        return sum((node, dev) == me for node, dev in zip(self.node_ids, self.device_ids))
+
+    @property
+    def shared_gpu_note(self) -> Optional[str]:
+        """One line for logs and server info when ranks share a GPU, else None."""
+        shared = self.shared_gpus
+        if not shared:
+            return None
+        where = "; ".join(f"ranks {', '.join(map(str, rs))} share {gpu}" for gpu, rs in shared.items())
+        return (f"TP ranks share a GPU ({where}): the TP code paths run correctly, but every timing is "
+                "time-shared and not representative of one GPU per rank")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place; returns ``x``."""
@@ -101,6 +142,16 @@ class TensorParallelGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_group, src), group=self.cpu_group)
         return box[0]
+
+    @staticmethod
+    def device_identity(device: torch.device) -> Optional[tuple[str, str]]:
+        """What identifies this rank's CUDA device across processes: ``(UUID, "cuda:N (name)")``
+        (the UUID, unlike the index, does not depend on CUDA_VISIBLE_DEVICES); None off CUDA."""
+        if device.type != "cuda":
+            return None
+        props = torch.cuda.get_device_properties(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return (str(props.uuid), f"cuda:{index} ({props.name})")
 
     @staticmethod
     def node_identity(node_rank: int) -> tuple[str, int]:

@@ -55,13 +55,20 @@ def _safe(name: str) -> str:
 
 def tune_at_startup(fusion: "AllReduceFusion", cache_dir: Optional[str], budget_s: float) -> Optional[StrategyTable]:
     """Collective: this configuration's table from the cache, else measured now and cached;
-    None when the measurement passed ``budget_s`` seconds."""
+    None when the measurement passed ``budget_s`` seconds, or when ranks share a GPU (nothing
+    is measured or cached there)."""
     from fusion.tune import make_buffers, table_entry
 
     group = fusion.group
     start = time.monotonic()
     path = cache_file(fusion, cache_dir)
     key = (gpu_name(group.device), group.world_size, fusion.hidden_size, dtype_name(fusion.dtype))
+    if group.shares_gpu:  # identical on every rank: all skip together
+        if group.rank == 0:
+            logger.warning("all-reduce fusion: no start-up tuning for %s TP%d hidden %d %s: the TP ranks share a "
+                           "GPU, where a time-shared measurement would pick wrong strategies; the built-in rule "
+                           "decides", *key)
+        return None
     cached = select_table(read_table(path), *key) if group.rank == 0 and path.exists() else None
     cached = group.broadcast_object(cached)
     if cached is not None:

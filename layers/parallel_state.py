@@ -1,13 +1,19 @@
 """Tensor-parallel process groups: one TP group per process, reached through `get_tp_group()`.
 
 `init_tensor_parallel` creates the device group (NCCL on GPU, gloo on CPU) and a gloo CPU
-group for votes and broadcasts, and records which node each rank runs on. The fused all-reduce
+group for votes and broadcasts, and records which node and which CUDA device each rank runs on.
+Ranks that share a GPU (a TP size larger than the GPUs of a node: testing TP code paths on one
+GPU) are detected from the device identities the ranks exchange, never assumed from a flag: their
+device group is gloo on CUDA tensors (NCCL refuses two ranks on one device), and torch symmetric
+memory is allowed to map overlapping devices. The fused all-reduce
 is not the group's: the engine builds one `fusion.AllReduceFusion` per model over this group
 and passes it to the model's layers.
 """
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 from typing import Optional
 
 import torch
@@ -15,7 +21,18 @@ import torch.distributed as dist
 
 from fusion import TensorParallelGroup
 
+logger = logging.getLogger(__name__)
 _TP_GROUP: Optional[TensorParallelGroup] = None
+# torch symmetric memory refuses to map two ranks' buffers on one device unless this is set
+SYMM_MEM_OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def default_device(local_rank: int) -> torch.device:
+    """The device of the ``local_rank``-th rank on its node: ``cuda:<local_rank % visible GPUs>``
+    when CUDA is available (more ranks than GPUs share them), else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def init_tensor_parallel(
@@ -27,28 +44,43 @@ def init_tensor_parallel(
     timeout_s: float = 120.0,
 ) -> TensorParallelGroup:
     """Join a TP group of ``world_size`` ranks (all ranks of the job). ``device`` defaults to
-    ``cuda:<rank % local GPUs>`` when CUDA is available, else the CPU. ``timeout_s`` bounds
-    every collective, so a lost peer surfaces as an error instead of a hang."""
+    `default_device(rank)`. ``timeout_s`` bounds every collective, so a lost peer surfaces as an
+    error instead of a hang. The ranks first exchange their node and device identities over
+    gloo; the device group is NCCL only when every rank has a CUDA device of its own."""
     global _TP_GROUP
     if _TP_GROUP is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
-    if device is None:
-        device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = torch.device(device) if device is not None else default_device(rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        try:
+            torch.cuda.set_device(device)
+        except RuntimeError as exc:  # torch's CUDA errors are RuntimeErrors: say what it means here
+            raise RuntimeError(f"rank {rank} cannot use {device}: {str(exc).splitlines()[0]} (a GPU in an "
+                               "exclusive compute mode or held by another process refuses a second rank; ranks "
+                               "sharing a GPU need compute mode Default, ideally with the MPS daemon)") from None
     if world_size == 1:
         _TP_GROUP = TensorParallelGroup(0, 1, device)
         return _TP_GROUP
-    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    dist.init_process_group("gloo", init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
     ranks = list(range(world_size))
-    device_group = dist.group.WORLD if backend == "gloo" else dist.new_group(ranks, backend="nccl", timeout=timeout)
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    node_ids: list[object] = [None] * world_size
-    dist.all_gather_object(node_ids, TensorParallelGroup.node_identity(node_rank), group=cpu_group)
-    _TP_GROUP = TensorParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids)
+    identities: list[object] = [None] * world_size
+    me = (TensorParallelGroup.node_identity(node_rank), TensorParallelGroup.device_identity(device))
+    dist.all_gather_object(identities, me, group=cpu_group)
+    node_ids, device_ids = [i[0] for i in identities], [i[1] for i in identities]
+    probe = TensorParallelGroup(rank, world_size, device, cpu_group, cpu_group, node_ids, device_ids)
+    if device.type != "cuda":
+        device_group = dist.group.WORLD
+    elif probe.shares_gpu:
+        # before the first symmetric allocation; only in this case (it is a correctness mode)
+        os.environ[SYMM_MEM_OVERLAP_ENV] = "1"
+        device_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if rank == 0:
+            logger.warning("%s; the device group is gloo on CUDA tensors", probe.shared_gpu_note)
+    else:
+        device_group = dist.new_group(ranks, backend="nccl", timeout=timeout)
+    _TP_GROUP = TensorParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids, device_ids)
     return _TP_GROUP
 
 

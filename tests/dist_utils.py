@@ -34,7 +34,8 @@ def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: in
 
     torch.set_num_threads(1)
     try:
-        device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+        # more ranks than GPUs share them (the TP group detects it: shared-GPU mode)
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if device_kind == "cuda" else torch.device("cpu")
         node_rank = node_ranks[rank] if node_ranks else 0
         init_tensor_parallel(world_size, rank, f"tcp://127.0.0.1:{port}", device=device, node_rank=node_rank, timeout_s=60)
         # Plain pickle (tensor data copied, not shared through fds that die with this process);

@@ -117,7 +117,7 @@ def test_tp_group_across_two_nodes_turns_flashinfer_fusion_off():
     node0 = ServerProcess(*common, "--node-rank", "0")
     try:
         info = node0.request("/get_server_info")[1]
-        assert info["tp_spans_nodes"] is True
+        assert info["tp_spans_nodes"] is True and info["tp_shared_gpu"] is None
         assert not info["fusion"]["active"] and "spans nodes" in info["fusion"]["reason_inactive"]
         assert greedy(node0, "two nodes", 4)[1]["completion_tokens"] == 4
         node0.stop(signal.SIGTERM)

@@ -7,9 +7,14 @@
 # a few result files under $OUT (default ./out), and exits non-zero when its main command
 # failed (124: out of time). TP (default 2) is the GPU count of the multi-GPU parts.
 #
-#   tests          python -m pytest tests/gpu: with 2 GPUs every test; with 1 the single-GPU
-#                  tests, the others skipped with their reason. TESTS picks files (default
-#                  tests/gpu); ARFUSION_GPU_WORLD is the collective tests' world (default 2).
+#   tests          python -m pytest tests/gpu. ARFUSION_GPU_WORLD is the collective tests' world
+#                  (default 2): with fewer GPUs its ranks share them (correctness only), and only
+#                  tests whose subject is two physical GPUs skip. TESTS picks files (default
+#                  tests/gpu).
+#
+# With fewer GPUs than ranks (tests, kernels, engine, accuracy), the part starts the CUDA MPS daemon (its
+# pipe and log folders under /tmp) so that the ranks sharing a GPU run concurrently instead of
+# time-sliced, and quits it when the part ends; it changes no GPU setting (compute mode stays).
 #   kernels        benchmark_fused_collective.py, no quantization, with residual, at HIDDEN
 #                  (default 4096) x SEQ_LENS (default 1 32 128 512 1024 2048 4096).
 #   table          python -m engine.tune_fusion (the strategy table) at HIDDEN (default 896 1024
@@ -69,6 +74,29 @@ run_timed() {  # run_timed LIMIT CMD...: CMD under timeout (LIMIT s, or what is 
   return "$rc"
 }
 
+gpu_count() {
+  nvidia-smi -L 2> /dev/null | grep -c '^GPU '
+}
+
+share_gpus_if_needed() {  # share_gpus_if_needed RANKS: MPS for ranks sharing GPUs, quit at exit
+  (($(gpu_count) >= $1)) && return 0
+  echo "$1 ranks on $(gpu_count) GPU(s): the ranks share a GPU (correctness only, timings not representative)"
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then
+    echo "no nvidia-cuda-mps-control: the sharing ranks are time-sliced (slow, still correct)"
+    return 0
+  fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  # each client (rank) gets at most its share of the SMs: a spinning Lamport kernel of one rank
+  # can then never occupy the SMs its peer's kernel needs to arrive (a deadlock otherwise)
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 * $(gpu_count) / $1))
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" && trap stop_mps EXIT
+}
+
+stop_mps() {
+  echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+}
+
 need_gpus() {  # need_gpus N: fails when fewer than N GPUs are visible
   local found
   found=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ')
@@ -93,6 +121,7 @@ part_tests() {
   local tests
   read -ra tests <<< "${TESTS:-tests/gpu}"
   echo "ARFUSION_GPU_WORLD=${ARFUSION_GPU_WORLD:-2}"
+  share_gpus_if_needed "${ARFUSION_GPU_WORLD:-2}"
   run_timed 560 python -m pytest "${tests[@]}" -q -s -p no:cacheprovider --junitxml="$OUT/tests.xml"
 }
 
@@ -100,7 +129,7 @@ part_kernels() {
   local hidden seq_lens
   read -ra hidden <<< "${HIDDEN:-4096}"
   read -ra seq_lens <<< "${SEQ_LENS:-1 32 128 512 1024 2048 4096}"
-  need_gpus "$TP" || return
+  share_gpus_if_needed "$TP"
   run_timed 560 torchrun --nproc_per_node="$TP" benchmarks/kernels/benchmark_fused_collective.py \
     --hidden-dim "${hidden[@]}" --seq-lens "${seq_lens[@]}" --no-quant --residual-only \
     --output-file "$OUT/fused_collective.md" --json-file "$OUT/fused_collective.json" "${EXTRA[@]}"
@@ -122,7 +151,7 @@ part_engine() {
   local batch fusion args
   read -ra batch <<< "${BATCH:-1 32 128}"
   read -ra fusion <<< "${FUSION:-off on}"
-  need_gpus "$TP" || return
+  share_gpus_if_needed "$TP"
   args=(--model-path "${MODEL:-llama3-8b}" --tp-size "$TP" --batch-size "${batch[@]}" --fusion "${fusion[@]}"
         --input-len 128 --output-len 64 --json-file "$OUT/bench_one_batch.jsonl")
   [ "${PROFILE:-0}" = 1 ] && args+=(--profile)
@@ -235,7 +264,8 @@ part_accuracy() {
   # TP1 (the baseline), then TP$TP fusion off and on; every (setting, eval) result is kept in
   # $results as it finishes and comes back in accuracy_results.tgz: carry the folder in the next
   # call (unpacked there) and the same command resumes with what is missing. With fewer GPUs than
-  # TP the baseline runs and the TP$TP settings fail to start.
+  # TP the TP$TP ranks share them (correct; the timings it prints are not representative).
+  share_gpus_if_needed "$TP"
   run_timed "$(left)" python -m benchmarks.accuracy_regression --model-path "$model" --tp-size "$TP" \
     --baseline-tp-size 1 "${data[@]}" --parallel 256 --no-progress --results-dir "$results" --log-dir "$logs" \
     --output-file "$OUT/accuracy.json" "${EXTRA[@]}" || rc=$?

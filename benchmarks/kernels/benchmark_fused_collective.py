@@ -185,7 +185,8 @@ def run(args: argparse.Namespace, group: Any, recorder: Recorder) -> None:
                     paths, notes = fcp.build_paths(group, quant, inputs, res, args.disable_oneshot)
                     results = [PathResult(**r) for r in
                                fcp.run_paths(group, paths, inputs, quant, args.ops_per_graph, args.warmup, args.trials)]
-                    recorder.add(ConfigResult(seq_len, hidden, dtype_name, with_residual, quant, results, notes))
+                    recorder.add(ConfigResult(seq_len, hidden, dtype_name, with_residual, quant, results, notes,
+                                              shared_gpu=group.shares_gpu))
             finally:
                 res.destroy()
 
@@ -199,6 +200,7 @@ def run_metadata(args: argparse.Namespace, group: Any) -> dict[str, Any]:
     fi_error = flashinfer_import_error()
     return {
         "world_size": group.world_size,
+        "shared_gpu": group.shared_gpu_note,
         "device": torch.cuda.get_device_name(group.device),
         "capability": "sm%d%d" % torch.cuda.get_device_capability(group.device),
         "torch": torch.__version__,
@@ -222,16 +224,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if torch.cuda.device_count() <= local_rank:
-        print(f"rank {rank}: no GPU cuda:{local_rank} ({torch.cuda.device_count()} visible). {LAUNCH_HINT}", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print(f"rank {rank}: no CUDA GPU is visible. {LAUNCH_HINT}", file=sys.stderr)
         return 2
-    group = parallel_state.init_tensor_parallel(
-        world_size, rank, init_method="env://", device=torch.device("cuda", local_rank)
-    )
+    group = parallel_state.init_tensor_parallel(world_size, rank, init_method="env://",
+                                                device=parallel_state.default_device(local_rank))
     try:
         group.all_reduce(torch.ones(1, device=group.device))  # NCCL communicator up before any capture
         torch.cuda.synchronize(group.device)
         recorder = Recorder(args, run_metadata(args, group), group.rank)
+        if group.shares_gpu:
+            recorder.log(f"NOT REPRESENTATIVE (every row is marked 'shared GPU'): {group.shared_gpu_note}. The "
+                         "unfused paths run over gloo, which a CUDA graph cannot capture: they are left out.")
         with torch.no_grad():
             run(args, group, recorder)
     finally:

@@ -206,9 +206,15 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
                 disable_oneshot: bool) -> tuple[list[Path], list[str]]:
     """The paths that apply to this configuration, and notes on those left out."""
     tokens = inputs.x.shape[0]
-    paths = [Path("standard_allreduce_rmsnorm", _standard(group, quant, inputs))]
+    # ranks sharing a GPU reduce over gloo, which copies through the host: not capturable
+    uncapturable = "gloo (TP ranks sharing a GPU) cannot run in a CUDA graph" if group.shares_gpu else None
+
+    def standard(name: str, make: Callable[[], Op]) -> Path:
+        return Path(name, None, uncapturable) if uncapturable else Path(name, make())
+
+    paths = [standard("standard_allreduce_rmsnorm", lambda: _standard(group, quant, inputs))]
     if quant != "fp4":  # no plain-torch NVFP4 (swizzled block scales) to compile
-        paths.append(Path("standard_allreduce_rmsnorm_native_compiled", _native_compiled(group, quant, inputs)))
+        paths.append(standard("standard_allreduce_rmsnorm_native_compiled", lambda: _native_compiled(group, quant, inputs)))
     if res.fusion_op is None:
         return paths, []
     if quant != "none" and inputs.residual is None:
@@ -235,9 +241,14 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
                           lambda x, r: op.run(fusion.Strategy.SYMM_MEM_FUSED, x, r, inputs.weight, EPS).normed))
     if quant == "none":
         why = op.dispatcher.why_not(0, tokens)
-        notes.append(f"arfusion_dispatch chose {op.strategy(0, tokens)}" + (f" ({why})" if why else ""))
+        chosen = op.strategy(0, tokens)
+        notes.append(f"arfusion_dispatch chose {chosen}" + (f" ({why})" if why else ""))
         # what a layer runs: the cached decision for (layer 0, tokens), then its strategy
-        paths.append(Path("arfusion_dispatch", lambda x, r: op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, 0)[0]))
+        def dispatch(x: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
+            return op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, 0)[0]
+
+        paths.append(Path("arfusion_dispatch", None, uncapturable) if uncapturable and chosen is fusion.Strategy.NCCL
+                     else Path("arfusion_dispatch", dispatch))
     return paths, notes
 
 

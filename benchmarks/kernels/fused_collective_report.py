@@ -43,6 +43,7 @@ class ConfigResult:
     quant_mode: str
     paths: list[PathResult]
     notes: list[str] = field(default_factory=list)
+    shared_gpu: bool = False  # the ranks shared a GPU: correct, but no timing is representative
 
 
 def choose_baseline(paths: Sequence[PathResult]) -> Optional[PathResult]:
@@ -76,14 +77,15 @@ def config_header(cfg: ConfigResult) -> str:
 
 def table_rows(cfg: ConfigResult) -> list[tuple[str, str, str]]:
     """(operation, time, speedup) cells: ``baseline`` on the baseline row, ``failed`` for a
-    failed path, ``-`` where no speedup can be given."""
+    failed path, ``-`` where no speedup can be given; every operation of a shared-GPU run is
+    marked ``(shared GPU)``."""
     baseline = choose_baseline(cfg.paths)
     rows = []
     for p in cfg.paths:
         time = f"{p.time_ms:.4f}" if p.ok else "failed"
         ratio = speedup(p, baseline)
         cell = "baseline" if p is baseline else (f"{ratio:.2f}x" if ratio is not None else "-")
-        rows.append((p.name, time, cell))
+        rows.append((p.name + (" (shared GPU)" if cfg.shared_gpu else ""), time, cell))
     return rows
 
 

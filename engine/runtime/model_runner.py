@@ -99,7 +99,13 @@ class ModelRunner:
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
-            self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
+            if group.shares_gpu:
+                # gloo's collectives (the unfused reductions, the embedding's all-reduce, the
+                # greedy tokens' all-gather) copy through the host and cannot be captured
+                logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU and their gloo "
+                               "collectives cannot be captured")
+            else:
+                self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
         self._phase_done("graphs", start)
 
     def _phase_done(self, phase: str, start: float) -> float:
@@ -135,15 +141,21 @@ class ModelRunner:
         return self.kv_cache.num_slots
 
     def _kv_slots(self) -> int:
-        """Slots every rank can afford (the minimum over ranks, so all agree)."""
+        """Slots every rank can afford (the minimum over ranks, so all agree). On a GPU the KV
+        cache gets ``mem_fraction_static`` of the device's memory, less what is in use; ranks
+        sharing one GPU split that budget evenly (they measure together, before any of them
+        allocates its cache)."""
         per_slot = KVCache.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads_local,
                                           self.config.head_dim, self.dtype)
         want = self.max_rows * self.context_len + 1
         if self.settings.kv_slots is not None:
             slots = self.settings.kv_slots
         elif self.device.type == "cuda":
+            sharers = self.group.ranks_on_this_gpu
+            if self.group.shares_gpu:  # the same on every rank: a collective for all or none
+                self.group.all_agree(True)  # every rank's weights are loaded, no KV cache yet
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.settings.mem_fraction_static - (total - free)
+            budget = (total * self.settings.mem_fraction_static - (total - free)) / sharers
             slots = int(budget // per_slot)
             if slots < 2:
                 raise RuntimeError(

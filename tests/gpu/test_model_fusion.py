@@ -13,7 +13,7 @@ import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
 
-pytestmark = pytest.mark.gpus(gpu_world_size())  # one NCCL rank per GPU of the world
+pytestmark = pytest.mark.tp_ranks(gpu_world_size())  # one rank per GPU, or ranks sharing a GPU
 
 PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
 

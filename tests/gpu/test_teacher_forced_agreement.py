@@ -22,7 +22,7 @@ GSM8K = Path(os.environ.get("ARFUSION_GSM8K_PATH", REPO / ".data" / "gsm8k" / "t
 MIN_POSITIONS, MIN_AGREEMENT = 20000, 0.99
 
 pytestmark = [
-    pytest.mark.gpus(2),  # starts its two ranks itself
+    pytest.mark.tp_ranks(2),  # two ranks, on two GPUs or sharing one
     pytest.mark.skipif(not MODEL, reason="set ARFUSION_MODEL_PATH to a real checkpoint (e.g. the Qwen2.5-Coder GGUF)"),
     pytest.mark.skipif(not GSM8K.is_file(), reason=f"no GSM8K test file at {GSM8K} (ARFUSION_GSM8K_PATH)"),
 ]
