@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP layer: `build_app(engine, served_model_name)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-POST /generate (SGLang style), POST /flush_cache, GET /get_server_info. Every error is answered
+POST /generate (SGLang style), POST /flush_cache, GET /get_server_info, and the tokenizer's
+(`engine.server.tokenizer_routes`): POST /tokenize, POST /detokenize, GET /tokenizer_info. Every error is answered
 as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
 are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `EngineError` with its status
 (400, 500, 503), any other fault while serving one request 500; inside a stream that already
@@ -34,6 +35,7 @@ from engine.server.protocol import (
     Usage, error_body,
 )
 from engine.server.streaming import SSE_DONE, ClosingStreamingResponse, sse, until_finished
+from engine.server.tokenizer_routes import add_tokenizer_routes
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
@@ -351,4 +353,5 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     async def get_server_info() -> dict[str, Any]:
         return engine.server_info()
 
+    add_tokenizer_routes(app, engine, served_model_name)
     return app
