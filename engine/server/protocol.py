@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.scheduling.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, SamplingParams
+from engine.scheduling.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.server.logprobs_format import ChatLogprobs, CompletionLogprobs
 from engine.server.openai_fields import (
     CHAT_LIMITED, COMMON_LIMITED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, NO_TOOLS, refused,
@@ -137,7 +137,7 @@ def logit_bias_pairs(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int
     token id of the vocabulary."""
     pairs = []
     for key, value in bias.items():
-        if not key.strip().isdigit():
+        if not (key.isascii() and key.strip().isdigit()):
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         token = int(key)
         if token >= vocab_size:
@@ -192,7 +192,9 @@ class ChatMessage(_Strict):
             bad.append(f"{where}.content (missing)")
         elif not isinstance(self.content, str):
             bad += [f"{where}.content[{i}].type {p.type!r} (text parts only)"
-                    for i, p in enumerate(self.content) if p.type != "text" or p.text is None]
+                    for i, p in enumerate(self.content) if p.type != "text"]
+            bad += [f"{where}.content[{i}].text (missing)"
+                    for i, p in enumerate(self.content) if p.type == "text" and p.text is None]
         return bad
 
     def as_dict(self) -> dict[str, str]:
@@ -228,6 +230,8 @@ class ChatCompletionRequest(SamplingFields):
     def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def unsupported_fields(self) -> list[str]:
