@@ -73,4 +73,4 @@ def prompt_logprobs(hidden: torch.Tensor, targets: Sequence[int], top_k: int,
         full = gather_vocab(local_logits(hidden[start:start + rows]))
         if rank0:
             parts.append(token_logprobs(full, wanted[start:start + rows], top_k))
-    return TokenLogprobs.cat(parts) if rank0 and parts else None
+    return TokenLogprobs.cat(parts) if rank0 else None

@@ -2,8 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 POST /generate (SGLang style), POST /flush_cache, GET /get_server_info, and the tokenizer's
-(`engine.server.tokenizer_routes`): POST /tokenize, POST /detokenize, GET /tokenizer_info. Every error is answered
-as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
+(`engine.server.tokenizer_routes`): POST /tokenize, POST /detokenize, GET /tokenizer_info.
+Building log-probabilities and echoes runs in a worker thread. Every error is answered as
+``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
 are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `EngineError` with its status
 (400, 500, 503), any other fault while serving one request 500; inside a stream that already
 started, an error event and then ``[DONE]``. While the server drains (`Lifecycle.draining`) new
@@ -281,7 +282,7 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
         texts = TokenTexts(engine.tokenizer)
         if not req.stream:
             out = await _unless_disconnected(request, server.complete(ids, params))
-            logprobs = await asyncio.to_thread(chat_logprobs_of, texts, out.logprobs if req.logprobs else None)
+            logprobs = await asyncio.to_thread(chat_logprobs_of, texts, out.logprobs) if req.logprobs else None
             choice = ChatChoice(message=ChatResponseMessage(content=out.text), finish_reason=out.last.finish_reason,
                                 logprobs=logprobs)
             return ChatCompletionResponse(id=rid, created=created, model=served_model_name, choices=[choice],

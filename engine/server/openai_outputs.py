@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.server.engine_client import GenerationChunk, TokenizerLike, TokenLogprob
-from engine.server.logprobs_format import ChatLogprobs, TokenTexts, chat_logprobs, completion_logprobs
+from engine.server.logprobs_format import (
+    ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs,
+)
 from engine.server.protocol import CompletionChoice
 
 
@@ -88,7 +90,8 @@ class CompletionOutput:
         """One entry per prompt token: None for the first (no context), then the engine's."""
         return [None, *(prompt_logprobs or [])] if self.wants_logprobs else []
 
-    def _legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]]):
+    def _legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]]) -> Optional[CompletionLogprobs]:
+        """The legacy object for these tokens, continuing the text offsets (None without logprobs)."""
         if not self.wants_logprobs:
             return None
         legacy, self.offset = completion_logprobs(self.texts, ids, logprobs, self.offset)
