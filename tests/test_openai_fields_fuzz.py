@@ -9,7 +9,8 @@ the engine; any other body gets a 200 whose effects are all observable: the engi
 prompt and exactly the `SamplingParams` the fields ask for (bias clamped), the response streams
 or not, carries usage, the echoed prompt, and one log-probability entry per token (with the
 asked number of alternatives) as asked. Inert fields (labels, hints, tool settings without tools)
-change nothing. A first test checks that the oracle covers every field the schemas declare.
+change nothing. A first test checks that the oracle covers every field the schemas declare;
+a parametrized one that refusals and bad values say which field and why.
 """
 from __future__ import annotations
 
@@ -255,6 +256,36 @@ def check(url: str, body: dict) -> None:
         assert len(tokens) == completion_tokens + (len(ids) if body.get("echo") else 0)
     tops = [t for e in entries for t in e["top_logprobs"] if t is not None]
     assert all(1 <= len(t) <= params.logprobs + 1 for t in tops)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("url, body, fragments", [
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, ["logprobs must be in [0, 20]"]),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x1": 5}}, ["logit_bias keys must be token ids", "'x1'"]),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"258": 5}}, ["logit_bias: token id 258 is out of range"]),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, ["presence_penalty must be in [-2, 2]"]),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0.0}, ["repetition_penalty must be > 0"]),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, ["min_tokens must be in [0, max_tokens"]),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "end", "best_of": 2}, ["suffix (no insertion", "best_of (only"]),
+    (COMPLETIONS, {"prompt": "hi", "min_p": 0.1, "use_beam_search": True}, ["min_p (", "use_beam_search (no beam"]),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"]),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, ["top_logprobs must be in [0, 20]"]),
+    (CHAT, {"messages": HI, "tools": [{"type": "function"}], "response_format": {"type": "json_object"}},
+     ["tools (this server does no tool calling)", 'response_format (only {"type": "text"}']),
+    (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, ["messages[0].role 'tool'"]),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     ["messages[0].content[0].type 'image_url' (text parts only)"]),
+    (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+     ["messages[0].tool_calls", "messages[0].content (missing)"]),
+])
+def test_a_refusal_names_the_field_and_why(url: str, body: dict, fragments: list[str]):
+    FAKE.requests.clear()
+    resp = CLIENT.post(url, json=body)
+    assert resp.status_code == 400, resp.text
+    assert all(f in resp.json()["error"]["message"] for f in fragments), resp.json()["error"]["message"]
+    assert FAKE.requests == []
 
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
