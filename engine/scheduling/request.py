@@ -110,9 +110,9 @@ class Request:
         if len(self.output_ids) < self.params.min_tokens:
             self._stop_floor = len(self.text)
         else:
-            search_from = max(0, len(self.released_text) - longest_stop, self._stop_floor - longest_stop + 1)
-            ends = ((self.text.find(s, search_from), s) for s in self.params.stop)
-            cut = min((at for at, s in ends if at != -1 and at + len(s) > self._stop_floor), default=-1)
+            search_from = max(0, len(self.released_text) - longest_stop)
+            hits = (self.text.find(s, max(search_from, self._stop_floor - len(s) + 1)) for s in self.params.stop)
+            cut = min((at for at in hits if at != -1), default=-1)
         if cut != -1:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
