@@ -14,8 +14,9 @@ first-occurrence rule, so the token equals ``argmax`` of the gathered logits exa
 as fp32, exact below 2^24. The row maximum itself is taken in two levels (`_row_max`): with
 few rows, one reduction per row leaves most of the GPU idle.
 
-Only sampling with a temperature needs the whole distribution: `ShardedLogits.gather` then
-all-gathers the slices into fp32 ``[B, V]`` (a collective every rank must call).
+Only a step that needs the whole distribution (sampling with a temperature, logits processing,
+log-probabilities) gathers it: `gather_vocab` all-gathers the slices into fp32 ``[B, V]`` (a
+collective every rank must call).
 """
 from __future__ import annotations
 
@@ -44,13 +45,19 @@ class ShardedLogits:
         return ShardedLogits(self.local[rows], self.greedy_tokens[rows])
 
     def gather(self) -> torch.Tensor:
-        """Collective over the TP group: fp32 ``[B, V]``, every rank's slice in rank order."""
-        group = get_tp_group()
-        if group.world_size == 1:
-            return self.local.float()
-        parts = [torch.empty_like(self.local) for _ in range(group.world_size)]
-        dist.all_gather(parts, self.local.contiguous(), group=group.device_group)
-        return torch.cat(parts, dim=-1).float()
+        """Collective over the TP group: fp32 ``[B, V]`` (`gather_vocab` of ``local``)."""
+        return gather_vocab(self.local)
+
+
+def gather_vocab(local: torch.Tensor) -> torch.Tensor:
+    """Collective over the TP group: fp32 ``[N, V]`` from every rank's slice ``local [N, V/tp]``,
+    in rank order."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return local.float()
+    parts = [torch.empty_like(local) for _ in range(group.world_size)]
+    dist.all_gather(parts, local.contiguous(), group=group.device_group)
+    return torch.cat(parts, dim=-1).float()
 
 
 def _chunks(width: int) -> int:

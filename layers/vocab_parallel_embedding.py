@@ -74,4 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> ShardedLogits:
         """Collective: ``[N, hidden] ->`` this rank's logits ``h @ E_r^T [N, V/tp]`` and the
         greedy tokens of the whole vocabulary; ``.gather()`` gives the full ``[N, V]``."""
-        return sharded_logits(F.linear(hidden_states, self.weight), self.vocab_start)
+        return sharded_logits(self.local_logits(hidden_states), self.vocab_start)
+
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] ->`` this rank's slice ``h @ E_r^T [N, V/tp]`` alone (no collective)."""
+        return F.linear(hidden_states, self.weight)

@@ -25,7 +25,8 @@ class FakeRunner:
     def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64, context_len: int = 32) -> None:
         self.group = TensorParallelGroup(0, 1, torch.device("cpu"))
         self.num_kv_slots, self.max_rows, self.context_len = slots, rows, context_len
-        self.config = types.SimpleNamespace(eos_token_ids=())
+        self.config = types.SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
+        self.device = torch.device("cpu")
         self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
         self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
         self.plans: list[StepPlan] = []

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engine.scheduling import scheduler as scheduler_module
+from engine.scheduling import step_sampler as step_sampler_module
 from engine.server.engine_client import EngineError
 from engine.scheduling.request import Request
 from engine.scheduling.sampling_params import SamplingParams
@@ -96,12 +96,12 @@ def _run_to_completion(s: Scheduler) -> None:
 def test_a_request_whose_sampling_fails_fails_alone(monkeypatch: pytest.MonkeyPatch):
     """Sampling the batch raises because of one request's parameters (here: temperature 0.123):
     that request gets a 500, the greedy and the other sampled request finish, exactly as alone."""
-    def picky_sample(step, params, generators):
+    def picky_sample(step, params, generators, processed=None):
         if any(p.temperature == 0.123 for p in params):
             raise OverflowError("cannot sample this row")
-        return real_sample(step, params, generators)
+        return real_sample(step, params, generators, processed)
 
-    real_sample = scheduler_module.sample
+    real_sample = step_sampler_module.sample
     requests = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                 SamplingParams(max_tokens=4, temperature=0.123, ignore_eos=True),
                 SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True)]
@@ -112,7 +112,7 @@ def test_a_request_whose_sampling_fails_fails_alone(monkeypatch: pytest.MonkeyPa
         s.submit(Request([1, 2, 3], params, emit=emit))
         _run_to_completion(s)
         alone.append([t for c in chunks for t in c.token_ids])
-    monkeypatch.setattr(scheduler_module, "sample", picky_sample)
+    monkeypatch.setattr(step_sampler_module, "sample", picky_sample)
     runner = FakeRunner(rows=3)
     s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64)
     outs = [collect() for _ in requests]

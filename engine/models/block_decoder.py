@@ -119,7 +119,16 @@ class BlockDecoderForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ShardedLogits:
-        hidden_states = self.model(batch, kv_cache)
+        return self.last_token_logits(batch, self.hidden_states(batch, kv_cache))
+
+    @torch.no_grad()
+    def hidden_states(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """``[T, hidden]``: the final-normed hidden state of every new token (writes the KV cache)."""
+        return self.model(batch, kv_cache)
+
+    @torch.no_grad()
+    def last_token_logits(self, batch: ForwardBatch, hidden_states: torch.Tensor) -> ShardedLogits:
+        """Collective: the logits of each sequence's last new token, from `hidden_states`."""
         last = hidden_states if batch.is_decode else hidden_states[batch.last_token_indices()]
         return self.lm_head(last)
 

@@ -21,6 +21,7 @@ from engine.runtime.forward_batch import KVCache
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
+from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.runtime.warm_up import WarmUpShapes, run_warm_up, warm_up_plans
@@ -179,17 +180,44 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
         """The greedy tokens of the plan's sequences, with their fp32 logits ``[B, vocab]`` if
-        ``plan.gather_logits`` (a collective either way; records the plan's KV slots). A decode
+        ``plan.gather_logits`` and (rank 0) the log-probabilities of the prompt tokens its
+        ``prompt_logprobs`` sequences score (a collective either way; records the plan's KV slots). A decode
         step replayed from a CUDA graph returns the graph's static output buffers: the values
         are valid until the next forward (copy them to keep them). Follow it with
         `commit_tokens` when the plan's next tokens are to come from the device."""
+        prompt: tuple[TokenLogprobs, ...] = ()
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
+        elif plan.prompt_logprobs:
+            batch, self._step_rows = self.table.apply(plan)
+            hidden = self.model.hidden_states(batch, self.kv_cache)
+            logits = self.model.last_token_logits(batch, hidden)
+            prompt = self._prompt_logprobs(plan, hidden)
         else:
             batch, self._step_rows = self.table.apply(plan)
             logits = self.model(batch, self.kv_cache)
         self._step_greedy = None if plan.gather_logits else logits.greedy_tokens
-        return StepLogits(logits.greedy_tokens, logits.gather() if plan.gather_logits else None)
+        return StepLogits(logits.greedy_tokens, logits.gather() if plan.gather_logits else None, prompt)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[TokenLogprobs, ...]:
+        """Collective: for each of the plan's ``prompt_logprobs`` sequences, the log-probabilities
+        of the prompt tokens its chunk's rows score (`engine.runtime.logprobs`); rank 0 gets them,
+        the other ranks ``()``. ``hidden``: the step's ``[T, hidden]``, sequences packed in order."""
+        starts = [0]
+        for slots in plan.new_slots:
+            starts.append(starts[-1] + len(slots))
+        rank0 = self.group.rank == 0
+        out = []
+        for spec in plan.prompt_logprobs:
+            targets = spec.targets(plan.host_tokens(spec.seq))
+            if not targets:
+                raise ValueError(f"sequence {spec.seq} asks for prompt log-probabilities but scores no prompt token")
+            rows = hidden[starts[spec.seq]:starts[spec.seq] + len(targets)]
+            result = prompt_logprobs(rows, targets, spec.top_k, self.model.lm_head.local_logits,
+                                     self.config.vocab_size, rank0)
+            if result is not None:
+                out.append(result)
+        return tuple(out)
 
     @torch.inference_mode()
     def commit_tokens(self, tokens: Optional[torch.Tensor]) -> torch.Tensor:

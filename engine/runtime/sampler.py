@@ -1,8 +1,10 @@
 """Next-token sampling (TP rank 0 only) from a step's `StepLogits`, batched on the device.
 
 Greedy rows take the step's greedy tokens (the argmax over the vocabulary, found without
-gathering the logits: `layers.sharded_logits`). Other rows need the step's full fp32 logits
-``[B, vocab]`` (gathered when the step's plan asked for them, ``StepPlan.gather_logits``):
+gathering the logits: `layers.sharded_logits`), or the argmax of their processed logits when
+they have penalties, a logit bias or a min_tokens ban (`engine.runtime.logits_processors`).
+Other rows need the step's full fp32 logits ``[B, vocab]`` (gathered when the step's plan asked
+for them, ``StepPlan.gather_logits``), processed the same way first:
 ``softmax(logits / temperature)`` restricted to the ``top_k`` largest and then to the smallest
 set whose probability reaches ``top_p`` (the token that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
 the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
@@ -17,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.runtime.logprobs import TokenLogprobs
 from engine.scheduling.sampling_params import SamplingParams
 
 
@@ -26,6 +29,7 @@ class StepLogits:
 
     greedy_tokens: torch.Tensor  # [B] int64: argmax of each row over the whole vocabulary
     full: Optional[torch.Tensor] = None  # fp32 [B, vocab]: only when the step gathered it
+    prompt: tuple[TokenLogprobs, ...] = ()  # TP rank 0: one per entry of the plan's prompt_logprobs
 
 
 def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -41,26 +45,38 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return sorted_probs * (keep_k & keep_p), order
 
 
-def sample(step: StepLogits, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+def sample(step: StepLogits, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
+           processed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One next token per row: int64 ``[B]`` on the device, computed without a host sync (the
-    random numbers come from the CPU generators). With no sampled row, that is the step's
-    ``greedy_tokens`` tensor itself (valid until the next forward: a replayed graph's output),
-    else a new tensor. Raises ValueError if a row samples but the step has no full logits."""
+    random numbers come from the CPU generators). ``processed``: the step's fp32 logits ``[B,
+    vocab]`` after `engine.runtime.logits_processors.process_logits`, needed when some row
+    processes its logits; such a row takes the argmax of its processed logits (greedy) or samples
+    from them. With no sampled or processed row, the result is the step's ``greedy_tokens``
+    tensor itself (valid until the next forward: a replayed graph's output), else a new tensor.
+    Raises ValueError if a row samples but the step has no full logits, or a row processes its
+    logits but ``processed`` is None."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
+    argmax_rows = [i for i, p in enumerate(params) if p.greedy and p.processes_logits]
+    if not rows and not argmax_rows:
         return step.greedy_tokens
     if step.full is None:
-        raise ValueError(f"{len(rows)} row(s) sample with a temperature, but the step did not gather its logits "
-                         "(StepPlan.gather_logits)")
+        raise ValueError(f"{len(rows) + len(argmax_rows)} row(s) sample with a temperature or process their logits, "
+                         "but the step did not gather its logits (StepPlan.gather_logits)")
+    if processed is None and any(params[i].processes_logits for i in rows + argmax_rows):
+        raise ValueError("rows process their logits, but no processed logits were given")
+    logits = step.full if processed is None else processed
     tokens = step.greedy_tokens.clone()  # a replayed graph's output buffer: do not write into it
-    dev = step.full.device
+    if argmax_rows:
+        tokens[argmax_rows] = logits[argmax_rows].argmax(dim=-1)
+    if not rows:
+        return tokens
+    dev = logits.device
     sub = [params[i] for i in rows]
     temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in sub], device=dev)
     top_p = torch.tensor([p.top_p for p in sub], device=dev, dtype=torch.float32)
     uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)
-    probs, order = filtered_sorted_probs(step.full[rows], temperature, top_k, top_p)
+    probs, order = filtered_sorted_probs(logits[rows], temperature, top_k, top_p)
     cdf = torch.cumsum(probs, dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)

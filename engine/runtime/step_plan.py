@@ -10,7 +10,9 @@ lengths. A plan may leave tokens on the device (``tokens_on_device``): the seque
 host token list (all of a decode plan's; the leading ones of an extend plan, decodes riding
 along with prefill chunks in one mixed batch) each take one new token, their row's last
 committed token, so the host can build and launch step n+1 before it has seen step n's tokens
-(the overlap schedule).
+(the overlap schedule). A prefill sequence may ask for the log-probabilities of its prompt tokens
+(``prompt_logprobs``, `engine.runtime.logprobs`): every rank then runs the LM head over all its
+new tokens and gathers their logits' vocabulary shards, a collective.
 
 `RequestTable.apply` builds a batch of any shape (its own tensors, a gathered req_to_token);
 `DecodeBuffers` refills the static buffers a CUDA-graph decode step reads, with one
@@ -23,6 +25,21 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.runtime.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prefill sequence of a plan whose new tokens' logits score prompt tokens: its new tokens
+    after the first, then ``next_token`` (the prompt token after this chunk; -1 when the chunk
+    ends the prompt, whose last row then samples instead)."""
+
+    seq: int  # index of the sequence in the plan (one with a host token list)
+    top_k: int  # alternatives per scored token
+    next_token: int = -1
+
+    def targets(self, new_tokens: list[int]) -> list[int]:
+        """The prompt tokens this chunk's rows score, in order (one per row but the sampling one)."""
+        return new_tokens[1:] + ([self.next_token] if self.next_token >= 0 else [])
 
 
 @dataclass
@@ -39,6 +56,7 @@ class StepPlan:
     # some sequence samples with a temperature: every rank gathers the full logits (a
     # collective); greedy steps take the argmax without gathering them
     gather_logits: bool = False
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -48,6 +66,10 @@ class StepPlan:
     def num_device_tokens(self) -> int:
         """Sequences whose one new token is read on the device (the leading ones)."""
         return self.batch_size - len(self.new_tokens) if self.tokens_on_device else 0
+
+    def host_tokens(self, seq: int) -> list[int]:
+        """The new tokens of sequence ``seq``, one with a host token list."""
+        return self.new_tokens[seq - self.num_device_tokens]
 
 
 class RequestTable:

@@ -1,7 +1,9 @@
 """`Request`: one generation on TP rank 0: its tokens, KV slots, how much of its prompt has been
-prefilled (a long prompt may be prefilled in chunks over several steps), and the output text
-that has been released so far (stop strings cut, a possible stop-string prefix held back).
-Requests compare by identity."""
+prefilled (a long prompt may be prefilled in chunks over several steps), the output text that
+has been released so far (stop strings cut, a possible stop-string prefix held back), and the
+log-probabilities it asked for. Before ``min_tokens`` output tokens no stop token or stop string
+ends it: only a stop string that ends in the text of a later token counts. Requests compare by
+identity."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +12,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from engine.server.engine_client import EngineError, GenerationChunk, TokenizerLike
+from engine.server.engine_client import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
 from engine.scheduling.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -32,8 +34,12 @@ class Request:
     text: str = ""  # output decoded so far (complete characters)
     released_text: str = ""  # the part of ``text`` already sent to the client
     released_ids: int = 0  # output ids already sent
+    history_row: Optional[int] = None  # its `TokenHistory` row while running (requests with a penalty)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (if asked for)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens scored so far
     _prefix_offset: int = 0  # incremental detokenization window (see `_decode_new_text`)
     _read_offset: int = 0
+    _stop_floor: int = 0  # a stop string must end past this much text (the text before min_tokens)
 
     @property
     def seq_len(self) -> int:
@@ -60,14 +66,20 @@ class Request:
     @property
     def reserved_tokens(self) -> int:
         """KV slots this request may need in all: prompt plus every output token but the last
-        (whose K/V is never computed)."""
-        return len(self.prompt_ids) + self.params.max_tokens - 1
+        (whose K/V is never computed); the prompt alone for ``max_tokens`` 0."""
+        return len(self.prompt_ids) + max(self.params.max_tokens, 1) - 1
+
+    @property
+    def sampled(self) -> int:
+        """Output tokens sampled so far, those on their way to the host included."""
+        return len(self.output_ids) + self.tokens_in_flight
 
     def check_finished(self, eos_ids: tuple[int, ...], context_len: int) -> None:
-        """Set ``finish_reason`` after a new token: stop token ("stop"), max_tokens or a full
-        context ("length"). Stop strings are found in `release`."""
+        """Set ``finish_reason`` after a new token: stop token ("stop", from ``min_tokens`` on),
+        max_tokens or a full context ("length"). Stop strings are found in `release`."""
         last = self.output_ids[-1]
-        if last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids):
+        stops = last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids)
+        if stops and len(self.output_ids) > self.params.min_tokens:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= context_len:
             self.finish_reason = "length"
@@ -94,8 +106,13 @@ class Request:
         held back until it cannot."""
         self._decode_new_text(tokenizer, self._visible_ids(tokenizer.eos_token_ids), self.finish_reason is not None)
         longest_stop = max((len(s) for s in self.params.stop), default=0)
-        search_from = max(0, len(self.released_text) - longest_stop)
-        cut = min((at for at in (self.text.find(s, search_from) for s in self.params.stop) if at != -1), default=-1)
+        cut = -1
+        if len(self.output_ids) < self.params.min_tokens:
+            self._stop_floor = len(self.text)
+        else:
+            search_from = max(0, len(self.released_text) - longest_stop)
+            hits = (self.text.find(s, max(search_from, self._stop_floor - len(s) + 1)) for s in self.params.stop)
+            cut = min((at for at in hits if at != -1), default=-1)
         if cut != -1:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
@@ -105,7 +122,9 @@ class Request:
         else:
             releasable = self.text
         delta = releasable[len(self.released_text):]
+        first = self.released_ids == 0
         new_ids = self.output_ids[self.released_ids:]
+        logprobs = self.output_logprobs[self.released_ids:] if self.params.logprobs is not None else None
         self.released_text = releasable
         self.released_ids = len(self.output_ids)
         return GenerationChunk(
@@ -114,4 +133,6 @@ class Request:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             finish_reason=self.finish_reason,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if first and self.params.prompt_logprobs is not None else None,
         )

@@ -29,6 +29,11 @@ Heartbeat: the other ranks wait for each plan in a collective bounded by ``--dis
 an idle rank 0 broadcasts an "idle" plan every ``heartbeat_s`` so that an idle server's workers
 do not time out.
 
+Log-probabilities: a prefill chunk of a request that asked for its prompt's log-probabilities
+(``echo``) scores its prompt tokens (`StepPlan.prompt_logprobs`); they travel to the host with the
+step's tokens, as do the sampled tokens' log-probabilities (`StepSampler`), and reach the client
+with its first token. A request of ``max_tokens`` 0 ends after its prefill, its token dropped.
+
 Isolation: a fault while sampling or taking in the tokens of one request fails that request
 alone (its client gets `EngineError` 500) and the step goes on for the others. A fault of a
 whole step (the forward, a collective) stops the scheduler: ``on_failure`` is told (the
@@ -52,9 +57,8 @@ from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
 from engine.runtime.model_runner import ModelRunner
 from engine.scheduling.pending_tokens import PendingTokens
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
-from engine.runtime.sampler import StepLogits, sample
-from engine.runtime.step_plan import StepPlan
+from engine.scheduling.step_sampler import StepSampler, host_logprobs
+from engine.runtime.step_plan import PromptLogprobs, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,9 @@ class LaunchedStep:
     """A step whose tokens are on their way to the host, and the requests they belong to."""
 
     requests: list[Optional[Request]]  # the request of each row's token; None: a chunk that samples nothing
-    tokens: PendingTokens
+    tokens: PendingTokens  # with the sampled tokens' log-probabilities (if any), then the prompts' below
+    logprob_rows: list[int]  # the rows whose sampled tokens' log-probabilities came along
+    prompts: list[tuple[Request, list[int]]]  # requests whose prompt tokens (these) the step scored
 
 
 class Scheduler:
@@ -91,6 +97,7 @@ class Scheduler:
         self._on_failure = on_failure  # the launcher brings the server down (peers may wait on us)
         self.steps = 0
         self.heartbeat_s = heartbeat_s
+        self.sampler = StepSampler(runner.config.vocab_size, runner.device, self.eos_ids, self._fail)
         self._idle_wait_s = min(0.5, heartbeat_s / 2)
         self._last_broadcast = time.monotonic()
 
@@ -105,6 +112,10 @@ class Scheduler:
                              f"exceeds the context length {self.runner.context_len}")
         if req.reserved_tokens > self.slots.num_slots - 1:
             raise ValueError(f"the request needs {req.reserved_tokens} KV slots; the cache has {self.slots.num_slots - 1}")
+        vocab = self.runner.config.vocab_size
+        outside = [t for t, _ in req.params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token ids out of range [0, {vocab}): {outside[:8]}")
         if self._stopped.is_set():
             raise RuntimeError(f"the scheduler has stopped{': ' + self.failure if self.failure else ''}")
         seed = req.params.seed if req.params.seed is not None else self.seed * 1_000_003 + req.rid
@@ -217,52 +228,50 @@ class Scheduler:
 
     def _launch(self, plan: StepPlan, reqs: list[Request]) -> None:
         """Broadcast the plan, run it, sample, commit the tokens on every rank and start their copy
-        to the host; no host sync."""
+        (and the log-probabilities') to the host; no host sync."""
         if self.group.world_size > 1:
             self._broadcast(plan)
         logits = self.runner.forward(plan)
         samplers = [r if r.prefill_done else None for r in reqs]
-        tokens = self.runner.commit_tokens(self._sample(logits, samplers))
+        sampled = self.sampler.sample(logits, samplers)
+        tokens = self.runner.commit_tokens(sampled.tokens)
         for req in samplers:
             if req is not None:
                 req.tokens_in_flight += 1
-        self.launched.append(LaunchedStep(samplers, PendingTokens(tokens)))
+        logprobs = ([sampled.logprobs] if sampled.logprobs is not None else []) + list(logits.prompt)
+        prompts = [(reqs[p.seq], p.targets(plan.host_tokens(p.seq))) for p in plan.prompt_logprobs]
+        self.launched.append(LaunchedStep(samplers, PendingTokens(tokens, logprobs), sampled.logprob_rows, prompts))
         self.steps += 1
 
-    def _sample(self, logits: StepLogits, reqs: list[Optional[Request]]) -> torch.Tensor:
-        """The step's next tokens (a None row, a chunk that samples nothing, takes the greedy
-        token). When sampling the batch fails, each sampled row is tried alone (on a copy of its
-        generator); the requests whose rows fail fail alone, their rows take the greedy token
-        (dropped: the request has finished) and the rest are sampled again."""
-        params = [_GREEDY if r is None else r.params for r in reqs]
-        generators = [None if r is None else r.generator for r in reqs]
-        try:
-            return sample(logits, params, generators)
-        except Exception:
-            logger.exception("sampling a batch of %d failed; finding the requests that fail it", len(reqs))
-        for i, req in enumerate(reqs):
-            if req is None or req.params.greedy:
-                continue
-            try:
-                sample(_row(logits, i), [req.params], [_copy(req.generator)])
-            except Exception as exc:
-                self._fail(req, EngineError(500, f"sampling failed: {type(exc).__name__}: {exc}"))
-                params[i], generators[i] = _GREEDY, None
-        return sample(logits, params, generators)
-
     def _take_in(self, step: LaunchedStep) -> None:
-        """Append a launched step's tokens to their requests, emit them, and retire the requests
-        that finished (a request that finished or was aborted since the launch drops its token).
-        A request whose token cannot be taken in (detokenizing, stop checks) fails alone."""
-        for req, token in zip(step.requests, step.tokens.get()):
+        """Append a launched step's tokens (and log-probabilities) to their requests, emit them,
+        and retire the requests that finished (a request that finished or was aborted since the
+        launch drops its token). A request whose token cannot be taken in (detokenizing, stop
+        checks) fails alone."""
+        tokens, logprobs = step.tokens.get(), step.tokens.logprobs()
+        sampled = {}
+        if step.logprob_rows:
+            rows = step.logprob_rows
+            values = host_logprobs(logprobs[0], [tokens[i] for i in rows],
+                                   [step.requests[i].params.logprobs for i in rows])
+            sampled = dict(zip(rows, values))
+        for (req, targets), values in zip(step.prompts, logprobs[1 if step.logprob_rows else 0:]):
+            if req.finish_reason is None:
+                req.prompt_logprobs += host_logprobs(values, targets, [req.params.prompt_logprobs] * len(targets))
+        for i, (req, token) in enumerate(zip(step.requests, tokens)):
             if req is None:
                 continue
             req.tokens_in_flight -= 1
             if req.finish_reason is not None:
                 continue
             try:
-                req.output_ids.append(token)
-                req.check_finished(self.eos_ids, self.runner.context_len)
+                if req.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                    req.finish_reason = "length"
+                else:
+                    req.output_ids.append(token)
+                    if req.params.logprobs is not None:
+                        req.output_logprobs.append(sampled[i])
+                    req.check_finished(self.eos_ids, self.runner.context_len)
                 req.emit(req.release(self.tokenizer))
             except Exception as exc:
                 logger.exception("request %d failed while taking in its token", req.rid)
@@ -291,7 +300,8 @@ class Scheduler:
             return None, []
         plan = StepPlan("extend", rows=[r.row for r in admitted], new_tokens=[list(r.prompt_ids) for r in admitted],
                         new_slots=[r.slots[: len(r.prompt_ids)] for r in admitted],
-                        seq_lens=[len(r.prompt_ids) for r in admitted], gather_logits=_any_sampled(admitted))
+                        seq_lens=[len(r.prompt_ids) for r in admitted], gather_logits=_needs_logits(admitted),
+                        prompt_logprobs=_prompt_logprobs([(i, r, 0) for i, r in enumerate(admitted)]))
         return plan, admitted
 
     def _plan_decode(self) -> tuple[Optional[StepPlan], list[Request]]:
@@ -302,7 +312,7 @@ class Scheduler:
             return None, []
         plan = StepPlan("decode", rows=[r.row for r in reqs], new_slots=[[r.slots[r.launched_len - 1]] for r in reqs],
                         seq_lens=[r.launched_len for r in reqs], tokens_on_device=True,
-                        gather_logits=_any_sampled(reqs))
+                        gather_logits=_needs_logits(reqs))
         return plan, reqs
 
     def _plan_mixed(self) -> tuple[Optional[StepPlan], list[Request]]:
@@ -335,7 +345,9 @@ class Scheduler:
                         + [r.slots[start:r.prefilled] for r, start in chunks],
                         seq_lens=[r.launched_len for r in decodes] + [r.prefilled for r in prefills],
                         tokens_on_device=bool(decodes),
-                        gather_logits=_any_sampled(decodes + [r for r in prefills if r.prefill_done]))
+                        gather_logits=_needs_logits(decodes + [r for r in prefills if r.prefill_done]),
+                        prompt_logprobs=_prompt_logprobs([(len(decodes) + i, r, start)
+                                                          for i, (r, start) in enumerate(chunks)]))
         return plan, decodes + prefills
 
     def _admit(self, slots: list[int]) -> Request:
@@ -346,6 +358,7 @@ class Scheduler:
         return req
 
     def _release_resources(self, req: Request) -> None:
+        self.sampler.release(req)
         if req.row is not None:
             self.slots.free(req.slots)
             self.rows.free(req.row)
@@ -362,23 +375,20 @@ class Scheduler:
         req.emit(error)
 
 
-_GREEDY = SamplingParams(temperature=0)
+def _needs_logits(reqs: list[Request]) -> bool:
+    """Whether a step of these requests needs the full logits (`SamplingParams.needs_full_logits`)."""
+    return any(r.params.needs_full_logits for r in reqs)
 
 
-def _any_sampled(reqs: list[Request]) -> bool:
-    """Whether a step of these requests needs the full logits (a row samples with a temperature)."""
-    return any(not r.params.greedy for r in reqs)
-
-
-def _row(logits: StepLogits, i: int) -> StepLogits:
-    """Row ``i`` of a step's logits."""
-    return StepLogits(logits.greedy_tokens[i:i + 1], None if logits.full is None else logits.full[i:i + 1])
-
-
-def _copy(generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
-    """A generator in the same state (a trial draw leaves the original untouched)."""
-    if generator is None:
-        return None
-    copy = torch.Generator(generator.device)
-    copy.set_state(generator.get_state())
-    return copy
+def _prompt_logprobs(chunks: list[tuple[int, Request, int]]) -> list[PromptLogprobs]:
+    """The plan's `PromptLogprobs` for its prefill chunks ``(sequence index, request, first
+    position)`` (each request's ``prefilled`` already advanced past its chunk): those of requests
+    that asked for them and whose chunk scores a prompt token."""
+    specs = []
+    for seq, req, start in chunks:
+        k = req.params.prompt_logprobs
+        end = req.prefilled
+        next_token = req.prompt_ids[end] if end < len(req.prompt_ids) else -1
+        if k is not None and (end - start > 1 or next_token >= 0):
+            specs.append(PromptLogprobs(seq, k, next_token))
+    return specs

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP layer: `build_app(engine, served_model_name)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-POST /generate (SGLang style), POST /flush_cache, GET /get_server_info. Every error is answered
-as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
+POST /generate (SGLang style), POST /flush_cache, GET /get_server_info, and the tokenizer's
+(`engine.server.tokenizer_routes`): POST /tokenize, POST /detokenize, GET /tokenizer_info.
+Building log-probabilities and echoes runs in a worker thread. Every error is answered as
+``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
 are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `EngineError` with its status
 (400, 500, 503), any other fault while serving one request 500; inside a stream that already
 started, an error event and then ``[DONE]``. While the server drains (`Lifecycle.draining`) new
@@ -26,12 +28,15 @@ from starlette.exceptions import HTTPException
 from engine.scheduling.sampling_params import SamplingParams
 from engine.server.engine_client import EngineClient, EngineError, GenerationChunk
 from engine.server.lifecycle import InFlightMiddleware, Lifecycle
+from engine.server.logprobs_format import TokenTexts
+from engine.server.openai_outputs import Collected, CompletionOutput, chat_logprobs_of
 from engine.server.protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, GenerateRequest, SamplingFields,
     Usage, error_body,
 )
 from engine.server.streaming import SSE_DONE, ClosingStreamingResponse, sse, until_finished
+from engine.server.tokenizer_routes import add_tokenizer_routes
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
@@ -120,8 +125,12 @@ class _Server:
             raise APIError(400, f"cannot apply the chat template: {exc}") from exc
         return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int]) -> SamplingParams:
-        """`SamplingParams` within the context: ``max_tokens`` None means all that is left."""
+    def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int],
+               echo: bool = False) -> SamplingParams:
+        """`SamplingParams` within the context: ``max_tokens`` None means all that is left; 0
+        only with ``echo`` (the prompt alone, perhaps with its log-probabilities)."""
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)")
         ctx = self.engine.context_length
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {ctx}")
@@ -130,7 +139,7 @@ class _Server:
             raise APIError(400, f"prompt_tokens ({prompt_len}) + max_tokens ({max_tokens}) = "
                                 f"{prompt_len + max_tokens} exceeds the context length {ctx}")
         try:
-            return fields.sampling_params(max_tokens)
+            return fields.sampling_params(max_tokens, self.engine.tokenizer.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -146,18 +155,17 @@ class _Server:
             raise _api_error(exc) from exc
 
     @staticmethod
-    async def collect(started: Started) -> tuple[str, list[int], GenerationChunk]:
-        """The whole output: text, token ids and the final chunk."""
-        text, ids = [], []
+    async def collect(started: Started) -> Collected:
+        """The whole output."""
+        out = Collected()
         try:
             async for chunk in until_finished(*started):
-                text.append(chunk.text)
-                ids += chunk.token_ids
+                out.add(chunk)
         except Exception as exc:
             raise _api_error(exc) from exc
-        return "".join(text), ids, chunk
+        return out
 
-    async def complete(self, ids: list[int], params: SamplingParams) -> tuple[str, list[int], GenerationChunk]:
+    async def complete(self, ids: list[int], params: SamplingParams) -> Collected:
         """`start`, then `collect`."""
         return await self.collect(await self.start(ids, params))
 
@@ -240,22 +248,25 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     async def completions(req: CompletionRequest, request: Request) -> Any:
         server.check(req)
         ids = server.completion_ids(req.prompt)
-        params = server.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens)
+        params = server.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens, bool(req.echo))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        output = CompletionOutput(engine.tokenizer, req.prompt, ids, bool(req.echo), req.logprobs)
 
         def response(choices: list[CompletionChoice], usage: Optional[Usage] = None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=served_model_name, choices=choices, usage=usage)
 
         if not req.stream:
-            text, _, last = await _unless_disconnected(request, server.complete(ids, params))
-            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-            return response([CompletionChoice(text=text, finish_reason=last.finish_reason)], usage)
+            out = await _unless_disconnected(request, server.complete(ids, params))
+            choice = await asyncio.to_thread(output.whole, out) if output.extra else output.whole(out)
+            return response([choice], Usage.of(out.last.prompt_tokens, out.last.completion_tokens))
         started = await server.start(ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[CompletionResponse]:
             async for chunk in chunks:
-                if chunk.text or chunk.finish_reason:
-                    yield response([CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)])
+                echoed = output.echoed(chunk) if chunk is started[0] else None
+                for choice in (echoed, output.chunk(chunk)):
+                    if choice is not None:
+                        yield response([choice])
             if req.include_usage():
                 yield response([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens))
 
@@ -268,11 +279,14 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
         params = server.params(req, len(ids), req.max_tokens if req.max_completion_tokens is None
                                else req.max_completion_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        texts = TokenTexts(engine.tokenizer)
         if not req.stream:
-            text, _, last = await _unless_disconnected(request, server.complete(ids, params))
-            choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=last.finish_reason)
+            out = await _unless_disconnected(request, server.complete(ids, params))
+            logprobs = await asyncio.to_thread(chat_logprobs_of, texts, out.logprobs) if req.logprobs else None
+            choice = ChatChoice(message=ChatResponseMessage(content=out.text), finish_reason=out.last.finish_reason,
+                                logprobs=logprobs)
             return ChatCompletionResponse(id=rid, created=created, model=served_model_name, choices=[choice],
-                                          usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+                                          usage=Usage.of(out.last.prompt_tokens, out.last.completion_tokens))
         started = await server.start(ids, params)
 
         def chunk_of(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
@@ -281,9 +295,10 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[ChatCompletionChunk]:
             yield chunk_of([ChatChunkChoice(delta={"role": "assistant"})])
             async for chunk in chunks:
-                if chunk.text or chunk.finish_reason:
+                if chunk.text or chunk.finish_reason or chunk.logprobs:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    yield chunk_of([ChatChunkChoice(delta=delta, finish_reason=chunk.finish_reason)])
+                    yield chunk_of([ChatChunkChoice(delta=delta, finish_reason=chunk.finish_reason,
+                                                    logprobs=chat_logprobs_of(texts, chunk.logprobs))])
             if req.include_usage():
                 yield chunk_of([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens))
 
@@ -304,7 +319,8 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
             return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
         if not req.stream:
-            return body(*await _unless_disconnected(request, server.complete(ids, params)))
+            out = await _unless_disconnected(request, server.complete(ids, params))
+            return body(out.text, out.token_ids, out.last)
         started = await server.start(ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
@@ -338,4 +354,5 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     async def get_server_info() -> dict[str, Any]:
         return engine.server_info()
 
+    add_tokenizer_routes(app, engine, served_model_name)
     return app

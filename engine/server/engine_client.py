@@ -22,6 +22,15 @@ class EngineError(Exception):
         self.message = message
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's distribution, with the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
 @dataclass
 class GenerationChunk:
     """New output since the previous chunk of the same request."""
@@ -31,14 +40,22 @@ class GenerationChunk:
     prompt_tokens: int
     completion_tokens: int  # output tokens so far
     finish_reason: Optional[str] = None  # None while running; "stop" or "length" or "abort" at the end
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, when the request asked for them
+    # the first chunk of a request that asked for them: one per prompt token but the first
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
 
 class TokenizerLike(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    bos_token: Optional[str]
+    eos_token: Optional[str]
+    adds_bos: bool  # encoding text with special tokens puts bos_token first
+    chat_template: Optional[str]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...  # the raw bytes one token stands for
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
 

@@ -3,9 +3,10 @@ SGLang's /generate, and the OpenAI error body.
 
 Requests validate strictly (no "1" -> 1 coercion); ``null`` means "the default". Every integer
 must fit in int64, every float must be finite (no NaN or Infinity) and every string must be
-valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. Fields a
-client may send that this server cannot honour are rejected by `unsupported_fields` rather than
-silently ignored; unknown extra fields are ignored.
+valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. Every
+documented OpenAI field is honoured, inert, or, at a value this server cannot honour, rejected
+by `unsupported_fields` (`engine.server.openai_fields`) rather than silently ignored; fields
+neither OpenAI nor vLLM documents are ignored.
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.scheduling.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from engine.scheduling.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.server.logprobs_format import ChatLogprobs, CompletionLogprobs
+from engine.server.openai_fields import (
+    CHAT_LIMITED, COMMON_LIMITED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, NO_TOOLS, refused,
+)
 
 # OpenAI's error "type" per HTTP status (other 4xx: invalid_request_error, other 5xx: internal_error).
 ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
@@ -55,12 +60,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class RequestBody(BaseModel):
+    """A request body: extra fields are kept (unvalidated) so that `openai_fields` can refuse
+    the known ones it cannot honour; the others are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(RequestBody):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (`openai_fields` says
+    what happens with each)."""
 
     model: Optional[Text] = None
     max_tokens: Optional[Int64] = None
@@ -69,24 +82,32 @@ class SamplingFields(_Strict):
     top_k: Optional[Int64] = None  # extension (vLLM/SGLang)
     seed: Optional[Int64] = None
     stop: Union[Text, list[Text], None] = None
-    stop_token_ids: Optional[list[Int64]] = None
-    ignore_eos: bool = False
+    stop_token_ids: Optional[list[Int64]] = None  # extension
+    ignore_eos: bool = False  # extension
+    min_tokens: Optional[Int64] = None  # extension
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    # Accepted only at their no-op values (see `unsupported_fields`).
-    n: Optional[Int64] = None
-    logprobs: Union[bool, Int64, None] = None
     presence_penalty: Optional[Finite] = None
     frequency_penalty: Optional[Finite] = None
+    repetition_penalty: Optional[Finite] = None  # extension
+    logit_bias: Optional[dict[str, Finite]] = None  # token id (as a string) -> bias, clamped to [-100, 100]
+    user: Optional[Text] = None  # inert
+    n: Optional[Any] = None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """`SamplingParams` for this request; raises ValueError (naming the field) on bad values."""
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        """``(alternatives per output token, per prompt token)`` asked for; None: no log-probabilities."""
+        return None, None
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """`SamplingParams` for this request; raises ValueError (naming the field) on bad values,
+        among them a logit_bias id outside ``[0, vocab_size)``."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if "" in stop:
             raise ValueError("stop strings must not be empty")
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -96,51 +117,127 @@ class SamplingFields(_Strict):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens or 0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=logit_bias_pairs(self.logit_bias or {}, vocab_size),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def unsupported_fields(self) -> list[str]:
-        """Names of fields set to a value this server cannot honour."""
-        bad = []
-        if self.n not in (None, 1):
-            bad.append("n (only n=1 is supported)")
-        if self.logprobs not in (None, False, 0):
-            bad.append("logprobs")
-        bad += [f for f in ("presence_penalty", "frequency_penalty") if getattr(self, f) not in (None, 0)]
-        return bad
+        """Names (and why) of fields set to a value this server cannot honour."""
+        return refused({**(self.model_extra or {}), "n": self.n}, {**COMMON_LIMITED, **EXTENSIONS_LIMITED})
+
+
+def logit_bias_pairs(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) as sorted (id, bias) pairs, each bias
+    clamped to [-100, 100] as OpenAI does; ValueError naming logit_bias for a key that is not a
+    token id of the vocabulary."""
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.strip().isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        token = int(key)
+        if token >= vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is out of range [0, {vocab_size})")
+        pairs.append((token, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, value))))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token id twice")
+    return tuple(sorted(pairs))
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[Text, list[Int64], list[Text], list[list[Int64]]]
     echo: Optional[bool] = None
-    best_of: Optional[Int64] = None
+    logprobs: Optional[Int64] = None  # alternatives per token (0: the chosen token's log-probability only)
+    best_of: Optional[Any] = None
+    suffix: Optional[Any] = None
+
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        if self.echo:
-            bad.append("echo")
-        if self.best_of not in (None, 1):
-            bad.append("best_of")
-        return bad
+        return super().unsupported_fields() + refused({"best_of": self.best_of, "suffix": self.suffix},
+                                                      COMPLETION_LIMITED)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Text
+class ContentPart(_Strict):
+    type: Text
+    text: Optional[Text] = None
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Union[Text, list[TextPart]]
+    """A chat message; ``developer`` is a system message (OpenAI's newer name); ``name`` is
+    given to the chat template. Tool and function messages and calls are refused."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[Text, list[ContentPart], None] = None
+    name: Optional[Text] = None
+    tool_calls: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    refusal: Optional[Any] = None
+
+    def problems(self, index: int) -> list[str]:
+        """What in this message (``messages[index]``) cannot be honoured."""
+        where = f"messages[{index}]"
+        bad = [f"{where}.role {self.role!r} ({NO_TOOLS})"] if self.role in ("tool", "function") else []
+        bad += [f"{where}.{f} ({NO_TOOLS if f != 'audio' else 'text only'})"
+                for f in ("tool_calls", "function_call", "audio") if getattr(self, f) is not None]
+        if self.refusal is not None:
+            bad.append(f"{where}.refusal (give a refusal as content)")
+        if self.content is None:
+            bad.append(f"{where}.content (missing)")
+        elif not isinstance(self.content, str):
+            bad += [f"{where}.content[{i}].type {p.type!r} (text parts only)"
+                    for i, p in enumerate(self.content) if p.type != "text"]
+            bad += [f"{where}.content[{i}].text (missing)"
+                    for i, p in enumerate(self.content) if p.type == "text" and p.text is None]
+        return bad
 
     def as_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` with text parts joined, as chat templates expect."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        """``{"role", "content"}`` (and ``name``) with text parts joined, as chat templates expect."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[Int64] = None  # newer OpenAI name for max_tokens
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Int64] = None  # alternatives per token (needs logprobs)
+    metadata: Optional[Any] = None  # inert
+    safety_identifier: Optional[Any] = None  # inert
+    prompt_cache_key: Optional[Any] = None  # inert
+    parallel_tool_calls: Optional[Any] = None  # inert
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    store: Optional[Any] = None
+
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def unsupported_fields(self) -> list[str]:
+        fields = {name: getattr(self, name) for name in CHAT_LIMITED}
+        bad = super().unsupported_fields() + refused(fields, CHAT_LIMITED)
+        return bad + [p for i, m in enumerate(self.messages) for p in m.problems(i)]
 
 
 class GenerateSamplingParams(_Strict):
@@ -182,7 +279,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -203,7 +300,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -219,7 +316,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role": "assistant"} first, then {"content": ...}, {} at the end
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -11,6 +11,7 @@ for a vocabulary-parallel embedding).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -38,6 +39,10 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+SPIECE_SPACE = "\u2581"  # SentencePiece's word-start mark
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -53,6 +58,8 @@ class Tokenizer:
         self.bos_token_id = self._token_id(bos_token) if bos_token is not None else None
         self.eos_token_ids = tuple(self._token_id(t) for t in eos_tokens)
         self.chat_template = chat_template
+        byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._byte_of = {ch: b for b, ch in gpt2_bytes_to_unicode().items()} if byte_level else None
         self._template: Optional[jinja2.Template] = None
         if chat_template is not None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -78,6 +85,29 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, possibly): a byte-level
+        vocabulary's piece mapped back through GPT-2's alphabet, a byte-fallback piece ``<0xNN>``
+        that byte, any other its decoded text (a leading SentencePiece "▁" as a space). A special
+        token stands for its text. ValueError for an id outside the vocabulary."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+        if self._byte_of is not None and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        text = self.decode([token_id], skip_special_tokens=False)
+        if piece.startswith(SPIECE_SPACE) and not text.startswith(" "):
+            text = " " + text
+        return text.encode("utf-8")
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether encoding text with special tokens puts the start token first."""
+        return self.bos_token_id is not None and self.encode("a")[:1] == [self.bos_token_id]
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` ([{"role", "content"}, ...])."""

@@ -1,0 +1,103 @@
+"""The parts of OpenAI responses that depend on what a request asked for beyond text: the echoed
+prompt and the log-probabilities (`engine.server.logprobs_format`), whole or chunk by chunk.
+
+`Collected` gathers a non-streaming request's chunks. `CompletionOutput` builds /v1/completions
+choices: ``echo`` puts the prompt's text (its string as sent, or its token ids decoded) and,
+with ``logprobs``, its tokens' log-probabilities before the output's; a stream sends the echo
+as its first event. `chat_logprobs_of` gives a chat choice's or chunk's ``logprobs``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.server.engine_client import GenerationChunk, TokenizerLike, TokenLogprob
+from engine.server.logprobs_format import (
+    ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs,
+)
+from engine.server.protocol import CompletionChoice
+
+
+@dataclass
+class Collected:
+    """A whole output: its text, token ids, log-probabilities (if asked for), the prompt's, and
+    the last chunk (finish reason, usage)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
+    last: Optional[GenerationChunk] = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        self.last = chunk
+
+
+def prompt_text(prompt: Any, prompt_ids: list[int], tokenizer: TokenizerLike) -> str:
+    """The text a completions ``prompt`` echoes: the string sent (alone or in a one-element
+    batch), else its token ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+
+
+class CompletionOutput:
+    """/v1/completions choices for one request (the module docstring)."""
+
+    def __init__(self, tokenizer: TokenizerLike, prompt: Any, prompt_ids: list[int], echo: bool,
+                 logprobs: Optional[int]) -> None:
+        self.texts = TokenTexts(tokenizer)
+        self.prompt_ids = prompt_ids
+        self.echo = echo
+        self.wants_logprobs = logprobs is not None
+        self.echo_text = prompt_text(prompt, prompt_ids, tokenizer) if echo else ""
+        self.offset = 0  # where the next streamed token's text starts
+
+    @property
+    def extra(self) -> bool:
+        """Whether the choices hold more than the engine's text (building them takes a while)."""
+        return self.echo or self.wants_logprobs
+
+    def whole(self, out: Collected) -> CompletionChoice:
+        """The choice of a non-streaming request."""
+        assert out.last is not None
+        ids, logprobs = list(out.token_ids), list(out.logprobs)
+        if self.echo:
+            ids, logprobs = self.prompt_ids + ids, self._prompt_entries(out.prompt_logprobs) + logprobs
+        return CompletionChoice(text=self.echo_text + out.text, finish_reason=out.last.finish_reason,
+                                logprobs=self._legacy(ids, logprobs))
+
+    def echoed(self, first: GenerationChunk) -> Optional[CompletionChoice]:
+        """A stream's first event with ``echo``: the prompt (None without echo)."""
+        if not self.echo:
+            return None
+        return CompletionChoice(text=self.echo_text, finish_reason=None,
+                                logprobs=self._legacy(self.prompt_ids, self._prompt_entries(first.prompt_logprobs)))
+
+    def chunk(self, chunk: GenerationChunk) -> Optional[CompletionChoice]:
+        """A stream's event for ``chunk``; None when it has nothing to send."""
+        if not (chunk.text or chunk.finish_reason or (self.wants_logprobs and chunk.token_ids)):
+            return None
+        return CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason,
+                                logprobs=self._legacy(chunk.token_ids, chunk.logprobs or []))
+
+    def _prompt_entries(self, prompt_logprobs: Optional[list[TokenLogprob]]) -> list[Optional[TokenLogprob]]:
+        """One entry per prompt token: None for the first (no context), then the engine's."""
+        return [None, *(prompt_logprobs or [])] if self.wants_logprobs else []
+
+    def _legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]]) -> Optional[CompletionLogprobs]:
+        """The legacy object for these tokens, continuing the text offsets (None without logprobs)."""
+        if not self.wants_logprobs:
+            return None
+        legacy, self.offset = completion_logprobs(self.texts, ids, logprobs, self.offset)
+        return legacy
+
+
+def chat_logprobs_of(texts: TokenTexts, logprobs: Optional[list[TokenLogprob]]) -> Optional[ChatLogprobs]:
+    """A chat choice's or chunk's ``logprobs`` (None when the request asked for none)."""
+    return None if logprobs is None else chat_logprobs(texts, logprobs)
