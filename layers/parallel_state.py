@@ -16,6 +16,9 @@ import torch.distributed as dist
 from fusion import TensorParallelGroup
 
 _TP_GROUP: Optional[TensorParallelGroup] = None
+# How long the rendezvous waits for every rank to join (or ``timeout_s``, if longer): starting a
+# process and importing torch is start-up, which a loaded machine slows, not a collective.
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 def init_tensor_parallel(
@@ -28,7 +31,8 @@ def init_tensor_parallel(
 ) -> TensorParallelGroup:
     """Join a TP group of ``world_size`` ranks (all ranks of the job). ``device`` defaults to
     ``cuda:<rank % local GPUs>`` when CUDA is available, else the CPU. ``timeout_s`` bounds
-    every collective, so a lost peer surfaces as an error instead of a hang."""
+    every collective of the group, so a lost peer surfaces as an error instead of a hang; the
+    rendezvous, where every rank joins, waits ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)``."""
     global _TP_GROUP
     if _TP_GROUP is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
@@ -42,9 +46,10 @@ def init_tensor_parallel(
         return _TP_GROUP
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    rendezvous = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=rendezvous)
     ranks = list(range(world_size))
-    device_group = dist.group.WORLD if backend == "gloo" else dist.new_group(ranks, backend="nccl", timeout=timeout)
+    device_group = dist.new_group(ranks, backend=backend, timeout=timeout)  # not WORLD: its timeout is the rendezvous'
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
     node_ids: list[object] = [None] * world_size
     dist.all_gather_object(node_ids, TensorParallelGroup.node_identity(node_rank), group=cpu_group)
