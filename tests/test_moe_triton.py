@@ -15,9 +15,9 @@ with the default tiles; fp16 also with 16 x 32 x 32 tiles (several K steps, ragg
 - fp32 and fp16: both combines equal the torch reference to the dtype's rounding (the same
   rounding steps, round to nearest in both; only the summation order differs); in fp16 the
   unfused combine, which rounds exactly where the reference rounds, within two ulps at the
-  outputs' scale (tests/tolerances.py SAME_ROUNDINGS). Not bit for bit: the order of the fp32 sums of the
-  CPU GEMM differs by torch version and CPU (bit-equal shares from 0.975 to 1.0 were seen), and
-  the arithmetic guarantees equality only for equal orders.
+  outputs' scale (tests/tolerances.py SAME_ROUNDINGS). Not bit for bit: the order of the CPU
+  GEMM's fp32 sums differs by torch version and CPU kernel (bit-equal shares of 0.975 to 1.0),
+  and the arithmetic guarantees equality only for equal orders.
 The one-launch grouping of slots by expert (layers/moe/triton_align.py) equals the torch version
 (layers/moe/align.py) tensor for tensor: one token, 1 of 128 experts hit by top-8, every token on
 one expert, 60 experts (not a power of two), and 2048 slots (its largest input), at 16- and 64-row
