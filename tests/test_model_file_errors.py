@@ -4,6 +4,7 @@ with exit code 2 and no traceback, at TP1 and at TP2 (gloo), where every rank st
 error is printed once.
 """
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 from engine.runtime.model_runner import RunnerSettings, check_model_files
 from engine.tokenizers.serving import load_serving_tokenizer
 from engine.weights import load_model_weights
-from engine.weights.errors import ModelFileError
+from engine.weights.errors import ModelFileError, finite_cast
 from tests.model_files import CASES, FOUND_WHILE_LOADING, BrokenModel, good_gguf, good_hf_dir
 from tests.server_process import ROOT, free_port, pid_alive
 
@@ -77,6 +78,22 @@ def test_the_gguf_tokenizer_refuses_a_broken_file_with_the_same_error(tmp_path, 
     with pytest.raises(ModelFileError) as err:
         load_serving_tokenizer(str(broken.model))
     assert str(err.value).startswith(f"{broken.named}: ") and all(w in str(err.value) for w in broken.words)
+
+
+@pytest.mark.parametrize("values, dtype, words", [
+    ([1.0, float("nan"), float("-inf"), 2.0], torch.float32, "1 NaN and 1 infinite values among its 4"),
+    ([1.0, 7e4, -1e5, 2.0], torch.float16, "2 of 4 values exceed the range of float16 (max |w| 1e+05)"),
+])
+def test_finite_cast_names_the_tensor_and_what_is_not_finite(values, dtype, words):
+    with pytest.raises(ModelFileError, match="^/m/x.safetensors: tensor 'w'") as err:
+        finite_cast(torch.tensor(values), dtype, "w", "/m/x.safetensors")
+    assert words in str(err.value)
+
+
+def test_model_file_errors_pickle_with_their_parts():
+    error = pickle.loads(pickle.dumps(ModelFileError("/m/config.json", "not valid JSON:\n line 1")))
+    assert (str(error), error.path, error.problem) == ("/m/config.json: not valid JSON: line 1", "/m/config.json",
+                                                       "not valid JSON: line 1")
 
 
 def group_members(pgid: int) -> list[int]:
