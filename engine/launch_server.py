@@ -47,6 +47,7 @@ def serve(args: ServerArgs) -> int:
     import torch
 
     from engine.launch_config import launch_config
+    from engine.runtime.model_runner import check_model_files
     from engine.server.workers import WorkerSet
     from engine.tokenizers.serving import load_serving_tokenizer
 
@@ -54,6 +55,7 @@ def serve(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     launch = launch_config(args)
     tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path) if args.node_rank == 0 else None
+    check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
     workers = WorkerSet(launch, [r for r in launch.local_ranks if r != 0])
     if args.node_rank != 0:
         return _serve_other_node(workers)
@@ -66,13 +68,18 @@ def serve(args: ServerArgs) -> int:
 
 
 def _serve_other_node(workers: Any) -> int:
-    """A node other than 0 only runs its workers, until they exit."""
+    """A node other than 0 only runs its workers, until they exit; its exit code is theirs
+    (0, or 2 when they refused the model with every rank), else 1."""
+    from engine.runtime.load_agreement import REFUSED_EXIT_CODE
+
     try:
         while workers.alive():
             time.sleep(0.5)
     finally:
         codes = workers.stop(WORKER_EXIT_GRACE_S)
-    return 0 if all(code == 0 for code in codes.values()) else 1
+    if all(code == 0 for code in codes.values()):
+        return 0
+    return REFUSED_EXIT_CODE if all(code == REFUSED_EXIT_CODE for code in codes.values()) else 1
 
 
 def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any) -> int:

@@ -33,6 +33,9 @@ def default_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+# How long the rendezvous waits for every rank to join (or ``timeout_s``, if longer): starting a
+# process and importing torch is start-up, which a loaded machine slows, not a collective.
+RENDEZVOUS_TIMEOUT_S = 120.0
 
 
 def init_tensor_parallel(
@@ -44,9 +47,11 @@ def init_tensor_parallel(
     timeout_s: float = 120.0,
 ) -> TensorParallelGroup:
     """Join a TP group of ``world_size`` ranks (all ranks of the job). ``device`` defaults to
-    `default_device(rank)`. ``timeout_s`` bounds every collective, so a lost peer surfaces as an
-    error instead of a hang. The ranks first exchange their node and device identities over
-    gloo; the device group is NCCL only when every rank has a CUDA device of its own."""
+    `default_device(rank)`. ``timeout_s`` bounds every collective of the group, so a lost peer
+    surfaces as an error instead of a hang; the rendezvous, where every rank joins, waits
+    ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)``. The ranks first exchange their node and device
+    identities over gloo; the device group is NCCL only when every rank has a CUDA device of its
+    own."""
     global _TP_GROUP
     if _TP_GROUP is not None:
         raise RuntimeError("the tensor-parallel group is already initialised")
@@ -62,7 +67,8 @@ def init_tensor_parallel(
         _TP_GROUP = TensorParallelGroup(0, 1, device)
         return _TP_GROUP
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+    rendezvous = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+    dist.init_process_group("gloo", init_method=init_method, world_size=world_size, rank=rank, timeout=rendezvous)
     ranks = list(range(world_size))
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
     identities: list[object] = [None] * world_size
@@ -70,16 +76,13 @@ def init_tensor_parallel(
     dist.all_gather_object(identities, me, group=cpu_group)
     node_ids, device_ids = [i[0] for i in identities], [i[1] for i in identities]
     probe = TensorParallelGroup(rank, world_size, device, cpu_group, cpu_group, node_ids, device_ids)
-    if device.type != "cuda":
-        device_group = dist.group.WORLD
-    elif probe.shares_gpu:
+    if probe.shares_gpu:
         # before the first symmetric allocation; only in this case (it is a correctness mode)
         os.environ[SYMM_MEM_OVERLAP_ENV] = "1"
-        device_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank == 0:
             logger.warning("%s; the device group is gloo on CUDA tensors", probe.shared_gpu_note)
-    else:
-        device_group = dist.new_group(ranks, backend="nccl", timeout=timeout)
+    backend = "nccl" if device.type == "cuda" and not probe.shares_gpu else "gloo"
+    device_group = dist.new_group(ranks, backend=backend, timeout=timeout)  # not WORLD: its timeout is the rendezvous'
     _TP_GROUP = TensorParallelGroup(rank, world_size, device, device_group, cpu_group, node_ids, device_ids)
     return _TP_GROUP
 

@@ -2,7 +2,8 @@
 
 Each rank joins a TP group over gloo (CPU) or NCCL (GPU) on a free localhost port, runs
 ``worker(rank, world_size, *args)`` and reports its return value or its traceback. A rank
-that does not report within ``timeout_s`` fails the test in seconds, and every rank is killed.
+that does not report within ``timeout_s`` (after `STARTUP_ALLOWANCE_S` for spawning the ranks)
+fails the test, and every rank is killed.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
+
+# Spawning the ranks, importing torch and joining the group, before the ``timeout_s`` of the work
+# starts: seconds when idle, much longer on a loaded machine, never a sign of a hang.
+STARTUP_ALLOWANCE_S = 120.0
 
 
 def gpu_world_size() -> int:
@@ -56,7 +61,7 @@ def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: in
 def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 90.0,
                     device_kind: str = "cpu", node_ranks: Optional[list[int]] = None) -> list[Any]:
     """``[worker's return value for rank r]``; raises AssertionError with a failing rank's traceback,
-    or TimeoutError naming the ranks that did not finish."""
+    or TimeoutError naming the ranks that did not finish within ``STARTUP_ALLOWANCE_S + timeout_s``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -70,12 +75,12 @@ def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple
     try:
         import time
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + STARTUP_ALLOWANCE_S + timeout_s
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcome))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s (hang?)")
+                raise TimeoutError(f"ranks {missing} did not finish within {STARTUP_ALLOWANCE_S + timeout_s:.0f}s (hang?)")
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:

@@ -2,7 +2,7 @@
 outcome is kept whatever happens to it, so a test can assert on what every client received.
 
 `Outcome` holds the HTTP status and the JSON body, or for a stream the SSE events (parsed JSON,
-and "[DONE]"), or the connection error. `in_background` runs a coroutine on its own event loop
+and "[DONE]") with their arrival times, or the connection error. `in_background` runs a coroutine on its own event loop
 in a thread, so a test can signal or kill the server meanwhile.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
@@ -22,6 +23,8 @@ class Outcome:
     body: Any = None  # the JSON body of a non-streaming answer (or of a refused stream)
     events: list[Any] = field(default_factory=list)  # a stream's events: JSON objects, then "[DONE]"
     error: Optional[str] = None  # the connection broke (repr of the exception)
+    event_times: list[float] = field(default_factory=list)  # time.monotonic() of each event's arrival
+    finished_at: Optional[float] = None  # time.monotonic() when the answer was complete or broke
 
     def error_object(self) -> Optional[dict[str, Any]]:
         """The ``error`` object of the JSON body or of the stream's error event, if any."""
@@ -31,10 +34,20 @@ class Outcome:
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               first_event: Optional[asyncio.Event] = None, events_wanted: Optional[int] = None) -> Outcome:
+               first_event: Optional[asyncio.Event] = None, events_wanted: Optional[int] = None,
+               outcome: Optional[Outcome] = None) -> Outcome:
     """POST ``body`` as JSON and read the whole answer; ``first_event`` is set when a stream's
-    first event arrives; with ``events_wanted`` the client disconnects after that many events."""
-    outcome = Outcome()
+    first event arrives; with ``events_wanted`` the client disconnects after that many events.
+    Fills and returns ``outcome`` (a new one if None: pass one to watch a stream as it goes)."""
+    outcome = Outcome() if outcome is None else outcome
+    try:
+        return await _read(session, url, body, first_event, events_wanted, outcome)
+    finally:
+        outcome.finished_at = time.monotonic()
+
+
+async def _read(session: aiohttp.ClientSession, url: str, body: dict[str, Any], first_event: Optional[asyncio.Event],
+                events_wanted: Optional[int], outcome: Outcome) -> Outcome:
     try:
         async with session.post(url, json=body) as resp:
             outcome.status = resp.status
@@ -46,6 +59,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 if text.startswith("data: "):
                     data = text[len("data: "):]
                     outcome.events.append(data if data == "[DONE]" else json.loads(data))
+                    outcome.event_times.append(time.monotonic())
                     if first_event is not None:
                         first_event.set()
                     if len(outcome.events) == events_wanted:

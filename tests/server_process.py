@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+# Generous bounds on waits for what does happen: a server's start-up (a TP2 one on a loaded 2-core
+# machine spawns, imports and warms up slowly), one small request, a signalled server's exit.
+START_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -55,7 +60,8 @@ class ServerProcess:
     the server's own rendezvous may take it before the HTTP server binds it: `wait_healthy` then
     starts the server again on another port (unless the port was given)."""
 
-    def __init__(self, *args: str, port: Optional[int] = None, wait_healthy: bool = True, timeout_s: float = 90) -> None:
+    def __init__(self, *args: str, port: Optional[int] = None, wait_healthy: bool = True,
+                 timeout_s: float = START_TIMEOUT_S) -> None:
         self.args = args
         self.fixed_port = port is not None
         self._start(port or free_port())
@@ -114,12 +120,12 @@ class ServerProcess:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15) -> float:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = EXIT_TIMEOUT_S) -> float:
         """Signal the server; returns seconds until it exited."""
         start = time.monotonic()
         self.proc.send_signal(sig)

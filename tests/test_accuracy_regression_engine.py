@@ -49,7 +49,7 @@ def _fake_argv(tmp_path, *extra):
     return ["--gsm8k-data-path", str(FIXTURES / "gsm8k" / "test.jsonl"), "--gsm8k-num-shots", "2",
             "--mmlu-data-dir", str(FIXTURES / "mmlu"), "--mmlu-num-shots", "2", "--parallel", "4", "--no-progress",
             "--log-dir", str(tmp_path / "logs"), "--results-dir", str(tmp_path / "results"),
-            "--output-file", str(tmp_path / "report.json"), "--server-timeout", "60", *extra]
+            "--output-file", str(tmp_path / "report.json"), "--server-timeout", "120", *extra]
 
 
 def test_results_dir_resumes_only_what_is_missing(monkeypatch, tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_regression_runner_on_the_tiny_model(monkeypatch, tmp_path):
         "--gsm8k-data-path", str(FIXTURES / "gsm8k" / "test.jsonl"), "--gsm8k-num-shots", "1",
         "--gsm8k-num-questions", "4", "--mmlu-data-dir", str(FIXTURES / "mmlu"), "--mmlu-num-shots", "1",
         "--mmlu-examples", "2", "--parallel", "4", "--no-progress", "--log-dir", str(tmp_path / "logs"),
-        "--results-dir", str(tmp_path / "results"), "--output-file", str(output), "--server-timeout", "120",
+        "--results-dir", str(tmp_path / "results"), "--output-file", str(output), "--server-timeout", "300",
     ]
     code = regression.main(argv)
     report = json.loads(output.read_text())

@@ -11,7 +11,7 @@ def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
         [sys.executable, "-m", "engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
          "--input-len", "6", "--output-len", "3", "--repeats", "1", "--fusion", "off", "on", "builtin",
          "--json-file", str(out)],
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TPOT gain on" in proc.stdout and "TPOT gain builtin" in proc.stdout, proc.stdout
     record = json.loads(out.read_text().splitlines()[-1])
@@ -24,7 +24,7 @@ def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
 
 def test_bench_one_batch_rejects_an_unknown_setting():
     proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--fusion", "fast"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
@@ -33,7 +33,7 @@ def test_bench_one_batch_without_overlap_records_it(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "engine.bench_one_batch", "--batch-size", "2", "--input-len", "4", "--output-len", "3",
          "--repeats", "1", "--fusion", "on", "--disable-overlap-schedule", "--json-file", str(out)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no overlap" in proc.stdout
     (row,) = json.loads(out.read_text().splitlines()[-1])["results"]

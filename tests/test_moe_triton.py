@@ -13,9 +13,11 @@ fp32, fp16 and bf16 with the folded combine (in the down launch's epilogue) and 
 with the default tiles; fp16 also with 16 x 32 x 32 tiles (several K steps, ragged tiles).
 
 - fp32 and fp16: both combines equal the torch reference to the dtype's rounding (the same
-  rounding steps, round to nearest in both; only the summation order differs); the unfused
-  combine, which has exactly the reference's roundings, is bit-equal on at least 99% of fp16
-  outputs.
+  rounding steps, round to nearest in both; only the summation order differs); in fp16 the
+  unfused combine, which rounds exactly where the reference rounds, within two ulps at the
+  outputs' scale (tests/tolerances.py SAME_ROUNDINGS). Not bit for bit: the order of the CPU
+  GEMM's fp32 sums differs by torch version and CPU kernel (bit-equal shares of 0.975 to 1.0),
+  and the arithmetic guarantees equality only for equal orders.
 The one-launch grouping of slots by expert (layers/moe/triton_align.py) equals the torch version
 (layers/moe/align.py) tensor for tensor: one token, 1 of 128 experts hit by top-8, every token on
 one expert, 60 experts (not a power of two), and 2048 slots (its largest input), at 16- and 64-row
@@ -37,7 +39,7 @@ from layers.moe.align import align_by_expert  # noqa: E402
 from layers.moe.router import select_experts  # noqa: E402
 from layers.moe.torch_experts import moe_experts_torch  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
-from tests.tolerances import assert_close  # noqa: E402
+from tests.tolerances import SAME_ROUNDINGS, TOLERANCES, assert_close  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 8, 80, 48
 # name -> (tokens, top_k, expert forced into slot 0 of every token or None)
@@ -123,9 +125,7 @@ def test_equals_torch_reference(interpreted, name, dtype_name, combine, tile):
     out = interpreted[name, dtype_name, combine, tile]
     expected = moe_experts_torch(*inputs)
     assert out.dtype == DTYPES[dtype_name] and out.shape == (CASES[name][0], HIDDEN)
-    assert_close(out, expected)
-    if dtype_name == "fp16" and combine == "unfused":
-        assert (out == expected).float().mean() >= 0.99
+    assert_close(out, expected, SAME_ROUNDINGS if (dtype_name, combine) == ("fp16", "unfused") else TOLERANCES)
 
 
 @pytest.mark.parametrize("block_m", ALIGN_BLOCKS)

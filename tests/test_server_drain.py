@@ -29,7 +29,7 @@ def start(fake: FakeEngine, grace_s: float) -> tuple[DrainingServer, threading.T
     server = DrainingServer(config, lifecycle, grace_s, lambda: fake.fail_all(ENDED))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     return server, thread, f"http://127.0.0.1:{port}/v1/completions"
@@ -57,13 +57,14 @@ async def drain_under_load(server: DrainingServer, url: str, signals: int) -> tu
 @pytest.mark.parametrize("signals, grace_s", [(1, 0.5), (2, 30.0)])
 def test_signals_drain_then_end_the_rest_with_errors(signals: int, grace_s: float) -> None:
     """One signal: the short request finishes, the long ones (60 tokens of 20 ms) outlive the
-    0.5 s grace period. Two: the 30 s grace period ends at once."""
+    0.5 s grace period. Two: the 30 s grace period ends at once (the bound on the exit, 10 s
+    past the first signal's grace, is a generous wait, far below 30 s)."""
     fake = FakeEngine(context_length=128, token_delay_s=0.02)
     server, thread, url = start(fake, grace_s)
     (short, long, stream), late, signalled = asyncio.run(drain_under_load(server, url, signals))
-    thread.join(timeout=10)
+    thread.join(timeout=60)
     stopped_after = time.monotonic() - signalled
-    assert not thread.is_alive() and stopped_after < min(grace_s, 0.5) + 2, stopped_after
+    assert not thread.is_alive() and stopped_after < min(grace_s, 0.5) + 10, stopped_after
     assert late.status == 503 and late.body["error"]["type"] == "service_unavailable", late
     if signals == 1:  # the short one (3 tokens) finishes within the grace period
         assert short.status == 200 and short.body["choices"][0]["text"] == "cba", short

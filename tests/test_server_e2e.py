@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import EXIT_TIMEOUT_S, REQUEST_TIMEOUT_S, ServerProcess, free_port
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 TP2_TORCH_FUSION = ("--tp-size", "2", "--device", "cpu", "--enable-flashinfer-allreduce-fusion",
                     "--allreduce-fusion-backend", "torch", "--max-running-requests", "16")
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):"]
@@ -41,7 +41,7 @@ def test_streamed_completion_equals_non_streamed(fused_server):
                                  data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "stream": True,
                                                   "stream_options": {"include_usage": True}}).encode())
     pieces, usage, done = [], None, False
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data: "):
@@ -121,7 +121,7 @@ def test_tp_group_across_two_nodes_turns_flashinfer_fusion_off():
         assert not info["fusion"]["active"] and "spans nodes" in info["fusion"]["reason_inactive"]
         assert greedy(node0, "two nodes", 4)[1]["completion_tokens"] == 4
         node0.stop(signal.SIGTERM)
-        node1.proc.wait(timeout=15)
+        node1.proc.wait(timeout=EXIT_TIMEOUT_S)
         assert node1.proc.returncode == 0, node1.log_tail()
     finally:
         node0.kill()

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 
 from engine.launch_server import fusion_summary
-from tests.server_process import ServerProcess
+from tests.server_process import EXIT_TIMEOUT_S, ServerProcess
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_a_model_path_that_does_not_exist_is_named_and_leaves_no_log_file():
     server = ServerProcess("--model-path", "/nonexistent/model", wait_healthy=False)
     try:
-        assert server.proc.wait(timeout=60) == 2
+        assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 2
     finally:
         server.kill()
     log = server.log_text()

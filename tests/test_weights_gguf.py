@@ -22,6 +22,7 @@ from engine.weights import (
     resolve_load_format,
     unpermute_qk,
 )
+from engine.weights.errors import ModelFileError
 from engine.weights.gguf_names import llama3_freq_factors
 from engine.tokenizers.serving import load_serving_tokenizer
 from tests.gguf_files import (
@@ -130,7 +131,7 @@ def test_split_gguf_loads_all_shards(tmp_path, loaded):
     with pytest.raises(ValueError, match="pass its first shard"):
         load_gguf(shards[1])
     shards[2].unlink()
-    with pytest.raises(FileNotFoundError, match=shards[2].name):
+    with pytest.raises(ModelFileError, match=f"^{shards[2]}: missing: shard of the 3-file split GGUF"):
         load_gguf(shards[0])
 
 
@@ -268,14 +269,17 @@ def test_dispatch_auto_picks_gguf(llama_file, loaded):
 
 
 def test_llama_qk_bias_is_unpermuted_too(tmp_path):
-    """llama.cpp permutes q/k biases like their weights (1-D rows)."""
+    """llama.cpp permutes q/k biases like their weights (1-D rows). A llama model with attention
+    bias has q/k/v and o_proj biases in every layer."""
     rng = np.random.default_rng(4)
     bias_q = rng.standard_normal(HIDDEN).astype(np.float32)
     bias_k = rng.standard_normal(KV_HEADS * HEAD_DIM).astype(np.float32)
     extra = {
         "blk.0.attn_q.bias": (llamacpp_permute(bias_q, HEADS), None),
         "blk.0.attn_k.bias": (llamacpp_permute(bias_k, KV_HEADS), None),
-    }
+        "blk.1.attn_q.bias": (bias_q, None), "blk.1.attn_k.bias": (bias_k, None),
+    } | {f"blk.{i}.{part}.bias": (rng.standard_normal(size).astype(np.float32), None)
+         for i in range(LAYERS) for part, size in (("attn_v", KV_HEADS * HEAD_DIM), ("attn_output", HIDDEN))}
     config, weights = load_gguf(tiny_file(tmp_path / "b.gguf", extra=extra))
     got = dict(weights)
     assert config.attention_bias
@@ -315,7 +319,7 @@ def test_error_unsupported_rope_freqs(tmp_path):
 
 
 def test_error_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(ModelFileError, match="nope.gguf: no such GGUF file"):
         load_gguf(tmp_path / "nope.gguf")
 
 

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from engine.models.config import ModelConfig
 from engine.weights import load_model_weights, load_safetensors, resolve_load_format
+from engine.weights.errors import ModelFileError
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -85,14 +86,14 @@ def test_iterator_is_lazy(tmp_path):
     first_name, first = next(weights)
     assert torch.equal(first, tensors[first_name].float())
     (model_dir / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(ModelFileError, match="model-00002-of-00002.safetensors: cannot read the file"):
         list(weights)
 
 
 def test_missing_config_json(tmp_path):
     model_dir = write_hf_dir(tmp_path / "m", hf_tensors())
     (model_dir / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match=str(model_dir / "config.json")):
+    with pytest.raises(ModelFileError, match=f"^{model_dir / 'config.json'}: no such file"):
         load_safetensors(model_dir)
 
 
@@ -100,14 +101,14 @@ def test_no_safetensors_files(tmp_path):
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
-    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files in .*m"):
+    with pytest.raises(ModelFileError, match=r"m: no \*\.safetensors files in the directory"):
         load_safetensors(model_dir)
 
 
 def test_file_named_in_index_missing(tmp_path):
     model_dir = write_hf_dir(tmp_path / "m", hf_tensors())
     (model_dir / "model-00001-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors is named in"):
+    with pytest.raises(ModelFileError, match="model-00001-of-00002.safetensors: no such file, but .* names it"):
         load_safetensors(model_dir)
 
 
@@ -117,9 +118,8 @@ def test_tensor_named_in_index_absent_from_its_file(tmp_path):
     index = json.loads(index_path.read_text())
     index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = "model-00001-of-00002.safetensors"
     index_path.write_text(json.dumps(index))
-    _, weights = load_safetensors(model_dir)
-    with pytest.raises(KeyError, match="model.layers.9.mlp.up_proj.weight"):
-        list(weights)
+    with pytest.raises(ModelFileError, match="has no tensor 'model.layers.9.mlp.up_proj.weight', which"):
+        load_safetensors(model_dir)
 
 
 def test_dispatch_auto_picks_safetensors(tmp_path):

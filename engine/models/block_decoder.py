@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from engine.models.checkpoint_tensors import CheckpointTensors
 from engine.models.config import ModelConfig
 from engine.models.hf_layouts import ParamShard
 from engine.runtime.forward_batch import ForwardBatch, KVCache
@@ -138,18 +139,11 @@ class BlockDecoderForCausalLM(nn.Module):
         for MoE). Skips rotary ``inv_freq`` buffers, and ``lm_head.weight`` when the embeddings
         are tied. Raises ValueError naming the tensor for an unexpected or repeated name, a shape
         mismatch, or (after all tensors) any expected tensor that never came."""
-        expected = type(self).hf_weight_shapes(self.config)
+        check = CheckpointTensors(type(self).hf_weight_shapes(self.config), self.config)
         params = dict(self.named_parameters())
-        seen: set[str] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if not check.take(name, tuple(tensor.shape)):
                 continue
-            if name not in expected:
-                raise ValueError(f"unexpected tensor {name!r} in the checkpoint: {self.config.architecture} has no such weight")
-            if name in seen:
-                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {expected[name]}")
             param_name, shard_id = type(self).param_target(name)
             param = params[param_name]
             loader = getattr(param, "weight_loader", default_weight_loader)
@@ -157,8 +151,4 @@ class BlockDecoderForCausalLM(nn.Module):
                 loader(param, tensor, shard_id)
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r}: {exc}") from None
-            seen.add(name)
-        missing = [n for n in expected if n not in seen]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
-            raise ValueError(f"the checkpoint is missing {len(missing)} tensor(s): {shown}")
+        check.finish()

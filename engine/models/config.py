@@ -11,6 +11,31 @@ from typing import Any, Optional
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") + MOE_ARCHITECTURES
+REQUIRED_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size", "max_position_embeddings")
+_NON_NEGATIVE_INTS = ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+
+
+def check_architecture(architecture: str) -> None:
+    """ValueError naming ``architecture`` and the supported ones unless it is one of them."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_numbers(config: "ModelConfig") -> None:
+    """ValueError naming the first size that is not a positive (or, for the optional ones,
+    non-negative) integer, or an epsilon / rope base that is not a positive number."""
+    for name in _POSITIVE_INTS + _NON_NEGATIVE_INTS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name in _POSITIVE_INTS):
+            kind = "a positive" if name in _POSITIVE_INTS else "a non-negative"
+            raise ValueError(f"{name} must be {kind} integer, not {value!r}")
+    for name in _POSITIVE_FLOATS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +62,10 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize a token's top-k routing weights to sum 1
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        """ValueError naming the problem: an unknown architecture, a size of the wrong type or
+        sign, inconsistent MoE fields or head counts."""
+        check_architecture(self.architecture)
+        _check_numbers(self)
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
             raise ValueError(
                 f"{self.architecture} needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
@@ -64,9 +91,18 @@ class ModelConfig:
         """From the fields of a HF config.json. MoE fields: Qwen3-MoE's ``num_experts`` and
         ``moe_intermediate_size``, Mixtral's ``num_local_experts`` (its experts take
         ``intermediate_size``, and its routing always renormalizes). A Qwen3-MoE config with dense
-        layers between the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``) is refused."""
-        archs = d.get("architectures") or [d.get("architecture", "")]
+        layers between the sparse ones (``decoder_sparse_step`` > 1, ``mlp_only_layers``) is refused.
+        ValueError naming the problem: no architecture, an unknown one, missing keys (all named), or
+        a value of the wrong type."""
+        archs = d.get("architectures") or ([d["architecture"]] if "architecture" in d else None)
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"no 'architectures' list naming the model class (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
+        check_architecture(arch)  # before the keys: a config of another model family lacks some
+        missing = [key for key in REQUIRED_HF_KEYS if key not in d]
+        if missing:
+            raise ValueError(f"missing key{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} (a {arch} config needs "
+                             f"{', '.join(REQUIRED_HF_KEYS)})")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:

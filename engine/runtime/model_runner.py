@@ -2,7 +2,7 @@
 
 Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same logits.
 Start-up order matters: the model's fusion op (no collective yet), the model built on it and its
-weights, then the op's setup (workspace and buffers: a collective, before any graph capture),
+weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
 of each phase; `warm_up` (rank 0, before serving) adds its own.
@@ -18,6 +18,7 @@ import torch
 
 from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
 from engine.runtime.forward_batch import KVCache
+from engine.runtime.load_agreement import load_together
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
@@ -71,6 +72,14 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed)
 
 
+def check_model_files(settings: RunnerSettings) -> ModelConfig:
+    """The model's config, after the checks every rank's load makes before it reads a tensor
+    (each file complete, the config valid, every tensor's name and shape the model's, none
+    missing): once, in the launcher, before any TP worker starts. `ModelFileError` naming the
+    file; only the tensors' values (NaN, inf) are left for the load to check."""
+    return load_config_and_weights(settings, torch.float32, torch.device("cpu"))[0]
+
+
 class ModelRunner:
     def __init__(self, settings: RunnerSettings, group: TensorParallelGroup) -> None:
         self.settings = settings
@@ -79,16 +88,7 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
         start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        config, weights = load_config_and_weights(settings, self.dtype, self.device)
-        self.config: ModelConfig = config
-        requested = settings.context_length or min(config.max_position_embeddings, DEFAULT_CONTEXT_CAP)
-        if requested > config.max_position_embeddings:
-            raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
-        self.context_len = requested
-        self.fusion = AllReduceFusion(group, settings.fusion, config.hidden_size, self.dtype)
-        self.model = build_model(config, self.fusion, self.dtype, self.device)
-        self.model.load_weights(weights)
-        self.model.eval()
+        load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
         start = self._phase_done("weights", start)
         self.fusion.setup()
         start = self._phase_done("fusion setup", start)
@@ -108,6 +108,20 @@ class ModelRunner:
             else:
                 self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
         self._phase_done("graphs", start)
+
+    def _load_model(self) -> None:
+        """This rank's config, context length, fusion op (no collective yet) and model with its
+        weights. ValueError (`ModelFileError` for the files) for a model that cannot run."""
+        config, weights = load_config_and_weights(self.settings, self.dtype, self.device)
+        self.config: ModelConfig = config
+        requested = self.settings.context_length or min(config.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+        if requested > config.max_position_embeddings:
+            raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
+        self.context_len = requested
+        self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
+        self.model = build_model(config, self.fusion, self.dtype, self.device)
+        self.model.load_weights(weights)
+        self.model.eval()
 
     def _phase_done(self, phase: str, start: float) -> float:
         """Record ``phase`` as lasting from ``start`` until the device has finished its work; returns now."""

@@ -12,6 +12,7 @@ import time
 import torch
 
 from engine.launch_config import LaunchConfig
+from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
 from engine.runtime.model_runner import ModelRunner
 from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
@@ -52,6 +53,8 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
                 continue
             runner.forward(plan)
             runner.commit_tokens(None)  # rank 0's sampled tokens, into this rank's table
+    except LoadRefused:
+        code = REFUSED_EXIT_CODE  # every rank refused the model: rank 0 says why
     except Exception:
         logger.exception("TP worker rank %d failed", rank)
         code = 1

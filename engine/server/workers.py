@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from engine.runtime.load_agreement import REFUSED_EXIT_CODE
+
 POLL_S = 0.1
 
 
@@ -50,10 +52,12 @@ class WorkerSet:
 
     def watch(self, on_failure: Callable[[str], None]) -> threading.Thread:
         """Call ``on_failure(description)`` from a daemon thread when a worker exits with a
-        nonzero code (not after `stop` began)."""
+        nonzero code (not after `stop` began), except `REFUSED_EXIT_CODE`: that worker refused
+        the model together with rank 0, which raises the same error and reports it."""
         def loop() -> None:
             while not self.stopping:
-                dead = [(r, p.exitcode) for r, p in self.procs.items() if not p.is_alive() and p.exitcode != 0]
+                dead = [(r, p.exitcode) for r, p in self.procs.items()
+                        if not p.is_alive() and p.exitcode not in (0, REFUSED_EXIT_CODE)]
                 if dead and not self.stopping:
                     on_failure(f"TP worker rank {dead[0][0]} exited (code {dead[0][1]})")
                     return

@@ -18,11 +18,15 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys, MODEL_TENSOR, TENSOR_NAMES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
+from engine.models.checkpoint_tensors import CheckpointTensors
 from engine.models.config import ModelConfig
+from engine.models.registry import hf_weight_shapes
+from engine.weights.errors import ModelFileError, finite_cast
+from engine.weights.gguf_file import open_gguf
 from engine.weights.gguf_moe_names import MOE_NAME_ARCHITECTURES, hf_moe_tensors, is_moe_tensor
 from engine.weights.gguf_names import (
     PERMUTED_QK_ARCHITECTURES,
@@ -38,8 +42,8 @@ _Q_WEIGHT = re.compile(r"^blk\.\d+\.attn_q\.(weight|bias)$")
 _K_WEIGHT = re.compile(r"^blk\.\d+\.attn_k\.(weight|bias)$")
 
 
-class UnsupportedTensorTypeError(ValueError):
-    """A tensor whose GGML type the gguf package cannot dequantize; names the tensor and type."""
+class UnsupportedTensorTypeError(ModelFileError):
+    """A tensor whose GGML type the gguf package cannot dequantize; names the file, tensor and type."""
 
 
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -62,11 +66,11 @@ def gguf_shard_paths(path: Path, reader: GGUFReader) -> list[Path]:
         return [path]
     m = _SHARD_NAME.match(path.name)
     if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
-        raise ValueError(f"{path} is part of a {count}-file split GGUF: pass its first shard, <name>-00001-of-{count:05d}.gguf")
+        raise ModelFileError(path, f"part of a {count}-file split GGUF: pass its first shard, <name>-00001-of-{count:05d}.gguf")
     paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     for p in paths:
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF shard {p} is missing (split of {count} files)")
+            raise ModelFileError(p, f"missing: shard of the {count}-file split GGUF {path}")
     return paths
 
 
@@ -81,63 +85,101 @@ def _dequantizable(qtype: GGMLQuantizationType) -> bool:
     return True
 
 
-def _to_torch(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize one tensor to float32 (HF shape), then cast to ``dtype``; copies out of the memmap."""
+def _to_torch(tensor: ReaderTensor, dtype: torch.dtype, path: Path) -> torch.Tensor:
+    """Dequantize one tensor of the file ``path`` to float32 (HF shape), then cast to ``dtype``,
+    checked finite (`finite_cast`); copies out of the memmap."""
     array = dequantize(tensor.data, tensor.tensor_type)
     if not array.flags.writeable:
         array = array.copy()
-    return torch.from_numpy(array).to(dtype)
+    return finite_cast(torch.from_numpy(array), dtype, tensor.name, path)
 
 
-def _find(readers: list[GGUFReader], name: str) -> Optional[ReaderTensor]:
-    return next((t for r in readers for t in r.tensors if t.name == name), None)
+def _find(readers: list[tuple[Path, GGUFReader]], name: str) -> Optional[ReaderTensor]:
+    return next((t for _, r in readers for t in r.tensors if t.name == name), None)
+
+
+def _hf_shapes(tensor: ReaderTensor, architecture: str, moe_names: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF ``(name, shape)`` of each tensor the loader makes of a GGUF tensor (several for
+    stacked experts, none for one that is not a weight), from its header only. ValueError for a
+    name the mapping does not know."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if moe_names and is_moe_tensor(tensor.name):
+        views = hf_moe_tensors(tensor.name, torch.empty(shape, device="meta"), architecture)
+        return [(name, tuple(view.shape)) for name, view in views]
+    name = hf_tensor_name(tensor.name)
+    return [] if name is None else [(name, shape)]
+
+
+def _config(readers: list[tuple[Path, GGUFReader]], path: Path) -> ModelConfig:
+    """`config_from_gguf` of the first shard's metadata and every shard's tensor names;
+    `ModelFileError` naming ``path`` for metadata that make no valid config."""
+    rope_freqs = _find(readers, ROPE_FREQS_NAME)
+    names = {t.name for _, r in readers for t in r.tensors}
+    try:
+        return config_from_gguf(
+            readers[0][1], names, str(path),
+            None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type),
+        )
+    except ModelFileError:
+        raise
+    except (ValueError, TypeError) as exc:  # a size out of range, a rope we cannot map, a string for a number
+        raise ModelFileError(path, f"bad GGUF metadata: {exc}") from None
+
+
+def _check_tensors(readers: list[tuple[Path, GGUFReader]], config: ModelConfig, moe_names: bool, path: Path) -> None:
+    """Every tensor's type is dequantizable, its name known and its shape the model's; no
+    weight of the model is missing. `ModelFileError` naming the file (and the GGUF tensor)."""
+    check = CheckpointTensors(hf_weight_shapes(config), config)
+    for shard, reader in readers:
+        for t in reader.tensors:
+            if not _dequantizable(t.tensor_type):
+                raise UnsupportedTensorTypeError(
+                    shard, f"tensor {t.name!r} has type {t.tensor_type.name}, which gguf.quants.dequantize does not support")
+            try:
+                pairs = _hf_shapes(t, config.architecture, moe_names)
+            except ValueError as exc:
+                raise ModelFileError(shard, str(exc)) from None
+            for name, shape in pairs:
+                try:
+                    check.take(name, shape)
+                except ValueError as exc:
+                    raise ModelFileError(shard, f"{exc} (GGUF tensor {t.name!r})") from None
+    try:
+        check.finish()
+    except ValueError as exc:
+        raise ModelFileError(path, str(exc)) from None
 
 
 def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """Read the config now and check every tensor's name and type; yield the tensors lazily.
+    """Check the file now (`open_gguf`: a complete GGUF file; its config; every tensor's name,
+    type and shape, none missing) and yield the tensors lazily, each checked finite.
 
-    Raises: FileNotFoundError (file or a shard missing), ValueError (unknown architecture or tensor
-    name, vocab/embedding mismatch), `UnsupportedTensorTypeError` (names tensor and type),
-    `MissingMetadataError` (names the key).
+    Raises `ModelFileError` naming the file and the problem (`MissingMetadataError` names the
+    key, `UnsupportedTensorTypeError` the tensor and its type); while iterating, for a tensor
+    with NaN or infinite values.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    first = GGUFReader(path)
+        raise ModelFileError(path, "no such GGUF file")
+    first = open_gguf(path)
     shard_paths = gguf_shard_paths(path, first)  # before reading metadata: only the first shard has it
     arch = gguf_architecture(first, str(path))
-    readers = [first] + [GGUFReader(p) for p in shard_paths[1:]]
-    rope_freqs = _find(readers, ROPE_FREQS_NAME)
-    names = {t.name for r in readers for t in r.tensors}
-    config = config_from_gguf(
-        first, names, str(path), None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type)
-    )
+    readers = [(path, first)] + [(p, open_gguf(p)) for p in shard_paths[1:]]
+    config = _config(readers, path)
     moe_names = config.architecture in MOE_NAME_ARCHITECTURES  # experts, router or q/k norms are this file's
-    for reader in readers:
-        for t in reader.tensors:
-            if not (moe_names and is_moe_tensor(t.name)):
-                hf_tensor_name(t.name)  # raises for unknown names before any tensor is loaded
-            if not _dequantizable(t.tensor_type):
-                raise UnsupportedTensorTypeError(
-                    f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which gguf.quants.dequantize does not support"
-                )
-    embedding = _find(readers, TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight")
-    if embedding is None:
-        raise ValueError(f"{path} has no token_embd.weight tensor")
-    if int(embedding.shape[1]) != config.vocab_size:
-        raise ValueError(f"{path}: token_embd has {int(embedding.shape[1])} rows but the vocab has {config.vocab_size} tokens")
+    _check_tensors(readers, config, moe_names, path)
     permuted = arch in PERMUTED_QK_ARCHITECTURES
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for reader in readers:
+        for shard, reader in readers:
             for t in reader.tensors:
                 if moe_names and is_moe_tensor(t.name):
-                    yield from hf_moe_tensors(t.name, _to_torch(t, dtype), config.architecture)
+                    yield from hf_moe_tensors(t.name, _to_torch(t, dtype, shard), config.architecture)
                     continue
                 name = hf_tensor_name(t.name)
                 if name is None:
                     continue
-                tensor = _to_torch(t, dtype)
+                tensor = _to_torch(t, dtype, shard)
                 if permuted and _Q_WEIGHT.match(t.name):
                     tensor = unpermute_qk(tensor, config.num_attention_heads)
                 elif permuted and _K_WEIGHT.match(t.name):

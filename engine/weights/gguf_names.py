@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGUFReader, Keys, MODEL_TENSOR, TENSOR_NAMES
 
 from engine.models.config import ModelConfig
+from engine.weights.errors import ModelFileError
 from engine.weights.gguf_moe_names import GGUF_MOE_ARCHITECTURES, moe_config_fields
 
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -75,32 +76,29 @@ def hf_tensor_name(gguf_name: str) -> Optional[str]:
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}: not part of a dense llama/qwen2 model")
 
 
-class MissingMetadataError(KeyError):
-    """A required GGUF metadata key is absent; the message names the key and the file."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+class MissingMetadataError(ModelFileError):
+    """A required GGUF metadata key is absent; the message names the file and the key."""
 
 
 def field_value(reader: GGUFReader, key: str, default: Any = ..., path: str = "") -> Any:
     """The value of metadata ``key`` (scalar, string, or list for arrays).
 
-    Raises `MissingMetadataError` naming the key when it is absent and no default is given.
+    Raises `MissingMetadataError` naming ``path`` and the key when it is absent and no default is given.
     """
     field = reader.get_field(key)
     if field is None:
         if default is ...:
-            raise MissingMetadataError(f"GGUF metadata key {key!r} is missing{f' in {path}' if path else ''}")
+            raise MissingMetadataError(path, f"GGUF metadata key {key!r} is missing")
         return default
     return field.contents()
 
 
 def gguf_architecture(reader: GGUFReader, path: str = "") -> str:
-    """``general.architecture``, checked against the supported ones."""
+    """``general.architecture``, checked against the supported ones (`ModelFileError` naming ``path``)."""
     arch = field_value(reader, Keys.General.ARCHITECTURE, path=path)
     supported = sorted(GGUF_ARCHITECTURES.keys() | GGUF_MOE_ARCHITECTURES.keys())
     if arch not in supported:
-        raise ValueError(f"unknown GGUF architecture {arch!r} in {path or 'file'}; supported: {supported}")
+        raise ModelFileError(path, f"unknown GGUF architecture {arch!r}; supported: {supported}")
     return arch
 
 
@@ -207,23 +205,25 @@ def config_from_gguf(
 
     heads = int(get(Keys.Attention.HEAD_COUNT))
     hidden = int(get(Keys.LLM.EMBEDDING_LENGTH))
+    if heads <= 0:
+        raise ValueError(f"{Keys.Attention.HEAD_COUNT.format(arch=arch)} must be positive, not {heads}")
     head_dim = int(get(Keys.Attention.KEY_LENGTH, hidden // heads))
     value_dim = int(get(Keys.Attention.VALUE_LENGTH, head_dim))
     rope_dim = int(get(Keys.Rope.DIMENSION_COUNT, head_dim))
     if value_dim != head_dim or rope_dim != head_dim:
         raise ValueError(
-            f"unsupported GGUF attention shape in {path}: key_length {head_dim}, value_length {value_dim}, "
+            f"unsupported GGUF attention shape: key_length {head_dim}, value_length {value_dim}, "
             f"rope.dimension_count {rope_dim} must all be equal"
         )
     tokens = reader.get_field(Keys.Tokenizer.LIST)
     vocab = get(Keys.LLM.VOCAB_SIZE, len(tokens.data) if tokens is not None else None)
     if vocab is None:
-        raise MissingMetadataError(f"GGUF metadata key {Keys.Tokenizer.LIST!r} is missing in {path} (needed for the vocab size)")
+        raise MissingMetadataError(path, f"GGUF metadata key {Keys.Tokenizer.LIST!r} is missing (needed for the vocab size)")
     rope_theta = float(get(Keys.Rope.FREQ_BASE, 10000.0))
     rope_scaling = _rope_scaling_from_metadata(get)
     if rope_freqs is not None:
         if rope_scaling is not None:
-            raise ValueError(f"{path}: both rope_freqs and rope.scaling metadata; ambiguous rope scaling")
+            raise ValueError("both rope_freqs and rope.scaling metadata; ambiguous rope scaling")
         original = int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, 8192))
         rope_scaling = rope_scaling_from_freq_factors(rope_freqs, rope_theta, head_dim, original)
     moe = moe_config_fields(get, arch)  # the MoE / Qwen3 fields, architecture included, or {}

@@ -22,6 +22,8 @@ from typing import Any, Optional, Union
 from gguf import GGUFReader, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from engine.weights.errors import ModelFileError
+from engine.weights.gguf_file import open_gguf
 from engine.weights.gguf_names import eos_token_ids, field_value
 
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -56,9 +58,8 @@ class GGUFTokenizer:
 def _byte_level_bpe(reader: GGUFReader, tokens: list[str], path: str) -> Tokenizer:
     pre = field_value(reader, Keys.Tokenizer.PRE, "default")
     if pre not in _BPE_PRE:
-        raise ValueError(
-            f"{path}: unsupported tokenizer.ggml.pre {pre!r} (supported: {sorted(_BPE_PRE)}); "
-            "pass a HF tokenizer directory instead"
+        raise ModelFileError(
+            path, f"unsupported tokenizer.ggml.pre {pre!r} (supported: {sorted(_BPE_PRE)}); pass a HF tokenizer directory instead"
         )
     merges = [tuple(m.split(" ", 1)) for m in field_value(reader, Keys.Tokenizer.MERGES, path=path)]
     vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins for duplicates
@@ -129,11 +130,12 @@ def _post_processor(tokens: list[str], bos: Optional[int], eos: Optional[int], a
 def load_gguf_tokenizer(path: Union[str, Path]) -> GGUFTokenizer:
     """Build the tokenizer stored in a GGUF file.
 
-    Raises `MissingMetadataError` naming an absent required key (tokens, merges or scores), and
-    ValueError for an unsupported ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre``.
+    Raises `ModelFileError` naming the file: not a complete GGUF file (`open_gguf`), an unsupported
+    ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre``, or (`MissingMetadataError`) an absent
+    required key (tokens, merges or scores).
     """
     path = str(path)
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     kind = field_value(reader, Keys.Tokenizer.MODEL, path=path)
     tokens: list[str] = field_value(reader, Keys.Tokenizer.LIST, path=path)
     types: list[int] = field_value(reader, Keys.Tokenizer.TOKEN_TYPE, [TokenType.NORMAL] * len(tokens))
@@ -142,7 +144,7 @@ def load_gguf_tokenizer(path: Union[str, Path]) -> GGUFTokenizer:
     elif kind == "llama":
         tok = _sentencepiece_bpe(reader, tokens, types, path)
     else:
-        raise ValueError(f"{path}: unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
+        raise ModelFileError(path, f"unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
     special = [TokenType.CONTROL, TokenType.UNKNOWN]
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in special]
