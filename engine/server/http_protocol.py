@@ -86,7 +86,8 @@ class _LingeringTransport:
         return self._lingering or self._transport.is_closing()
 
     def close(self) -> None:
-        if self._lingering or not self._protocol.client_may_be_sending() or not self._transport.can_write_eof():
+        if (self._lingering or self._transport.is_closing() or not self._protocol.client_may_be_sending()
+                or not self._transport.can_write_eof()):
             self._transport.close()
             return
         self._lingering = True
