@@ -35,12 +35,30 @@ logger = logging.getLogger("engine.bench_one_batch")
 SETTINGS = ("off", "on", "builtin")
 
 
+# The ServerArgs fields this benchmark reads (the engine is configured as a server configures
+# it); the others get no flag here: HTTP, tokenizer, multi-node and scheduling options, and the
+# sizes it sets itself (context and batch from --input-len, --output-len and --batch-size; the
+# fused two-shot buffer keeps a server's default of max_prefill_tokens rows).
+BENCH_FIELDS = (
+    "model_path", "load_format", "dtype", "device", "seed",
+    "tp_size", "dist_timeout",
+    "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
+    "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
+    "allreduce_fusion_tuning_cache_dir", "deterministic",
+    "mem_fraction_static", "disable_cuda_graph", "disable_overlap_schedule",
+    "log_level",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """`ServerArgs`' own flags (model, parallelism, fusion, memory: the engine is configured as a
-    server configures it) plus this benchmark's flags in their own group."""
+    """The `ServerArgs` flags of `BENCH_FIELDS` plus this benchmark's flags in their own group.
+    One default differs from a server's: without a CUDA GPU the fusion backend is torch (so that
+    ``--fusion on`` runs there), and the help says so."""
     from server_args import ServerArgs
 
-    parser = ServerArgs.build_parser(prog="python -m engine.bench_one_batch", description=__doc__)
+    defaults = {} if torch.cuda.is_available() else {"allreduce_fusion_backend": ("torch", "as no CUDA GPU is visible")}
+    parser = ServerArgs.build_parser(prog="python -m engine.bench_one_batch", description=__doc__,
+                                     fields=BENCH_FIELDS, defaults=defaults)
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to measure (default: 1 8 32)")
     bench.add_argument("--input-len", type=int, default=256, help="prompt tokens per sequence (default: 256)")
@@ -57,17 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Any, argparse.Namespace]:
-    """``(ServerArgs, namespace)``. One default differs from a server's, unless given: the
-    fusion backend is torch on a machine without CUDA (so that ``--fusion on`` runs there)."""
+    """``(ServerArgs, namespace)``: the server options given (or defaulted by `build_parser`),
+    and the benchmark's."""
     from server_args import ServerArgs
 
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if ns.enable_flashinfer_allreduce_fusion:
-        parser.error("--enable-flashinfer-allreduce-fusion: this benchmark measures the settings given by --fusion "
-                     "(off on builtin)")
-    if ns.allreduce_fusion_backend is None and not torch.cuda.is_available():
-        ns.allreduce_fusion_backend = "torch"
+    ns = build_parser().parse_args(argv)
     return ServerArgs.from_namespace(ns), ns
 
 

@@ -4,6 +4,11 @@ With no options it serves the built-in tiny model (dummy weights) on this machin
 the CPU when there is none. Node 0 runs TP rank 0 in this process (scheduler thread + HTTP
 server) and spawns its other local ranks; other nodes (``--node-rank k``) only spawn theirs.
 
+Start-up: node 0 binds the HTTP port first, so a taken port fails at once (exit code 2); it
+listens, and logs "serving ... on http://...", only once the model is loaded and warm.
+Until then a connection is refused. ``/health`` answers 503 naming the rank while a TP worker
+misses its heartbeat (`engine.runtime.heartbeat`), and 200 again once it beats.
+
 Shutdown: SIGTERM or SIGINT drains the server (`engine.server.http_server`): new requests get
 503, the ones in flight get ``--shutdown-timeout`` seconds, the rest then end with an error;
 the scheduler then tells the workers to shut down and every rank exits with 0.
@@ -53,18 +58,22 @@ def serve(args: ServerArgs) -> int:
 
     # SIGTERM unwinds like Ctrl-C until the HTTP server takes the signals over (it drains).
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    launch = launch_config(args)
-    tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path) if args.node_rank == 0 else None
-    check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
-    workers = WorkerSet(launch, [r for r in launch.local_ranks if r != 0])
     if args.node_rank != 0:
-        return _serve_other_node(workers)
+        launch = launch_config(args)
+        check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
+        return _serve_other_node(WorkerSet(launch, list(launch.local_ranks)))
+    from engine.server.http_server import bind_http_socket
     from engine.server.supervisor import Supervisor
 
-    supervisor = Supervisor(workers)
-    workers.watch(supervisor.fail)
-    torch.set_num_threads(launch.threads_per_rank)
-    return _serve_rank0(args, launch, tokenizer, supervisor)
+    with bind_http_socket(args.host, args.port) as sock:  # before the rendezvous port is chosen
+        launch = launch_config(args)
+        tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path)
+        check_model_files(launch.runner)
+        workers = WorkerSet(launch, [r for r in launch.local_ranks if r != 0])
+        supervisor = Supervisor(workers)
+        workers.watch(supervisor.fail)
+        torch.set_num_threads(launch.threads_per_rank)
+        return _serve_rank0(args, launch, tokenizer, supervisor, sock)
 
 
 def _serve_other_node(workers: Any) -> int:
@@ -82,24 +91,26 @@ def _serve_other_node(workers: Any) -> int:
     return REFUSED_EXIT_CODE if all(code == REFUSED_EXIT_CODE for code in codes.values()) else 1
 
 
-def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any) -> int:
-    """Rank 0's model and scheduler, and the HTTP server until it has drained; then every rank
-    shuts down."""
-    import uvicorn
-
+def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any, sock: Any) -> int:
+    """Rank 0's model and scheduler, and the HTTP server on the bound socket ``sock`` until it
+    has drained; then every rank shuts down."""
+    from engine.runtime.heartbeat import HeartbeatMonitor
     from engine.runtime.model_runner import ModelRunner
     from engine.scheduling.scheduler import Scheduler
     from engine.server.app import build_app
     from engine.server.engine import Engine
     from engine.server.engine_client import EngineError
-    from engine.server.http_server import DrainingServer
+    from engine.server.http_limits import max_request_bytes
+    from engine.server.http_server import DrainingServer, http_config
     from engine.server.lifecycle import Lifecycle
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
-    runner = scheduler = scheduler_thread = None
+    runner = scheduler = scheduler_thread = heartbeats = None
     try:
         group = init_tensor_parallel(launch.tp_size, 0, launch.init_method, device=launch.device_for(0),
                                      node_rank=args.node_rank, timeout_s=launch.dist_timeout)
+        heartbeats = HeartbeatMonitor(launch.init_method, range(1, launch.tp_size), launch.dist_timeout) \
+            if launch.tp_size > 1 else None
         runner = ModelRunner(launch.runner, group)
         scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
                               on_failure=lambda why: supervisor.fail(f"the scheduler failed: {why}"),
@@ -108,6 +119,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
         if not args.skip_server_warmup:
             runner.warm_up(scheduler.max_extend_tokens)  # before the scheduler's first plan and before /health
         model_name = args.served_model_name or args.model_path
+        body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 
         def info() -> dict[str, Any]:
             return {
@@ -118,21 +130,24 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
                 "tp_spans_nodes": group.spans_nodes, "tp_shared_gpu": group.shared_gpu_note,
                 "kv_cache_slots": runner.num_kv_slots,
                 "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs else [],
-                "fusion": runner.fusion.status(), "load": scheduler.load(),
+                "fusion": runner.fusion.status(), "load": scheduler.load(), "max_request_bytes": body_limit,
             }
 
-        engine = Engine(scheduler, tokenizer, model_name, info, supervisor.workers.alive)
+        engine = Engine(scheduler, tokenizer, model_name, info, supervisor.workers.alive,
+                        heartbeats.missed if heartbeats is not None else lambda: None)
         lifecycle = Lifecycle()
         supervisor.serving(engine, lifecycle)
         scheduler_thread = threading.Thread(target=scheduler.run_forever, name="scheduler", daemon=True)
         scheduler_thread.start()
         shutdown = EngineError(503, f"the server shut down before the request finished "
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
-        config = uvicorn.Config(build_app(engine, model_name, lifecycle), host=args.host, port=args.port,
-                                log_level=args.log_level, timeout_graceful_shutdown=3)
-        logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
-                    group.world_size, fusion_summary(runner.fusion.status()), startup_summary(runner.startup_s))
-        DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown)).run()
+        config = http_config(build_app(engine, model_name, lifecycle), body_limit, args.log_level)
+
+        def serving() -> None:
+            logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
+                        group.world_size, fusion_summary(runner.fusion.status()), startup_summary(runner.startup_s))
+
+        DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown), serving).run([sock])
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up below is bounded: let it finish
             signal.signal(sig, signal.SIG_IGN)
@@ -143,6 +158,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any)
         codes = supervisor.workers.stop(WORKER_EXIT_GRACE_S)
         if codes:
             logger.info("TP workers exited: %s", ", ".join(f"rank {r} with code {c}" for r, c in codes.items()))
+        if heartbeats is not None:
+            heartbeats.stop()
         if runner is not None:
             runner.destroy()
         destroy_tensor_parallel()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Collection, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -78,6 +78,7 @@ class ServerArgs(BaseModel):
     port: int = Field(30000, ge=1, le=65535, description="HTTP port")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level")
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds that requests in flight may run on after SIGTERM/SIGINT (new ones get 503); the rest are then ended with an error")
+    max_request_bytes: Optional[int] = Field(None, ge=1, description="Largest request body in bytes: a larger one is answered 413 before it is read or parsed (default: 64 bytes per token of the context length, at least 1 MiB)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "ServerArgs":
@@ -123,16 +124,36 @@ class ServerArgs(BaseModel):
             raise ServerArgsError("invalid server arguments: " + "; ".join(problems)) from None
 
     @classmethod
-    def build_parser(cls, prog: Optional[str] = None, description: str = "arfusion engine server") -> argparse.ArgumentParser:
+    def build_parser(cls, prog: Optional[str] = None, description: str = "arfusion engine server",
+                     fields: Optional[Collection[str]] = None,
+                     defaults: Optional[Mapping[str, tuple[Any, str]]] = None) -> argparse.ArgumentParser:
         """A parser with one argument group per section; every option defaults to None (not
-        given), and its help states the field's default. A tool may add its own groups."""
+        given), and its help states the field's default. A tool may add its own groups.
+
+        ``fields`` (default: all) are the fields the tool uses: only they get a flag (a section
+        without one gets no group). ``defaults`` maps a field to the ``(value, why)`` the tool
+        applies instead of the field's default: the option then defaults to that value, and its
+        help says ``(default: value, why)``. An unknown field name raises ValueError."""
+        unknown = sorted(set(fields or ()).union(defaults or {}).difference(cls.model_fields))
+        if unknown:
+            raise ValueError(f"not ServerArgs fields: {', '.join(unknown)}")
+        defaults = defaults or {}
         parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
-        group = parser
+        section, groups = "", {}
         for name, field in cls.model_fields.items():
-            if name in SECTIONS:
-                group = parser.add_argument_group(SECTIONS[name])
-            help_text = f"{field.description} {_default_text(field.default, field.description or '')}".strip()
-            kwargs: dict[str, Any] = {"default": None, "help": help_text}
+            section = SECTIONS.get(name, section)
+            if fields is not None and name not in fields:
+                continue
+            if section not in groups:
+                groups[section] = parser.add_argument_group(section)
+            group = groups[section]
+            if name in defaults:
+                value, why = defaults[name]
+                default_text = f"(default: {value}, {why})"
+            else:
+                value, default_text = None, _default_text(field.default, field.description or "")
+            help_text = f"{field.description} {default_text}".strip()
+            kwargs: dict[str, Any] = {"default": value, "help": help_text}
             annotation = field.annotation
             if annotation is bool:
                 group.add_argument(_flag(name), action="store_true", **kwargs)

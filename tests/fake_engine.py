@@ -159,3 +159,6 @@ class FakeEngine:
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def health_problem(self) -> Optional[str]:
+        return None if self.healthy else "the fake engine is unhealthy"

@@ -1,8 +1,14 @@
 """`python -m engine.bench_one_batch` end to end on CPU: the tiny model at TP2 over gloo, the
-three settings in one run, the table and the JSON line."""
+three settings in one run, the table and the JSON line; its --help lists only what it uses."""
 import json
+import re
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from engine import bench_one_batch
 
 
 def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
@@ -38,3 +44,34 @@ def test_bench_one_batch_without_overlap_records_it(tmp_path):
     assert "no overlap" in proc.stdout
     (row,) = json.loads(out.read_text().splitlines()[-1])["results"]
     assert row["overlap"] is False and row["tpot_ms"] > 0
+
+
+SERVER_ONLY = ("--host", "--port", "--shutdown-timeout", "--max-running-requests", "--max-request-bytes",
+               "--served-model-name", "--tokenizer-path", "--context-length", "--chunked-prefill-size",
+               "--cuda-graph-max-bs", "--skip-server-warmup", "--nnodes", "--node-rank", "--dist-init-addr",
+               "--enable-flashinfer-allreduce-fusion", "--max-prefill-tokens")
+
+
+def test_help_lists_only_the_flags_it_uses(capsys):
+    proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", proc.stdout))
+    assert not flags & set(SERVER_ONLY), flags & set(SERVER_ONLY)
+    assert {"--model-path", "--tp-size", "--allreduce-fusion-backend", "--disable-overlap-schedule", "--batch-size",
+            "--fusion"} <= flags
+    for flag in SERVER_ONLY:
+        with pytest.raises(SystemExit) as exited:
+            bench_one_batch.parse_args([flag, "1"])
+        assert exited.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err, flag
+
+
+@pytest.mark.parametrize("cuda, default, shown", [(False, "torch", "(default: torch, as no CUDA GPU is visible)"),
+                                                  (True, "flashinfer", "(default: flashinfer)")])
+def test_the_fusion_backend_default_is_the_one_it_applies(monkeypatch, cuda, default, shown):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    help_text = " ".join(bench_one_batch.build_parser().format_help().split())
+    option = help_text[help_text.index("--allreduce-fusion-backend {flashinfer,torch} flashinfer:"):]
+    assert option[:option.index(" --", 3)].endswith(shown)
+    server, _ = bench_one_batch.parse_args([])
+    assert server.allreduce_fusion_backend == default

@@ -59,6 +59,34 @@ def test_a_tool_extends_the_parser_with_its_own_group():
     assert helps["--batch-size"][0] == "benchmark" and helps["--batch-size"][1].endswith("sizes (default: [1, 8])")
 
 
+def test_a_tool_gets_flags_only_for_the_fields_it_uses_and_states_its_own_defaults():
+    parser = ServerArgs.build_parser("tool", fields=("tp_size", "allreduce_fusion_backend", "log_level"),
+                                     defaults={"allreduce_fusion_backend": ("torch", "as the tool runs on the CPU")})
+    helps = _option_helps(parser.format_help())
+    assert set(helps) == {"--tp-size", "--allreduce-fusion-backend", "--log-level"}
+    assert [helps[f][0] for f in ("--tp-size", "--allreduce-fusion-backend", "--log-level")] == \
+        ["parallelism", "fusion", "server"]  # a group per section that has a flag, none for the others
+    assert helps["--allreduce-fusion-backend"][1].endswith("(default: torch, as the tool runs on the CPU)")
+    assert ServerArgs.from_namespace(parser.parse_args([])).allreduce_fusion_backend == "torch"
+    assert ServerArgs.from_namespace(parser.parse_args(["--allreduce-fusion-backend", "flashinfer"])) \
+        .allreduce_fusion_backend == "flashinfer"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--port", "1"])
+
+
+@pytest.mark.parametrize("fields, defaults", [(("tp_size", "no_such_field"), None), (None, {"no_such_field": (1, "")})])
+def test_a_tool_naming_an_unknown_field_is_refused(fields, defaults):
+    with pytest.raises(ValueError, match="not ServerArgs fields: no_such_field"):
+        ServerArgs.build_parser("tool", fields=fields, defaults=defaults)
+
+
+@pytest.mark.parametrize("argv, expected", [([], None), (["--max-request-bytes", "4096"], 4096)])
+def test_max_request_bytes(argv, expected):
+    assert ServerArgs.from_cli(argv).max_request_bytes == expected
+    with pytest.raises(ServerArgsError, match="--max-request-bytes"):
+        ServerArgs.from_cli(["--max-request-bytes", "0"])
+
+
 def test_shutdown_timeout():
     assert ServerArgs().shutdown_timeout == 10.0
     assert ServerArgs.from_cli(["--shutdown-timeout", "0.5"]).shutdown_timeout == 0.5

@@ -110,3 +110,21 @@ def test_a_delivery_after_the_loop_closed_is_dropped() -> None:
     asyncio.run(submit_and_leave())
     scheduler.submitted[0].emit(GenerationChunk("late", [1], 1, 1))  # the scheduler thread must not see an error
     assert engine.fail_all(EngineError(503, "shutting down")) == 0
+
+
+MISSED = "TP worker rank 1 missed its heartbeat: none for 5.2 s (one is due every 1.0 s)"
+
+
+@pytest.mark.parametrize("scheduler_alive, workers_alive, heartbeat, healthy, problem", [
+    (True, True, None, True, None),
+    (True, True, MISSED, True, MISSED),  # still takes requests: the worker may come back
+    (True, False, MISSED, False, "a TP worker has exited"),
+    (False, True, None, False, "the scheduler has stopped"),
+])
+def test_health_problem_names_a_missed_heartbeat_and_every_failure(scheduler_alive, workers_alive, heartbeat,
+                                                                    healthy, problem):
+    scheduler = StubScheduler()
+    scheduler.alive, scheduler.failure = scheduler_alive, None
+    engine = Engine(scheduler, build_tiny_tokenizer(), "m", info=dict, workers_alive=lambda: workers_alive,
+                    heartbeat_missed=lambda: heartbeat)
+    assert engine.is_healthy() is healthy and engine.health_problem() == problem

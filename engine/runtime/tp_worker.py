@@ -1,5 +1,6 @@
 """TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown" ("idle"
-plans only keep the wait for the next plan within ``--dist-timeout``)."""
+plans only keep the wait for the next plan within ``--dist-timeout``). Each beats its heartbeat
+(`engine.runtime.heartbeat`) from the moment it joined the group."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,7 @@ import time
 import torch
 
 from engine.launch_config import LaunchConfig
+from engine.runtime.heartbeat import Heartbeat
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
 from engine.runtime.model_runner import ModelRunner
 from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
@@ -38,12 +40,13 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_when_parent_dies()
-    runner = None
+    runner = heartbeat = None
     code = 0
     try:
         torch.set_num_threads(max(1, launch.threads_per_rank))
         group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
                                      node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
+        heartbeat = Heartbeat(launch.init_method, rank, launch.dist_timeout)
         runner = ModelRunner(launch.runner, group)
         while True:
             plan = group.broadcast_object(None, src=0)
@@ -59,6 +62,8 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
         logger.exception("TP worker rank %d failed", rank)
         code = 1
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if runner is not None:
             runner.destroy()
         try:

@@ -3,7 +3,9 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 POST /generate (SGLang style), POST /flush_cache, GET /get_server_info, and the tokenizer's
 (`engine.server.tokenizer_routes`): POST /tokenize, POST /detokenize, GET /tokenizer_info.
-Building log-probabilities and echoes runs in a worker thread. Every error is answered as
+Prompts are tokenized and chat templates rendered in a worker thread (`asyncio.to_thread`), never
+on the event loop: a huge prompt delays only its own request; building log-probabilities and
+echoes runs in a worker thread too. Every error is answered as
 ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too, and bodies that
 are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `EngineError` with its status
 (400, 500, 503), any other fault while serving one request 500; inside a stream that already
@@ -93,12 +95,15 @@ class _Server:
         if unsupported:
             raise APIError(400, f"not supported: {', '.join(unsupported)}")
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int], tokenized: bool = False) -> list[int]:
+        """``ids`` if not empty and (unless ``tokenized``: from the server's own tokenizer) within
+        the vocabulary. (This runs in a worker thread, but holds the GIL: over a long prompt a
+        Python loop would stall the event loop and the scheduler.)"""
         if not ids:
             raise APIError(400, "the prompt is empty")
         vocab = self.engine.tokenizer.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
+        if not tokenized and (min(ids) < 0 or max(ids) >= vocab):
+            bad = [i for i in ids if not 0 <= i < vocab]
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:8]}")
         return ids
 
@@ -111,7 +116,7 @@ class _Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "the prompt is empty")
-            return self.check_ids(self.engine.tokenizer.encode(prompt))
+            return self.check_ids(self.engine.tokenizer.encode(prompt), tokenized=True)
         return self.check_ids(list(prompt))
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
@@ -123,7 +128,7 @@ class _Server:
             text = self.engine.tokenizer.apply_chat_template([m.as_dict() for m in req.messages])
         except Exception as exc:  # a template's raise_exception, or no template at all
             raise APIError(400, f"cannot apply the chat template: {exc}") from exc
-        return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False), tokenized=True)
 
     def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int],
                echo: bool = False) -> SamplingParams:
@@ -247,7 +252,7 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         server.check(req)
-        ids = server.completion_ids(req.prompt)
+        ids = await asyncio.to_thread(server.completion_ids, req.prompt)
         params = server.params(req, len(ids), 16 if req.max_tokens is None else req.max_tokens, bool(req.echo))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         output = CompletionOutput(engine.tokenizer, req.prompt, ids, bool(req.echo), req.logprobs)
@@ -275,7 +280,7 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         server.check(req)
-        ids = server.chat_ids(req)
+        ids = await asyncio.to_thread(server.chat_ids, req)
         params = server.params(req, len(ids), req.max_tokens if req.max_completion_tokens is None
                                else req.max_completion_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -310,7 +315,7 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
         server.check(fields)
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids")
-        ids = server.completion_ids(req.text if req.input_ids is None else req.input_ids)
+        ids = await asyncio.to_thread(server.completion_ids, req.text if req.input_ids is None else req.input_ids)
         params = server.params(fields, len(ids), 16 if fields.max_tokens is None else fields.max_tokens)
 
         def body(text: str, output_ids: list[int], chunk: GenerationChunk) -> dict[str, Any]:
@@ -341,8 +346,10 @@ def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[
     async def health() -> JSONResponse:
         if lifecycle.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        healthy = engine.is_healthy()
-        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+        problem = engine.health_problem()
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, str]:

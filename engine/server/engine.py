@@ -23,13 +23,15 @@ Delivery = Union[GenerationChunk, EngineError]
 
 class Engine:
     def __init__(self, scheduler: Scheduler, tokenizer: TokenizerLike, model_name: str,
-                 info: Callable[[], dict[str, Any]], workers_alive: Callable[[], bool] = lambda: True) -> None:
+                 info: Callable[[], dict[str, Any]], workers_alive: Callable[[], bool] = lambda: True,
+                 heartbeat_missed: Callable[[], Optional[str]] = lambda: None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = scheduler.runner.context_len
         self._info = info
         self._workers_alive = workers_alive
+        self._heartbeat_missed = heartbeat_missed  # which TP workers missed their heartbeat, or None
         self._lock = threading.Lock()
         self._live: dict[int, Callable[[Delivery], None]] = {}  # rid -> thread-safe delivery
         self._refusal: Optional[EngineError] = None  # set by fail_all: the answer to every later request
@@ -86,7 +88,20 @@ class Engine:
         return self._info()
 
     def is_healthy(self) -> bool:
-        return self._refusal is None and self.scheduler.alive and self._workers_alive()
+        return self._failure() is None
+
+    def health_problem(self) -> Optional[str]:
+        return self._failure() or self._heartbeat_missed()
+
+    def _failure(self) -> Optional[str]:
+        """Why this engine cannot serve any more, or None."""
+        if self._refusal is not None:
+            return self._refusal.message
+        if not self.scheduler.alive:
+            return f"the scheduler has stopped{': ' + self.scheduler.failure if self.scheduler.failure else ''}"
+        if not self._workers_alive():
+            return "a TP worker has exited"
+        return None
 
 
 def _delivery_to_this_loop() -> tuple[Callable[[Delivery], None], "asyncio.Queue[Delivery]"]:

@@ -81,3 +81,9 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool:
         """False once a TP worker died or the scheduler stopped."""
         ...
+
+    def health_problem(self) -> Optional[str]:
+        """Why ``/health`` answers 503, None while it answers 200: every reason `is_healthy` is
+        False for, and a TP worker that missed its heartbeat (new requests are still taken: they
+        wait for it, and it may recover)."""
+        ...

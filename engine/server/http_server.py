@@ -6,29 +6,84 @@ finish. Then ``end_requests()`` ends the rest with an error (their clients get a
 an error event and ``[DONE]``), and once every response has been sent (or ``ANSWER_WAIT_S``
 later) uvicorn stops: no request is cut mid-response and no task is cancelled, so the log holds
 no traceback. A second signal ends the grace period at once.
+
+Readiness: the launcher binds the port with `bind_http_socket` before the model loads (a taken
+port fails at once), but listens only when uvicorn starts serving it: until then a client's
+connection is refused, not queued. ``on_serving`` is called once the socket accepts requests.
+`http_config` is uvicorn's configuration for the app: the request limits of
+`engine.server.http_limits` and `engine.server.http_protocol`.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Callable, Optional
 
 import uvicorn
+from starlette.types import ASGIApp
 
+from engine.server.http_limits import BodyLimit
+from engine.server.http_protocol import MAX_HEAD_BYTES, LimitedH11Protocol
 from engine.server.lifecycle import Lifecycle
 
 logger = logging.getLogger("engine.launch_server")
 ANSWER_WAIT_S = 3.0  # after the grace period: time for the ended requests' errors to be sent
 POLL_S = 0.05
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not listening yet (`DrainingServer` listens when it
+    serves). Bound exclusively (no SO_REUSEADDR), so that a second server fails to bind the port
+    even while this one still loads; only when that fails for connections of an earlier run
+    (TIME_WAIT) is it bound with SO_REUSEADDR, which succeeds while no server listens on it.
+    ValueError naming the address when it cannot be bound (another server has it, a host that
+    is not this machine's)."""
+    try:
+        return _bound(host, port, reuse=False)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise _unavailable(host, port, exc) from None
+    try:
+        return _bound(host, port, reuse=True)
+    except OSError as exc:
+        raise _unavailable(host, port, exc) from None
+
+
+def _bound(host: str, port: int, reuse: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def http_config(app: ASGIApp, max_request_bytes: int, log_level: str) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` behind the request limits: bodies over
+    ``max_request_bytes`` get 413 (`BodyLimit`), heads over ``MAX_HEAD_BYTES`` 431."""
+    return uvicorn.Config(BodyLimit(app, max_request_bytes), log_level=log_level, timeout_graceful_shutdown=3,
+                          http=LimitedH11Protocol, h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+
+
+def _unavailable(host: str, port: int, exc: OSError) -> ValueError:
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return ValueError(f"cannot serve on {url} (--host, --port): {(exc.strerror or str(exc)).lower()}")
 
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace_s: float,
-                 end_requests: Callable[[], int]) -> None:
+                 end_requests: Callable[[], int], on_serving: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
+        self.on_serving = on_serving
         self.lifecycle = lifecycle
         self.grace_s = grace_s
         self.end_requests = end_requests  # ends every request still in flight; returns how many
@@ -40,6 +95,22 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self._grace_over = asyncio.Event()
         await super().serve(sockets)
+
+    async def startup(self, sockets: Optional[list] = None) -> None:
+        """uvicorn's start-up (it listens on ``sockets``, or binds its host and port), then
+        ``on_serving``. ValueError naming the address when a socket cannot listen (another server
+        began listening on the port since it was bound)."""
+        for sock in sockets or ():
+            try:
+                # the connections it accepts inherit SO_REUSEADDR: theirs in TIME_WAIT, after
+                # this server exits, do not keep the next one from binding the port
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.listen(LISTEN_BACKLOG)
+            except OSError as exc:
+                raise _unavailable(*sock.getsockname()[:2], exc) from None
+        await super().startup(sockets)
+        if self.started:
+            self.on_serving()
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         """The signal handler uvicorn installs: start draining, or end the grace period early.
