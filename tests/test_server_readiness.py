@@ -5,6 +5,7 @@ worker misses its heartbeat (TP2 over gloo: a SIGSTOPped worker), 200 again once
 The heartbeat monitor itself runs in-process against a TCPStore."""
 import errno
 import os
+import random
 import signal
 import socket
 import threading
@@ -33,6 +34,21 @@ def port_is_bound(port: int) -> bool:
                 return True
             raise
     return False
+
+
+def port_outside_the_ephemeral_range() -> int:
+    """A free port below the kernel's ephemeral range: no client connection of another process
+    can take it as its source port between this choice and the server's bind (which would make
+    the server bind with SO_REUSEADDR, and `port_is_bound` see nothing until it listens)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for port in random.Random(os.getpid()).sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 def connect(port: int) -> str:
@@ -69,7 +85,7 @@ def test_the_port_is_bound_before_the_model_loads_and_serves_only_when_ready():
     """From the moment the first server holds its port, connections are probed every 20 ms (each
     noting whether "serving" was logged before it) until one connects after the log line; a
     second server is started on the port meanwhile, and once more after the first serves."""
-    port = free_port()
+    port = port_outside_the_ephemeral_range()
     first = ServerProcess(*CPU, port=port, wait_healthy=False)
     probes: list[tuple[bool, str]] = []
 
