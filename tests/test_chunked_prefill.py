@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from server_args import ServerArgs, ServerArgsError

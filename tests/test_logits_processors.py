@@ -8,7 +8,7 @@ import torch
 
 from engine.runtime.logits_processors import FIRST_ROWS, RowState, TokenHistory, process_logits
 from engine.runtime.sampler import StepLogits, sample
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 
 VOCAB, EOS = 50, (3, 7)
 

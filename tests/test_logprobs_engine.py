@@ -62,7 +62,7 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
 
 def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], dict]]) -> list[dict]:
     """Every request submitted at once to a scheduler stepped here; each one's tokens and finish."""
-    from engine.scheduling.sampling_params import SamplingParams
+    from engine.common.sampling_params import SamplingParams
     from engine.scheduling.scheduler import Scheduler
     from tests.fake_runner import serve_all, token_ids
 
@@ -74,7 +74,7 @@ def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], d
 
 def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
     """Collective: fp32 ``[len(seq), V]`` raw logits of every position, one unchunked forward."""
-    from engine.runtime.forward_batch import ForwardBatch
+    from engine.models.forward_batch import ForwardBatch
     from layers.sharded_logits import gather_vocab
 
     batch = ForwardBatch.from_lists([seq], [list(range(1, len(seq) + 1))])

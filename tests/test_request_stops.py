@@ -5,7 +5,7 @@ be taken back."""
 import pytest
 
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 EOS = 257

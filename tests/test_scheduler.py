@@ -5,9 +5,9 @@ import time
 import pytest
 
 from engine.scheduling import step_sampler as step_sampler_module
-from engine.server.engine_client import EngineError
+from engine.common.generation import EngineError
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect, serve_all

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from engine.server import build_app
-from engine.server.engine_client import EngineError
+from engine.common.generation import EngineError
 from engine.server.http_server import DrainingServer
 from engine.server.lifecycle import Lifecycle
 from tests.fake_engine import FakeEngine

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.runtime.logprobs import TokenLogprobs
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

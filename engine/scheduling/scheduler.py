@@ -52,7 +52,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.server.engine_client import EngineError, TokenizerLike
+from engine.common.generation import EngineError, TokenizerLike
 from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
 from engine.runtime.model_runner import ModelRunner
 from engine.scheduling.pending_tokens import PendingTokens

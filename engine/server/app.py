@@ -27,8 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from engine.scheduling.sampling_params import SamplingParams
-from engine.server.engine_client import EngineClient, EngineError, GenerationChunk
+from engine.common.sampling_params import SamplingParams
+from engine.common.generation import EngineError, GenerationChunk
+from engine.server.engine_client import EngineClient
 from engine.server.lifecycle import InFlightMiddleware, Lifecycle
 from engine.server.logprobs_format import TokenTexts
 from engine.server.openai_outputs import Collected, CompletionOutput, chat_logprobs_of

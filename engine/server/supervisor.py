@@ -17,7 +17,7 @@ import time
 from typing import NoReturn, Optional
 
 from engine.server.engine import Engine
-from engine.server.engine_client import EngineError
+from engine.common.generation import EngineError
 from engine.server.lifecycle import Lifecycle
 from engine.server.workers import WorkerSet
 
