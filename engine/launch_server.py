@@ -118,7 +118,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
                               chunked_prefill_size=args.chunked_prefill_size)
         if not args.skip_server_warmup:
-            warm_up(runner, scheduler.max_extend_tokens)  # before the scheduler's first plan and before /health
+            warm_up(runner, scheduler.policy.max_extend_tokens)  # before the scheduler's first plan and before /health
         model_name = args.served_model_name or args.model_path
         body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 

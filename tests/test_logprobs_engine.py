@@ -68,7 +68,7 @@ def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], d
 
     scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=256, chunked_prefill_size=CHUNK)
     outs = serve_all(scheduler, [(prompt, SamplingParams(**kw)) for prompt, kw in requests])
-    assert not scheduler.running and scheduler.slots.available == runner.num_kv_slots - 1
+    assert not scheduler.policy.running and scheduler.policy.slots.available == runner.num_kv_slots - 1
     return [{"tokens": token_ids(chunks), "finish": chunks[-1].finish_reason} for chunks in outs]
 
 

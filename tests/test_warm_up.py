@@ -102,7 +102,7 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
         first = _serve(runner, scheduler)
         runner.group.broadcast_object(StepPlan("shutdown"))
         before = _state(runner)
-        warm_up(runner, scheduler.max_extend_tokens)
+        warm_up(runner, scheduler.policy.max_extend_tokens)
         runner.group.broadcast_object(StepPlan("shutdown"))
         clean = _unchanged_but_scratch(before, _state(runner))
         second = _serve(runner, Scheduler(runner, tokenizer, max_prefill_tokens=64, chunked_prefill_size=16))
