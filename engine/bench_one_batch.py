@@ -106,9 +106,9 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
 
 
 def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
-    from engine.step_profile import PROFILE_STEPS
     from engine.launch_config import fusion_config, runner_settings
     from engine.runtime.model_runner import ModelRunner
+    from engine.step_profile import PROFILE_STEPS
     from fusion.config import NO_TABLE
     from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
 

@@ -94,13 +94,13 @@ def _serve_other_node(workers: Any) -> int:
 def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any, sock: Any) -> int:
     """Rank 0's model and scheduler, and the HTTP server on the bound socket ``sock`` until it
     has drained; then every rank shuts down."""
+    from engine.common.generation import EngineError
     from engine.runtime.heartbeat import HeartbeatMonitor
     from engine.runtime.model_runner import ModelRunner
     from engine.runtime.warm_up import warm_up
     from engine.scheduling.scheduler import Scheduler
     from engine.server.app import build_app
     from engine.server.engine import Engine
-    from engine.common.generation import EngineError
     from engine.server.http_limits import max_request_bytes
     from engine.server.http_server import DrainingServer, http_config
     from engine.server.lifecycle import Lifecycle

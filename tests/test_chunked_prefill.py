@@ -5,8 +5,8 @@ nothing, outputs equal to the unchunked schedule with and without overlap, abort
 import pytest
 import torch
 
-from engine.scheduling.request import Request
 from engine.common.sampling_params import SamplingParams
+from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from server_args import ServerArgs, ServerArgsError

@@ -19,8 +19,8 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
     """Rank 0: every request submitted at once (four rows: the fifth joins while others decode).
     Returns each request's tokens, whether every step ran a decode token of each running request
     that wanted one, and the number of steps that carried prompt tokens."""
-    from engine.scheduling.request import Request
     from engine.common.sampling_params import SamplingParams
+    from engine.scheduling.request import Request
     from engine.scheduling.scheduler import Scheduler
     from engine.tokenizers.tokenizer import build_tiny_tokenizer
 

@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from engine.scheduling import step_sampler as step_sampler_module
 from engine.common.generation import EngineError
-from engine.scheduling.request import Request
 from engine.common.sampling_params import SamplingParams
+from engine.scheduling import step_sampler as step_sampler_module
+from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect, serve_all

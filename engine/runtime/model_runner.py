@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 
-from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
-from engine.models.forward_batch import KVCache
-from engine.runtime.load_agreement import load_together
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import KVCache
 from engine.models.registry import build_model
+from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
+from engine.runtime.load_agreement import load_together
 from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan

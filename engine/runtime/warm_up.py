@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.common.sampling_params import SamplingParams
 from engine.runtime.cuda_graph_runner import capture_sizes
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.sampler import sample
 from engine.runtime.step_plan import StepPlan
-from engine.common.sampling_params import SamplingParams
 
 SCRATCH_SLOT = 0
 # new tokens per sequence; the last two: a sequence count of 16 and of 17 (a serving step of many

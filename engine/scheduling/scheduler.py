@@ -43,11 +43,11 @@ import torch
 
 from engine.common.generation import EngineError, TokenizerLike
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.step_plan import StepPlan
 from engine.scheduling.pending_tokens import PendingTokens
 from engine.scheduling.policy import SchedulePolicy
 from engine.scheduling.request import Request
 from engine.scheduling.step_sampler import StepSampler, host_logprobs
-from engine.runtime.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
