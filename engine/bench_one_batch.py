@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json-file", help="append the results as one JSON object per line (default: none)")
     bench.add_argument("--profile", action="store_true",
                        help="GPU only: after timing, profile 10 decode steps per batch size and setting and print the "
-                            "kernel time per step (benchmarks/step_profile.py)")
+                            "kernel time per step (engine/step_profile.py)")
     return parser
 
 
@@ -106,9 +106,9 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
 
 
 def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
-    from benchmarks.step_profile import PROFILE_STEPS
     from engine.launch_config import fusion_config, runner_settings
     from engine.runtime.model_runner import ModelRunner
+    from engine.step_profile import PROFILE_STEPS
     from fusion.config import NO_TABLE
     from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
 
@@ -144,7 +144,7 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
                     "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
                 })
                 if args.profile and runner.device.type == "cuda":
-                    from benchmarks.step_profile import format_profile, profile_decode_steps
+                    from engine.step_profile import format_profile, profile_decode_steps
 
                     prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
                                                 overlap=overlap)

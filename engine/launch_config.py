@@ -1,4 +1,5 @@
-"""What every TP process of a launch needs, derived once from `ServerArgs` (plain values).
+"""What every TP process of a launch needs (`engine.runtime.launch.LaunchConfig`, plain values),
+derived once from `ServerArgs`.
 
 `fusion_config` is the one place where the fusion options become a `fusion.FusionConfig`: the
 server, `engine.bench_one_batch` and the tuner (`engine.tune_fusion`) all call it.
@@ -7,43 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 
+from engine.runtime.launch import LaunchConfig
 from engine.runtime.model_runner import RunnerSettings
 from fusion import FusionConfig
-from layers.parallel_state import default_device
 from server_args import ServerArgs
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    tp_size: int
-    nnodes: int
-    node_rank: int
-    init_method: str
-    device_type: str  # "cuda" or "cpu"
-    dist_timeout: float
-    log_level: str
-    runner: RunnerSettings
-    threads_per_rank: int
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
-
-    @property
-    def local_ranks(self) -> range:
-        start = self.node_rank * self.ranks_per_node
-        return range(start, start + self.ranks_per_node)
-
-    def device_for(self, rank: int) -> torch.device:
-        """``rank``'s device: its local index modulo the visible GPUs (more ranks per node than
-        GPUs share them: the TP group detects it and runs in its shared-GPU mode)."""
-        if self.device_type == "cuda":
-            return default_device(rank % self.ranks_per_node)
-        return torch.device("cpu")
 
 
 def free_port() -> int:

@@ -94,12 +94,13 @@ def _serve_other_node(workers: Any) -> int:
 def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any, sock: Any) -> int:
     """Rank 0's model and scheduler, and the HTTP server on the bound socket ``sock`` until it
     has drained; then every rank shuts down."""
+    from engine.common.generation import EngineError
     from engine.runtime.heartbeat import HeartbeatMonitor
     from engine.runtime.model_runner import ModelRunner
+    from engine.runtime.warm_up import warm_up
     from engine.scheduling.scheduler import Scheduler
     from engine.server.app import build_app
     from engine.server.engine import Engine
-    from engine.server.engine_client import EngineError
     from engine.server.http_limits import max_request_bytes
     from engine.server.http_server import DrainingServer, http_config
     from engine.server.lifecycle import Lifecycle
@@ -117,7 +118,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
                               chunked_prefill_size=args.chunked_prefill_size)
         if not args.skip_server_warmup:
-            runner.warm_up(scheduler.max_extend_tokens)  # before the scheduler's first plan and before /health
+            warm_up(runner, scheduler.policy.max_extend_tokens)  # before the scheduler's first plan and before /health
         model_name = args.served_model_name or args.model_path
         body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 

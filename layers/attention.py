@@ -29,7 +29,7 @@ from layers.triton_support import triton_available
 
 
 class AttentionBatch(Protocol):
-    """The batch fields attention reads (engine.runtime.forward_batch.ForwardBatch has them)."""
+    """The batch fields attention reads (engine.models.forward_batch.ForwardBatch has them)."""
 
     @property
     def is_decode(self) -> bool: ...

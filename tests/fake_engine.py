@@ -22,8 +22,8 @@ import asyncio
 import itertools
 from typing import Any, AsyncGenerator, Iterator, Optional
 
-from engine.server.engine_client import GenerationChunk, TokenLogprob
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.generation import GenerationChunk, TokenLogprob
+from engine.common.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
 

@@ -7,12 +7,12 @@ from typing import Callable
 
 import torch
 
+from engine.common.generation import GenerationChunk
+from engine.common.sampling_params import SamplingParams
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
-from engine.server.engine_client import GenerationChunk
 from fusion.group import TensorParallelGroup
 
 VOCAB = 264

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.runtime.forward_batch import ForwardBatch
+from engine.models.forward_batch import ForwardBatch
 from layers.parallel_state import get_tp_group
 
 PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]

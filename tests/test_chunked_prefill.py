@@ -5,8 +5,8 @@ nothing, outputs equal to the unchunked schedule with and without overlap, abort
 import pytest
 import torch
 
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from server_args import ServerArgs, ServerArgsError
@@ -28,7 +28,7 @@ def scheduler(chunk: int, overlap: bool = True, rows: int = 4) -> Scheduler:
 def serve(s: Scheduler, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
     """Every request's tokens; the scheduler ends idle with every KV slot free."""
     outs = serve_all(s, requests)
-    assert not s.running and not s.launched and s.slots.available == s.runner.num_kv_slots - 1
+    assert not s.policy.running and not s.launched and s.policy.slots.available == s.runner.num_kv_slots - 1
     return [token_ids(chunks) for chunks in outs]
 
 
@@ -43,8 +43,8 @@ def test_chunked_outputs_equal_the_unchunked_ones_and_every_step_fits_the_chunk(
     reference = serve(scheduler(-1, overlap=False), REQUESTS)
     s = scheduler(chunk, overlap)
     assert serve(s, REQUESTS) == reference
-    budget = min(chunk, s.max_prefill_tokens)
-    assert s.max_extend_tokens == budget
+    budget = min(chunk, s.policy.max_prefill_tokens)
+    assert s.policy.max_extend_tokens == budget
     plans = s.runner.plans
     assert all(sum(len(slots) for slots in p.new_slots) <= budget for p in plans if p.kind == "extend")
     assert any(p.kind == "extend" and p.tokens_on_device for p in plans), "decodes rode along with prefill chunks"
@@ -108,7 +108,7 @@ def test_an_abort_in_the_middle_of_a_prompt_frees_its_slots_and_the_next_request
     while s.step():
         pass
     assert not aborted and other[-1].completion_tokens == 3
-    assert s.slots.available == s.runner.num_kv_slots - 1 and s.rows.available == 4
+    assert s.policy.slots.available == s.runner.num_kv_slots - 1 and s.policy.rows.available == 4
 
 
 def test_decodes_that_fill_the_chunk_leave_prefill_waiting_and_run_as_decode_steps():
@@ -131,6 +131,6 @@ def test_the_chunked_prefill_size_option(value: int, chunked: bool):
     args = ServerArgs.from_cli(["--chunked-prefill-size", str(value)])
     s = Scheduler(FakeRunner(), build_tiny_tokenizer(), args.max_prefill_tokens,
                   chunked_prefill_size=args.chunked_prefill_size)
-    assert (s.max_step_tokens is not None) == chunked
+    assert (s.policy.max_step_tokens is not None) == chunked
     with pytest.raises(ServerArgsError, match="--chunked-prefill-size"):
         ServerArgs.from_cli(["--chunked-prefill-size", "-2"])

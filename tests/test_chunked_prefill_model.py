@@ -19,8 +19,8 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
     """Rank 0: every request submitted at once (four rows: the fifth joins while others decode).
     Returns each request's tokens, whether every step ran a decode token of each running request
     that wanted one, and the number of steps that carried prompt tokens."""
+    from engine.common.sampling_params import SamplingParams
     from engine.scheduling.request import Request
-    from engine.scheduling.sampling_params import SamplingParams
     from engine.scheduling.scheduler import Scheduler
     from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
@@ -39,7 +39,7 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
     rides_along, prompt_steps = True, 0
     try:
         while True:
-            wanting = {r.row for r in s.running if r.wants_decode_step}
+            wanting = {r.row for r in s.policy.running if r.wants_decode_step}
             before = len(plans)
             if not s.step():
                 break
@@ -50,7 +50,7 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
                 prompt_steps += plan.kind == "extend"
     finally:
         del runner.forward
-    assert s.slots.available == runner.num_kv_slots - 1 and not s.running
+    assert s.policy.slots.available == runner.num_kv_slots - 1 and not s.policy.running
     return [[t for c in chunks for t in c.token_ids] for chunks in outs], rides_along, prompt_steps
 
 

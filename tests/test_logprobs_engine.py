@@ -62,19 +62,19 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
 
 def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], dict]]) -> list[dict]:
     """Every request submitted at once to a scheduler stepped here; each one's tokens and finish."""
-    from engine.scheduling.sampling_params import SamplingParams
+    from engine.common.sampling_params import SamplingParams
     from engine.scheduling.scheduler import Scheduler
     from tests.fake_runner import serve_all, token_ids
 
     scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=256, chunked_prefill_size=CHUNK)
     outs = serve_all(scheduler, [(prompt, SamplingParams(**kw)) for prompt, kw in requests])
-    assert not scheduler.running and scheduler.slots.available == runner.num_kv_slots - 1
+    assert not scheduler.policy.running and scheduler.policy.slots.available == runner.num_kv_slots - 1
     return [{"tokens": token_ids(chunks), "finish": chunks[-1].finish_reason} for chunks in outs]
 
 
 def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
     """Collective: fp32 ``[len(seq), V]`` raw logits of every position, one unchunked forward."""
-    from engine.runtime.forward_batch import ForwardBatch
+    from engine.models.forward_batch import ForwardBatch
     from layers.sharded_logits import gather_vocab
 
     batch = ForwardBatch.from_lists([seq], [list(range(1, len(seq) + 1))])

@@ -16,10 +16,10 @@ from layers.linear import (
     RowParallelLinear,
     kv_head_range,
 )
+from engine.models.forward_batch import ForwardBatch, KVCache
 from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import RotaryEmbedding, llama3_scale_inv_freq, rope_inv_freq, scaled_inv_freq
 from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.runtime.forward_batch import ForwardBatch, KVCache
 from tests.dist_utils import run_distributed
 from tests.tolerances import assert_close
 

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 from engine.server import build_app
 from engine.server.openai_fields import (
     CHAT_HONOURED, CHAT_LIMITED, COMPLETION_HONOURED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, INERT,

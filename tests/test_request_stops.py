@@ -4,8 +4,8 @@ later one (also when an earlier occurrence lies before that), and the text relea
 be taken back."""
 import pytest
 
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 EOS = 257

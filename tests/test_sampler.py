@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from engine.common.sampling_params import SamplingParams
 from engine.runtime.sampler import StepLogits, filtered_sorted_probs, sample
-from engine.scheduling.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
 

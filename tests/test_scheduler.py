@@ -4,10 +4,10 @@ import time
 
 import pytest
 
+from engine.common.generation import EngineError
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling import step_sampler as step_sampler_module
-from engine.server.engine_client import EngineError
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect, serve_all
@@ -25,7 +25,7 @@ def test_requests_join_and_leave_between_steps():
     assert [c[-1].completion_tokens for c, _ in outs] == [3, 5, 2]
     assert max(bs for _, bs in runner.batch_sizes) == 2, "max_running_requests (rows) bounds the batch"
     assert ("extend", 1) in runner.batch_sizes, "the third request joined while the others decoded"
-    assert s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2, "all KV slots freed"
+    assert s.policy.slots.available == runner.num_kv_slots - 1 and s.policy.rows.available == 2, "all KV slots freed"
 
 
 def test_only_steps_with_a_sampled_request_gather_the_logits():
@@ -76,7 +76,7 @@ def test_a_stopped_scheduler_ends_the_requests_left_with_a_503():
     s.stop()
     s.run_forever()
     assert [c.status for c in (running[-1], queued[-1])] == [503, 503]
-    assert s.slots.available == s.runner.num_kv_slots - 1 and not s.running and not s.waiting
+    assert s.policy.slots.available == s.runner.num_kv_slots - 1 and not s.policy.running and not s.policy.waiting
 
 
 def test_a_seed_that_cannot_seed_a_generator_is_refused_at_submit():
@@ -123,7 +123,7 @@ def test_a_request_whose_sampling_fails_fails_alone(monkeypatch: pytest.MonkeyPa
     assert len(bad) == 1 and bad[0].status == 500 and "cannot sample this row" in bad[0].message
     assert [t for c in good for t in c.token_ids] == alone[0]
     assert [t for c in sampled for t in c.token_ids] == alone[1], "the seeded request samples as if alone"
-    assert s.alive and not s.running and s.slots.available == runner.num_kv_slots - 1
+    assert s.alive and not s.policy.running and s.policy.slots.available == runner.num_kv_slots - 1
 
 
 def test_a_request_whose_token_cannot_be_taken_in_fails_alone(monkeypatch: pytest.MonkeyPatch):
@@ -144,7 +144,7 @@ def test_a_request_whose_token_cannot_be_taken_in_fails_alone(monkeypatch: pytes
     _run_to_completion(s)
     assert len(bad) == 1 and bad[0].status == 500 and "injected" in bad[0].message
     assert good[-1].finish_reason == "length" and good[-1].completion_tokens == 5
-    assert s.alive and s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2
+    assert s.alive and s.policy.slots.available == runner.num_kv_slots - 1 and s.policy.rows.available == 2
 
 
 def _serve(overlap: bool, requests: list[tuple[list[int], SamplingParams]]) -> tuple[FakeRunner, Scheduler, list]:
@@ -168,8 +168,8 @@ def test_overlap_gives_the_same_outputs_and_drops_one_token_per_early_finish():
     assert [reason for reason, _ in plain] == ["length", "stop", "stop", "length", "length"]
     assert plain[1][1] == [13, 14, 15] and plain[0][1] == [13, 14, 15, 16, 17, 18]
     for overlap, (runner, s, _) in results.items():
-        assert not s.launched and not s.running
-        assert s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 3, "all KV slots freed"
+        assert not s.launched and not s.policy.running
+        assert s.policy.slots.available == runner.num_kv_slots - 1 and s.policy.rows.available == 3, "all KV slots freed"
         decode_rows = sum(bs for kind, bs in runner.batch_sizes if kind == "decode")
         if overlap:  # the stop-token and stop-string requests ran one step past their end
             assert decode_rows == sum(len(t) - 1 for _, t in plain) + 2
@@ -209,7 +209,7 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token():
         pass
     assert [c.token_ids for c in chunks] == [[13]], "the in-flight token of an aborted request is dropped"
     assert other[-1].finish_reason == "length" and other[-1].completion_tokens == 3
-    assert s.slots.available == runner.num_kv_slots - 1 and s.rows.available == 2
+    assert s.policy.slots.available == runner.num_kv_slots - 1 and s.policy.rows.available == 2
 
 
 class RecordingGroup:

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.requests import ClientDisconnect
 
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.sampling_params import SamplingParams
 from engine.server import build_app
 from tests.fake_engine import BOS, FakeEngine
 

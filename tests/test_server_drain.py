@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import uvicorn
 
+from engine.common.generation import EngineError
 from engine.server import build_app
-from engine.server.engine_client import EngineError
 from engine.server.http_server import DrainingServer
 from engine.server.lifecycle import Lifecycle
 from tests.fake_engine import FakeEngine

@@ -8,10 +8,10 @@ from typing import Callable, Optional
 
 import pytest
 
+from engine.common.generation import EngineError, GenerationChunk
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.server.engine import Engine
-from engine.server.engine_client import EngineError, GenerationChunk
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.common.generation import EngineError
 from engine.server import build_app
-from engine.server.engine_client import EngineError
 from engine.server.lifecycle import Lifecycle
 from tests.fake_engine import FakeEngine
 

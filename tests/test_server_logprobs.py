@@ -8,8 +8,8 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.common.generation import TokenLogprob
 from engine.server import build_app
-from engine.server.engine_client import TokenLogprob
 from engine.server.logprobs_format import LOGPROB_FLOOR, TokenTexts, chat_logprobs, completion_logprobs
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_engine import BOS, EOS, FakeEngine, fake_logprob

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.runtime.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import ForwardBatch
 from engine.models.registry import build_model
 from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights

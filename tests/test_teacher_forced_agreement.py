@@ -64,7 +64,7 @@ def test_stats_count_agreement_errors_and_margins():
 def _aligned(rank: int, world: int, model_path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: its teacher-forced logits, and the logits of one forward over prompt +
     solution at the positions that predict the solution tokens."""
-    from engine.runtime.forward_batch import ForwardBatch
+    from engine.models.forward_batch import ForwardBatch
     from engine.runtime.model_runner import ModelRunner, RunnerSettings
     from layers.parallel_state import get_tp_group
 

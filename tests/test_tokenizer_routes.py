@@ -6,6 +6,7 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
+from engine.models.builtin import builtin_config
 from engine.server import build_app
 from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.fake_engine import FakeEngine
@@ -75,6 +76,13 @@ def test_tokenizer_info_names_the_special_tokens():
     assert info["chat_template"] == tokenizer.chat_template
     tokenizer.tokenizer.post_processor = None  # a tokenizer that adds no start token to text
     assert client_for(tokenizer)[0].get("/tokenizer_info").json()["add_bos_token"] is False
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_the_tiny_models_config_has_the_tiny_tokenizers_ids(model: str):
+    config, tokenizer = builtin_config(model), build_tiny_tokenizer()
+    assert config.vocab_size == tokenizer.vocab_size
+    assert (config.bos_token_id, config.eos_token_ids) == (tokenizer.bos_token_id, tokenizer.eos_token_ids)
 
 
 def test_token_bytes_of_byte_level_and_byte_fallback_vocabularies():

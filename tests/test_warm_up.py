@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.launch_server import startup_summary
-from engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up_plans
+from engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up, warm_up_plans
 from tests.dist_utils import run_distributed
 
 GPU_LIKE = WarmUpShapes(context_len=8192, max_extend_tokens=8192, max_decode_batch=512, graph_max_batch=256,
@@ -66,7 +66,7 @@ def _unchanged_but_scratch(before: dict, after: dict) -> bool:
 
 
 def _serve(runner, scheduler) -> list[list[int]]:
-    from engine.scheduling.sampling_params import SamplingParams
+    from engine.common.sampling_params import SamplingParams
     from tests.fake_runner import serve_all, token_ids
 
     requests = [([(7 * i + 3 * j) % 264 for j in range(n)],
@@ -102,7 +102,7 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
         first = _serve(runner, scheduler)
         runner.group.broadcast_object(StepPlan("shutdown"))
         before = _state(runner)
-        runner.warm_up(scheduler.max_extend_tokens)
+        warm_up(runner, scheduler.policy.max_extend_tokens)
         runner.group.broadcast_object(StepPlan("shutdown"))
         clean = _unchanged_but_scratch(before, _state(runner))
         second = _serve(runner, Scheduler(runner, tokenizer, max_prefill_tokens=64, chunked_prefill_size=16))

@@ -24,8 +24,8 @@ from torch import nn
 
 from engine.models.checkpoint_tensors import CheckpointTensors
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.models.hf_layouts import ParamShard
-from engine.runtime.forward_batch import ForwardBatch, KVCache
 from fusion import AllReduceFusion
 from layers.communicator import LayerCommunicator
 from layers.layernorm import RMSNorm

@@ -16,11 +16,14 @@ import dataclasses
 from typing import Callable
 
 from engine.models.config import ModelConfig
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+
+
+# the tiny byte-level tokenizer's (`engine.tokenizers.tokenizer.build_tiny_tokenizer`): 256 bytes,
+# then its 8 special tokens, <|begin_of_text|> first; <|end_of_text|> and <|im_end|> stop
+TINY_VOCAB_SIZE, TINY_BOS_ID, TINY_EOS_IDS = 264, 256, (257, 259)
 
 
 def tiny_config() -> ModelConfig:
-    tokenizer = build_tiny_tokenizer()
     return ModelConfig(
         architecture="LlamaForCausalLM",
         hidden_size=256,
@@ -28,12 +31,12 @@ def tiny_config() -> ModelConfig:
         num_attention_heads=8,
         num_key_value_heads=4,
         intermediate_size=512,
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=TINY_VOCAB_SIZE,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_ids=tokenizer.eos_token_ids,
+        bos_token_id=TINY_BOS_ID,
+        eos_token_ids=TINY_EOS_IDS,
     )
 
 

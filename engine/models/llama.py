@@ -12,8 +12,8 @@ from torch import nn
 
 from engine.models.block_decoder import BlockDecoderForCausalLM
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.models.hf_layouts import block_decoder_param_target, llama_weight_shapes, o_proj_has_bias
-from engine.runtime.forward_batch import ForwardBatch, KVCache
 from layers.activation import SiluAndMul
 from layers.attention import Attention
 from layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

@@ -18,9 +18,9 @@ import torch
 
 from engine.models.block_decoder import sparse_moe_block
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.models.hf_layouts import block_decoder_weight_shapes
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
-from engine.runtime.forward_batch import ForwardBatch, KVCache
 from layers.layernorm import RMSNorm
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from engine.runtime.forward_batch import ForwardBatch, KVCache
+from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from layers.sharded_logits import ShardedLogits
 

@@ -5,7 +5,7 @@ Start-up order matters: the model's fusion op (no collective yet), the model bui
 weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
-of each phase; `warm_up` (rank 0, before serving) adds its own.
+of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 """
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ from typing import Optional
 
 import torch
 
-from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
-from engine.runtime.forward_batch import KVCache
-from engine.runtime.load_agreement import load_together
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
+from engine.models.forward_batch import KVCache
 from engine.models.registry import build_model
+from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
+from engine.runtime.load_agreement import load_together
 from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
-from engine.runtime.warm_up import WarmUpShapes, run_warm_up, warm_up_plans
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 
@@ -130,21 +129,6 @@ class ModelRunner:
         now = time.perf_counter()
         self.startup_s[phase] = now - start
         return now
-
-    def warm_up(self, max_extend_tokens: int) -> None:
-        """Collective, on TP rank 0 before serving, while the other ranks wait in their plan
-        loop: run one step of every shape class the server can run with extend steps of up to
-        ``max_extend_tokens`` tokens (`engine.runtime.warm_up`), so that none compiles or loads
-        anything on first use. Writes only the scratch KV slot 0; the request table and every
-        other slot are left as they were. Records ``startup_s["warm-up"]``."""
-        start = time.perf_counter()
-        graph_max_batch = self.graphs.sizes[-1] if self.graphs is not None else 0
-        shapes = WarmUpShapes(context_len=self.context_len, max_extend_tokens=max_extend_tokens,
-                              max_decode_batch=self.max_rows, graph_max_batch=graph_max_batch,
-                              ladder=self.device.type == "cuda", pad_row=self.table.pad_row,
-                              vocab_size=self.config.vocab_size)
-        run_warm_up(self, warm_up_plans(shapes))
-        self._phase_done("warm-up", start)
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.common.sampling_params import SamplingParams
 from engine.runtime.logprobs import TokenLogprobs
-from engine.scheduling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from engine.launch_config import LaunchConfig
 from engine.runtime.heartbeat import Heartbeat
+from engine.runtime.launch import LaunchConfig
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
 from engine.runtime.model_runner import ModelRunner
 from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel

@@ -23,18 +23,16 @@ depend on the shapes only, and sampling uses a generator of fixed seed.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.common.sampling_params import SamplingParams
 from engine.runtime.cuda_graph_runner import capture_sizes
+from engine.runtime.model_runner import ModelRunner
 from engine.runtime.sampler import sample
 from engine.runtime.step_plan import StepPlan
-from engine.scheduling.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.runtime.model_runner import ModelRunner
 
 SCRATCH_SLOT = 0
 # new tokens per sequence; the last two: a sequence count of 16 and of 17 (a serving step of many
@@ -72,7 +70,23 @@ def warm_up_plans(shapes: WarmUpShapes) -> list[StepPlan]:
     return [p for p in plans if _fits(shapes, p)]
 
 
-def run_warm_up(runner: ModelRunner, plans: list[StepPlan]) -> None:
+def warm_up(runner: ModelRunner, max_extend_tokens: int) -> None:
+    """Collective, on TP rank 0 before serving, while the other ranks wait in their plan loop:
+    run one step of every shape class the server can run with extend steps of up to
+    ``max_extend_tokens`` tokens (`warm_up_plans`), so that none compiles or loads anything on
+    first use. Writes only the scratch KV slot 0; the request table and every other slot are
+    left as they were. Records ``runner.startup_s["warm-up"]``."""
+    start = time.perf_counter()
+    graph_max_batch = runner.graphs.sizes[-1] if runner.graphs is not None else 0
+    shapes = WarmUpShapes(context_len=runner.context_len, max_extend_tokens=max_extend_tokens,
+                          max_decode_batch=runner.max_rows, graph_max_batch=graph_max_batch,
+                          ladder=runner.device.type == "cuda", pad_row=runner.table.pad_row,
+                          vocab_size=runner.config.vocab_size)
+    _run(runner, warm_up_plans(shapes))
+    runner.startup_s["warm-up"] = time.perf_counter() - start
+
+
+def _run(runner: ModelRunner, plans: list[StepPlan]) -> None:
     """Collective, on TP rank 0 while the other ranks wait in their plan loop (they run each
     broadcast plan and commit its tokens, as for the scheduler's steps): broadcast, run and
     commit every plan (sampling with a temperature where it gathers the logits), then restore

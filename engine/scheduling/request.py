@@ -12,8 +12,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from engine.server.engine_client import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
-from engine.scheduling.sampling_params import SamplingParams
+from engine.common.generation import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
+from engine.common.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -1,21 +1,10 @@
-"""Continuous batching on TP rank 0 (a thread beside the HTTP server).
-
-Admission: a waiting request joins while it fits (a free row, ``max_running_requests``, and
-KV slots for the prompt plus all of ``max_tokens``, reserved up front so a running request
-never runs out). Requests join and leave between steps. Rank 0 broadcasts each `StepPlan` to
-the other ranks, which run the same forward, then the sampled tokens on the device
-(`ModelRunner.commit_tokens`), where the next decode step reads them.
-
-Steps, with chunked prefill (``chunked_prefill_size`` > 0, the server's default): every step
-runs one decode token of every running request and, in the same forward (a mixed extend
-batch), prompt tokens up to ``min(chunked_prefill_size, max_prefill_tokens)`` tokens in all:
-first the rest of a prompt already being prefilled, then new requests; a prompt longer than
-what is left is prefilled in chunks over several steps, so no running request misses a step
-while others are admitted. A chunk that does not end its prompt samples nothing (its row's
-token is dropped; its generator is not drawn). A step with no prompt tokens is a plain decode
-step (a CUDA graph). Without chunking (``chunked_prefill_size`` <= 0): admit whole prompts as
-one prefill-only step while they fit ``max_prefill_tokens`` (the first one whatever its
-length); otherwise run one decode step over every running request.
+"""`Scheduler`: the loop that runs continuous batching on TP rank 0 (a thread beside the HTTP
+server). It takes requests from an inbox (`submit`, `abort`, `stop` are called from other
+threads), asks its `SchedulePolicy` (`engine.scheduling.policy`: admission, chunking, mixed
+batches) for the next step, and runs it: rank 0 broadcasts each `StepPlan` to the other ranks,
+which run the same forward, then the sampled tokens on the device (`ModelRunner.commit_tokens`),
+where the next decode step reads them. A chunk that does not end its prompt samples nothing (its
+row's token is dropped; its generator is not drawn).
 
 Overlap schedule (the default, as SGLang's): step n+1 is planned and launched before step n's
 tokens reach the host, so the GPU never waits for the host's bookkeeping (detokenizing, stop
@@ -52,13 +41,13 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.server.engine_client import EngineError, TokenizerLike
-from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+from engine.common.generation import EngineError, TokenizerLike
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.step_plan import StepPlan
 from engine.scheduling.pending_tokens import PendingTokens
+from engine.scheduling.policy import SchedulePolicy
 from engine.scheduling.request import Request
 from engine.scheduling.step_sampler import StepSampler, host_logprobs
-from engine.runtime.step_plan import PromptLogprobs, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +70,9 @@ class Scheduler:
         self.group = runner.group
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
-        self.max_prefill_tokens = max_prefill_tokens
-        # tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
-        self.max_step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
+        self.policy = SchedulePolicy(runner.num_kv_slots, runner.max_rows, runner.context_len, max_prefill_tokens,
+                                     chunked_prefill_size)
         self.seed = seed
-        self.slots = SlotAllocator(runner.num_kv_slots)
-        self.rows = RowAllocator(runner.max_rows)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.overlap = overlap
         self.launched: deque[LaunchedStep] = deque()
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
@@ -104,14 +88,7 @@ class Scheduler:
     # ---- called from other threads ----
     def submit(self, req: Request) -> None:
         """Queue a request; ValueError (naming the numbers) if it can never fit."""
-        total = len(req.prompt_ids) + req.params.max_tokens
-        if not req.prompt_ids:
-            raise ValueError("the prompt is empty")
-        if total > self.runner.context_len:
-            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} "
-                             f"exceeds the context length {self.runner.context_len}")
-        if req.reserved_tokens > self.slots.num_slots - 1:
-            raise ValueError(f"the request needs {req.reserved_tokens} KV slots; the cache has {self.slots.num_slots - 1}")
+        self.policy.check_fits(req)
         vocab = self.runner.config.vocab_size
         outside = [t for t, _ in req.params.logit_bias if not 0 <= t < vocab]
         if outside:
@@ -137,7 +114,8 @@ class Scheduler:
         return not self._stopped.is_set()
 
     def load(self) -> dict[str, int]:
-        return {"running": len(self.running), "waiting": len(self.waiting), "free_kv_slots": self.slots.available,
+        policy = self.policy
+        return {"running": len(policy.running), "waiting": len(policy.waiting), "free_kv_slots": policy.slots.available,
                 "steps": self.steps}
 
     # ---- the scheduler thread ----
@@ -147,7 +125,7 @@ class Scheduler:
         left gets an `EngineError`."""
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not (self.waiting or self.running or self.launched))
+                self._drain_inbox(block=not (self.policy.waiting or self.policy.running or self.launched))
                 if not self._stopped.is_set() and not self.step():
                     self._heartbeat()
         except Exception as exc:  # fail loudly: every waiting client gets an error, the server reports unhealthy
@@ -161,7 +139,7 @@ class Scheduler:
             else:
                 error = EngineError(503, "the server is shutting down")
             self._drain_inbox(block=False)
-            for req in list(self.running) + list(self.waiting):
+            for req in list(self.policy.running) + list(self.policy.waiting):
                 self._fail(req, error)
             if self.failure is None and self.group.world_size > 1:
                 self._broadcast(StepPlan("shutdown"))
@@ -183,7 +161,7 @@ class Scheduler:
         while True:
             kind, payload = item
             if kind == "add":
-                self.waiting.append(payload)  # type: ignore[arg-type]
+                self.policy.waiting.append(payload)  # type: ignore[arg-type]
             elif kind == "abort":
                 self._abort(payload)  # type: ignore[arg-type]
             try:
@@ -192,32 +170,15 @@ class Scheduler:
                 return
 
     def _abort(self, rid: object) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-        for req in list(self.running):
-            if req.rid == rid:
+        for req in [r for r in list(self.policy.waiting) + self.policy.running if r.rid == rid]:
+            if req in self.policy.running:
                 req.finish_reason = "abort"  # a launched step's token for it is dropped
-                self._release_resources(req)
-                self.running.remove(req)
-
-    @property
-    def max_extend_tokens(self) -> int:
-        """The most tokens an extend step can hold: a mixed step's size, or without chunking the
-        prefill budget or a whole prompt admitted alone (at most the context length - 1)."""
-        if self.max_step_tokens is not None:
-            return self.max_step_tokens
-        return max(self.max_prefill_tokens, self.runner.context_len - 1)
+            self._retire(req)
 
     def step(self) -> bool:
         """Launch one forward step (if any is due), then take in the tokens of every launched
         step but the newest (with overlap) or of all (without); False when nothing happened."""
-        if self.max_step_tokens is not None:
-            plan, reqs = self._plan_mixed()
-        else:
-            plan, reqs = self._plan_prefill()
-            if plan is None:
-                plan, reqs = self._plan_decode()
+        plan, reqs = self.policy.next_step()
         if plan is not None:
             self._launch(plan, reqs)
         in_flight = 1 if self.overlap and plan is not None else 0
@@ -278,117 +239,16 @@ class Scheduler:
                 self._fail(req, EngineError(500, f"the request failed in the engine: {type(exc).__name__}: {exc}"))
                 continue
             if req.finish_reason is not None:
-                self._release_resources(req)
-                self.running.remove(req)
+                self._retire(req)
 
-    def _plan_prefill(self) -> tuple[Optional[StepPlan], list[Request]]:
-        admitted: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and self.rows.available:
-            req = self.waiting[0]
-            prompt = len(req.prompt_ids)
-            if admitted and prompt > budget:
-                break
-            slots = self.slots.allocate(req.reserved_tokens)
-            if slots is None:
-                break
-            self._admit(slots)
-            req.prefilled = prompt
-            admitted.append(req)
-            budget -= prompt
-        if not admitted:
-            return None, []
-        plan = StepPlan("extend", rows=[r.row for r in admitted], new_tokens=[list(r.prompt_ids) for r in admitted],
-                        new_slots=[r.slots[: len(r.prompt_ids)] for r in admitted],
-                        seq_lens=[len(r.prompt_ids) for r in admitted], gather_logits=_needs_logits(admitted),
-                        prompt_logprobs=_prompt_logprobs([(i, r, 0) for i, r in enumerate(admitted)]))
-        return plan, admitted
-
-    def _plan_decode(self) -> tuple[Optional[StepPlan], list[Request]]:
-        """One decode step of every running request that still has tokens to launch; each reads
-        its input (its latest token, perhaps still in flight) on the device."""
-        reqs = [r for r in self.running if r.wants_decode_step]
-        if not reqs:
-            return None, []
-        plan = StepPlan("decode", rows=[r.row for r in reqs], new_slots=[[r.slots[r.launched_len - 1]] for r in reqs],
-                        seq_lens=[r.launched_len for r in reqs], tokens_on_device=True,
-                        gather_logits=_needs_logits(reqs))
-        return plan, reqs
-
-    def _plan_mixed(self) -> tuple[Optional[StepPlan], list[Request]]:
-        """One step of chunked prefill: a decode token of every running request that wants one
-        (read on the device, first in the batch), then prompt chunks within ``max_step_tokens`` in
-        all: the rest of the prompts being prefilled, then waiting requests admitted while they
-        fit. Advances each chunk's ``prefilled``; a plain decode plan when there is no chunk."""
-        decodes = [r for r in self.running if r.wants_decode_step]
-        budget = self.max_step_tokens - len(decodes)
-        prefilling = [r for r in self.running if not r.prefill_done]
-        chunks: list[tuple[Request, int]] = []  # (request, its chunk's first prompt position)
-        while budget > 0:
-            if prefilling:
-                req = prefilling.pop(0)
-            elif self.waiting and self.rows.available and (
-                    slots := self.slots.allocate(self.waiting[0].reserved_tokens)) is not None:
-                req = self._admit(slots)
-            else:
-                break
-            start = req.prefilled
-            req.prefilled = min(len(req.prompt_ids), start + budget)
-            budget -= req.prefilled - start
-            chunks.append((req, start))
-        if not chunks:
-            return self._plan_decode()
-        prefills = [r for r, _ in chunks]
-        plan = StepPlan("extend", rows=[r.row for r in decodes + prefills],
-                        new_tokens=[r.prompt_ids[start:r.prefilled] for r, start in chunks],
-                        new_slots=[[r.slots[r.launched_len - 1]] for r in decodes]
-                        + [r.slots[start:r.prefilled] for r, start in chunks],
-                        seq_lens=[r.launched_len for r in decodes] + [r.prefilled for r in prefills],
-                        tokens_on_device=bool(decodes),
-                        gather_logits=_needs_logits(decodes + [r for r in prefills if r.prefill_done]),
-                        prompt_logprobs=_prompt_logprobs([(len(decodes) + i, r, start)
-                                                          for i, (r, start) in enumerate(chunks)]))
-        return plan, decodes + prefills
-
-    def _admit(self, slots: list[int]) -> Request:
-        """Move the first waiting request to the running ones with these KV slots and a free row."""
-        req = self.waiting.popleft()
-        req.slots, req.row = slots, self.rows.allocate()
-        self.running.append(req)
-        return req
-
-    def _release_resources(self, req: Request) -> None:
+    def _retire(self, req: Request) -> None:
+        """``req`` has finished, failed or was aborted: free its token history, KV slots and row."""
         self.sampler.release(req)
-        if req.row is not None:
-            self.slots.free(req.slots)
-            self.rows.free(req.row)
-            req.row, req.slots = None, []
+        self.policy.retire(req)
 
     def _fail(self, req: Request, error: EngineError) -> None:
         """End ``req`` with ``error``: its slots are freed and a launched step's token for it dropped."""
-        self._release_resources(req)
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
+        self._retire(req)
         req.finish_reason = "error"
         req.emit(error)
 
-
-def _needs_logits(reqs: list[Request]) -> bool:
-    """Whether a step of these requests needs the full logits (`SamplingParams.needs_full_logits`)."""
-    return any(r.params.needs_full_logits for r in reqs)
-
-
-def _prompt_logprobs(chunks: list[tuple[int, Request, int]]) -> list[PromptLogprobs]:
-    """The plan's `PromptLogprobs` for its prefill chunks ``(sequence index, request, first
-    position)`` (each request's ``prefilled`` already advanced past its chunk): those of requests
-    that asked for them and whose chunk scores a prompt token."""
-    specs = []
-    for seq, req, start in chunks:
-        k = req.params.prompt_logprobs
-        end = req.prefilled
-        next_token = req.prompt_ids[end] if end < len(req.prompt_ids) else -1
-        if k is not None and (end - start > 1 or next_token >= 0):
-            specs.append(PromptLogprobs(seq, k, next_token))
-    return specs

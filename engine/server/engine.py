@@ -13,10 +13,10 @@ import asyncio
 import threading
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
+from engine.common.generation import EngineError, GenerationChunk, TokenizerLike
+from engine.common.sampling_params import SamplingParams
 from engine.scheduling.request import Request
-from engine.scheduling.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
-from engine.server.engine_client import EngineError, GenerationChunk, TokenizerLike
 
 Delivery = Union[GenerationChunk, EngineError]
 

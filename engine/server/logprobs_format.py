@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from pydantic import BaseModel
 
-from engine.server.engine_client import TokenizerLike, TokenLogprob
+from engine.common.generation import TokenizerLike, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 

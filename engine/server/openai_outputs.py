@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.server.engine_client import GenerationChunk, TokenizerLike, TokenLogprob
+from engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
 from engine.server.logprobs_format import (
     ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs,
 )

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.server.engine_client import GenerationChunk
+from engine.common.generation import GenerationChunk
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import NoReturn, Optional
 
+from engine.common.generation import EngineError
 from engine.server.engine import Engine
-from engine.server.engine_client import EngineError
 from engine.server.lifecycle import Lifecycle
 from engine.server.workers import WorkerSet
 

@@ -100,8 +100,8 @@ def _graph_and_model(rank: int, world: int) -> dict:
     and routing, against eager `fused_moe`; the ``tiny-moe`` model (fp32) on the GPU against the
     same model on the CPU (the torch reference path)."""
     from engine.models.builtin import builtin_config
+    from engine.models.forward_batch import ForwardBatch
     from engine.models.registry import build_model
-    from engine.runtime.forward_batch import ForwardBatch
     from engine.weights.dummy import dummy_weights
     from layers.moe.experts import MoEExperts
     from tests.dist_utils import make_fusion

@@ -1,0 +1,60 @@
+"""The import layering stated as import-linter contracts in pyproject.toml (``[tool.importlinter]``:
+fusion <- layers <- engine <- benchmarks, server_args read by the engine only, the engine's
+sub-packages in one order, no cycle between the modules of one package) holds on this checkout,
+and an import against it breaks the contract it crosses (on a copy of the packages with that
+one import added)."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fusion", "layers", "server_args", "engine", "benchmarks")
+LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+TOP = "fusion <- layers <- engine <- benchmarks"
+ENGINE = "engine: entry points > server"
+ACYCLIC = "no import cycles between the modules of one package"
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the packages under ``root`` with its pyproject.toml's contracts."""
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_the_import_contracts_are_kept():
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(("module", "statement", "contract"), [
+    ("fusion/__init__.py", "import layers.linear", TOP),
+    ("layers/linear.py", "import engine.models.config", TOP),
+    ("layers/linear.py", "import server_args", TOP),
+    ("engine/bench_one_batch.py", "import benchmarks.client", TOP),
+    ("server_args/server_args.py", "import engine.launch_config", TOP),
+    ("engine/runtime/sampler.py", "import engine.scheduling.request", ENGINE),
+    ("engine/scheduling/request.py", "import engine.server.engine_client", ENGINE),
+    ("engine/models/builtin.py", "import engine.tokenizers.tokenizer", ENGINE),
+    ("engine/runtime/tp_worker.py", "import engine.launch_config", ENGINE),
+    ("engine/runtime/model_runner.py", "import engine.runtime.warm_up", ACYCLIC),
+    ("layers/parallel_state.py", "import layers.linear", ACYCLIC),
+])
+def test_an_import_against_the_layering_breaks_its_contract(tmp_path: Path, module: str, statement: str,
+                                                             contract: str):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    with open(tmp_path / module, "a") as f:
+        f.write(f"\n{statement}  # against the layering\n")
+    result = lint(tmp_path)
+    assert result.returncode != 0, result.stdout + result.stderr
+    verdicts = re.findall(rf"^{re.escape(contract)}.* (KEPT|BROKEN)\b", result.stdout, flags=re.M)
+    assert verdicts == ["BROKEN"], result.stdout
