@@ -5,17 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.triton_support import triton_available
+from layers.kernels.triton_support import triton_available
 
 
 class SiluAndMul(nn.Module):
     """``[..., 2d] -> [..., d]``: ``silu(x[..., :d]) * x[..., d:]`` (gate, then up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """On GPU: one Triton kernel (layers/triton_activation.py, the same roundings);
+        """On GPU: one Triton kernel (layers/kernels/triton_activation.py, the same roundings);
         elsewhere `forward_torch`."""
         if x.is_cuda and triton_available():
-            from layers.triton_activation import silu_and_mul
+            from layers.kernels.triton_activation import silu_and_mul
 
             return silu_and_mul(x)
         return self.forward_torch(x)

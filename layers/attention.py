@@ -12,8 +12,8 @@ place (`store_kv`), then attends (`Attention.attend`, which only reads the cache
 has already written them (the fused rotary kernel does) calls `attend` alone.
 
 On GPU (fp16/bf16, power-of-two head dim, triton) both modes run Triton kernels: split-K decode
-(layers/triton_decode_attention.py) and one flash-attention launch for a whole extend batch
-(layers/triton_extend_attention.py). The torch paths, the references: decode batched with
+(layers/kernels/triton_decode_attention.py) and one flash-attention launch for a whole extend batch
+(layers/kernels/triton_extend_attention.py). The torch paths, the references: decode batched with
 static shapes (all sequences' keys gathered to ``[B, max_context, ...]`` and masked by
 ``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.triton_support import triton_available
+from layers.kernels.triton_support import triton_available
 
 
 class AttentionBatch(Protocol):
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
         kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
         if self._uses_triton(q):
-            from layers.triton_decode_attention import decode_attention
+            from layers.kernels.triton_decode_attention import decode_attention
 
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
                                     row_ids=batch.row_ids)
@@ -121,9 +121,9 @@ class Attention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Every sequence's new queries against all its keys, causal with the cached prefix
         visible. Where `_uses_triton`: one Triton flash-attention launch for the whole batch
-        (layers/triton_extend_attention.py); elsewhere `_extend_torch`."""
+        (layers/kernels/triton_extend_attention.py); elsewhere `_extend_torch`."""
         if self._uses_triton(q):
-            from layers.triton_extend_attention import extend_attention
+            from layers.kernels.triton_extend_attention import extend_attention
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
                                     self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len)

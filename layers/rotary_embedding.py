@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from layers.attention import store_kv
-from layers.triton_support import triton_available
+from layers.kernels.triton_support import triton_available
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -82,9 +82,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, heads*head_dim]``, ``k [T, kv_heads*head_dim]`` -> rotated copies (same
         shapes and dtype); the rotation runs in fp32. On GPU: one Triton kernel
-        (layers/triton_rotary.py, the same roundings); elsewhere `forward_torch`."""
+        (layers/kernels/triton_rotary.py, the same roundings); elsewhere `forward_torch`."""
         if q.is_cuda and triton_available():
-            from layers.triton_rotary import rotary_embedding
+            from layers.kernels.triton_rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.inv_freq)
         return self.forward_torch(positions, q, k)
@@ -94,10 +94,10 @@ class RotaryEmbedding(nn.Module):
         """`forward`, then the new tokens into the KV cache: returns the rotated q (a new tensor)
         and writes, in place, ``k_cache[slot_mapping[t]] = rotated k[t]`` and
         ``v_cache[slot_mapping[t]] = v[t]`` (caches ``[num_slots, kv_heads, head_dim]``). On GPU:
-        one Triton kernel for all of it (layers/triton_rotary.py, the same roundings); elsewhere
+        one Triton kernel for all of it (layers/kernels/triton_rotary.py, the same roundings); elsewhere
         `forward` then `layers.attention.store_kv` (the reference)."""
         if q.is_cuda and triton_available():
-            from layers.triton_rotary import rotary_embedding_store_kv
+            from layers.kernels.triton_rotary import rotary_embedding_store_kv
 
             return rotary_embedding_store_kv(positions, q, k, v, self.inv_freq, slot_mapping, k_cache, v_cache)
         q, k = self.forward(positions, q, k)

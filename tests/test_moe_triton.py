@@ -1,4 +1,4 @@
-"""The Triton fused MoE (layers/moe/triton_fused_moe.py) under Triton's CPU interpreter, against
+"""The Triton fused MoE (layers/moe/kernels/triton_fused_moe.py) under Triton's CPU interpreter, against
 the torch reference (layers/moe/torch_experts.py) and a float64 truth.
 
 Skipped when triton is not installed. As in tests/test_triton_elementwise.py the interpreter must
@@ -18,7 +18,7 @@ with the default tiles; fp16 also with 16 x 32 x 32 tiles (several K steps, ragg
   outputs' scale (tests/tolerances.py SAME_ROUNDINGS). Not bit for bit: the order of the CPU
   GEMM's fp32 sums differs by torch version and CPU kernel (bit-equal shares of 0.975 to 1.0),
   and the arithmetic guarantees equality only for equal orders.
-The one-launch grouping of slots by expert (layers/moe/triton_align.py) equals the torch version
+The one-launch grouping of slots by expert (layers/moe/kernels/triton_align.py) equals the torch version
 (layers/moe/align.py) tensor for tensor: one token, 1 of 128 experts hit by top-8, every token on
 one expert, 60 experts (not a power of two), and 2048 slots (its largest input), at 16- and 64-row
 blocks.
@@ -92,8 +92,8 @@ ALIGN_BLOCKS = (16, 64)
 
 
 def _interpreted_cases(rank: int, world: int) -> dict:
-    from layers.moe.triton_align import align_by_expert_triton
-    from layers.moe.triton_fused_moe import MoEBlockConfig, fused_moe
+    from layers.moe.kernels.triton_align import align_by_expert_triton
+    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig, fused_moe
 
     tiles = {"default": None, "small": MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=32,
                                                       block_n_down=32, block_k_down=32)}

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 import torch
 
 from fusion.cuda_graph_timing import median_us_per_call
-from layers.triton_decode_attention import decode_attention
-from layers.triton_extend_attention import extend_attention
+from layers.kernels.triton_decode_attention import decode_attention
+from layers.kernels.triton_extend_attention import extend_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ExtendAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-import layers.triton_decode_attention as attn
+import layers.kernels.triton_decode_attention as attn
 from benchmarks.kernels.attention_timing import time_decode_attention
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)

@@ -1,5 +1,5 @@
 """Token slots grouped by expert, each expert's group padded to whole blocks of rows: the row
-order of the grouped-GEMM launches (layers/moe/triton_fused_moe.py).
+order of the grouped-GEMM launches (layers/moe/kernels/triton_fused_moe.py).
 
 For ``topk_ids [T, k]`` the slots are ``s = t * k + j`` (N = T * k of them). Expert e's slots
 (``c_e`` of them, in increasing s) fill rows ``[start_e, start_e + c_e)`` of ``sorted_slots``

@@ -19,7 +19,7 @@ from torch import nn
 from layers.linear import check_shape, divide
 from layers.moe.torch_experts import moe_experts_torch
 from layers.parallel_state import get_tp_group
-from layers.triton_support import triton_available
+from layers.kernels.triton_support import triton_available
 
 EXPERT_PARTS = ("gate", "up", "down")
 ExpertShardId = tuple[int, str]  # (expert, part)
@@ -28,7 +28,7 @@ ExpertShardId = tuple[int, str]  # (expert, part)
 class MoEExperts(nn.Module):
     """``forward(x [T, H], topk_weights fp32 [T, k], topk_ids [T, k]) ->`` this rank's partial
     ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` (a new ``[T, H]``). On GPU with triton: the fused
-    MoE (layers/moe/triton_fused_moe.py) with ``combine`` "folded" (default) or "unfused";
+    MoE (layers/moe/kernels/triton_fused_moe.py) with ``combine`` "folded" (default) or "unfused";
     elsewhere the torch reference (layers/moe/torch_experts.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -74,7 +74,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_available():
-            from layers.moe.triton_fused_moe import fused_moe
+            from layers.moe.kernels.triton_fused_moe import fused_moe
 
             return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine)
         return moe_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

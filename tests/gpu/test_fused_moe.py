@@ -1,4 +1,4 @@
-"""The Triton fused MoE (layers/moe/triton_fused_moe.py) on one GPU, bf16, at the TP2 shards of
+"""The Triton fused MoE (layers/moe/kernels/triton_fused_moe.py) on one GPU, bf16, at the TP2 shards of
 Qwen3-30B-A3B (128 experts of 768 / 2 = 384 columns, hidden 2048, top-8) and Mixtral-8x7B
 (8 experts of 14336 / 2 = 7168, hidden 4096, top-2).
 
@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 from layers.moe.router import select_experts  # noqa: E402
 from layers.moe.torch_experts import expert_outputs, moe_experts_torch  # noqa: E402
-from layers.moe.triton_fused_moe import fused_moe  # noqa: E402
+from layers.moe.kernels.triton_fused_moe import fused_moe  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

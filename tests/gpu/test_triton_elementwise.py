@@ -23,13 +23,13 @@ from fusion.cuda_graph_timing import capture_cuda_graph, median_us_per_call
 pytest.importorskip("triton")
 
 import layers.rotary_embedding  # noqa: E402
-import layers.triton_activation  # noqa: E402
-import layers.triton_rotary  # noqa: E402
+import layers.kernels.triton_activation  # noqa: E402
+import layers.kernels.triton_rotary  # noqa: E402
 from layers.activation import SiluAndMul  # noqa: E402
 from layers.attention import store_kv  # noqa: E402
 from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
-from layers.triton_activation import silu_and_mul  # noqa: E402
-from layers.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
+from layers.kernels.triton_activation import silu_and_mul  # noqa: E402
+from layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -164,9 +164,9 @@ def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(layers.triton_rotary, "rotary_embedding", counted(rotary_embedding))
-    monkeypatch.setattr(layers.triton_activation, "silu_and_mul", counted(silu_and_mul))
-    monkeypatch.setattr(layers.triton_rotary, "rotary_embedding_store_kv", counted(rotary_embedding_store_kv))
+    monkeypatch.setattr(layers.kernels.triton_rotary, "rotary_embedding", counted(rotary_embedding))
+    monkeypatch.setattr(layers.kernels.triton_activation, "silu_and_mul", counted(silu_and_mul))
+    monkeypatch.setattr(layers.kernels.triton_rotary, "rotary_embedding_store_kv", counted(rotary_embedding_store_kv))
 
     def no_index_copy(*args):
         raise AssertionError("the torch cache write ran on CUDA")

@@ -2,7 +2,7 @@
 layers/moe/experts.py; the math and its roundings are those of layers/moe/torch_experts.py).
 
 Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py; one Triton
-launch of layers/moe/triton_align.py up to its MAX_SLOTS slots); a program owns one block of rows
+launch of layers/moe/kernels/triton_align.py up to its MAX_SLOTS slots); a program owns one block of rows
 (one expert) and BLOCK_N output columns:
 
     launch 1  act[r] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)    r: a sorted row of
@@ -44,8 +44,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from layers.moe.align import ExpertBlocks, align_by_expert
-from layers.moe.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
-from layers.moe.triton_align import align_by_expert_triton
+from layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
+from layers.moe.kernels.triton_align import align_by_expert_triton
 from layers.moe.torch_experts import combine_topk
 
 COMBINES = ("folded", "unfused")
