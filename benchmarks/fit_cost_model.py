@@ -1,11 +1,11 @@
-"""Fit the built-in rule's cost model (`fusion.cost_model`) to measured strategy tables.
+"""Fit the built-in rule's cost model (`fusion.dispatch.cost_model`) to measured strategy tables.
 
-    python -m benchmarks.fit_cost_model fusion/tables/strategy_table.json [more tables] \\
+    python -m benchmarks.fit_cost_model fusion/dispatch/tables/strategy_table.json [more tables] \\
         [--gpu "NVIDIA H200"] [--world-size 2] [--dtype bfloat16] [--json-file fit.json]
 
 Per strategy, relative least squares of ``t = a + b * MiB + c * rows`` over every (hidden,
 tokens) the tables hold (MiB: the message per rank, rows: tokens / world). Prints the
-coefficients as `fusion.cost_model.COEFFICIENTS` writes them, and, per (hidden, tokens), the
+coefficients as `fusion.dispatch.cost_model.COEFFICIENTS` writes them, and, per (hidden, tokens), the
 strategy the model picks against the measured fastest: the ratio best / picked (1.0 = the
 model picks the fastest; the rule's target is >= 0.95 everywhere).
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from fusion.strategies import Strategy
-from fusion.tuning_table import parse_table
+from fusion.dispatch.table import parse_table
 
 
 def samples(paths: Sequence[str], gpu: str, world: int, dtype: str) -> list[tuple[int, int, dict[str, float]]]:

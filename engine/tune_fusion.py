@@ -5,7 +5,7 @@ write the strategy table that ``--allreduce-fusion-table`` reads.
         --allreduce-fusion-max-tokens 8192 --output fusion_table.json
 
 The fusion op is configured from the server options (`engine.launch_config.fusion_config`), as
-a server would run it; per hidden size and dtype `fusion.tune` measures every strategy at the
+a server would run it; per hidden size and dtype `fusion.tuning.measure` measures every strategy at the
 token buckets up to ``--allreduce-fusion-max-tokens``. Entries are keyed by GPU name, world
 size, hidden and dtype and merged into an existing file.
 """
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def existing_entries(path: Path) -> list[dict[str, Any]]:
-    from fusion.tuning_table import TuningTableError, parse_table
+    from fusion.dispatch.table import TuningTableError, parse_table
 
     if not path.exists():
         return []
@@ -54,8 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.launch_config import fusion_config
     from fusion import AllReduceFusion
     from fusion.config import NO_TABLE
-    from fusion.tune import make_buffers, table_entry, token_buckets
-    from fusion.tuning_table import TABLE_VERSION, merge_entry
+    from fusion.tuning.measure import make_buffers, table_entry, token_buckets
+    from fusion.dispatch.table import TABLE_VERSION, merge_entry
     from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
     from server_args import ServerArgs
 

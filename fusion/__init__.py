@@ -1,11 +1,11 @@
 """arfusion's fused all-reduce + residual add + RMSNorm for tensor-parallel inference."""
 from fusion.allreduce_fusion import AllReduceFusion
 from fusion.config import FusionConfig
-from fusion.dispatch import FusionDispatcher, FusionEnvironment
+from fusion.dispatch.decision import FusionDispatcher, FusionEnvironment
 from fusion.errors import FusionInputError, FusionUnsupportedError
 from fusion.group import TensorParallelGroup
 from fusion.strategies import FusedOutput, Quant, Strategy, all_reduce_add_rms_norm
-from fusion.workspace import AllReduceFusionWorkspace
+from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
 
 __all__ = [
     "AllReduceFusion",

@@ -30,17 +30,17 @@ import torch
 
 from fusion import norm
 from fusion.config import NO_TABLE, FusionConfig
-from fusion.cost_model import rule_picks
-from fusion.dispatch import FusionDispatcher, FusionEnvironment
+from fusion.dispatch.cost_model import rule_picks
+from fusion.dispatch.decision import FusionDispatcher, FusionEnvironment
 from fusion.group import TensorParallelGroup
 from fusion.platform import device_capability, flashinfer_import_error
 from fusion.strategies import RUNNERS, FusedOutput, Quant, Resources, Strategy
-from fusion.symm_mem_allreduce import SymmMemAllReduce
-from fusion.symm_mem_fused import SymmMemFusedAllReduceNorm
-from fusion.startup_tuning import tune_at_startup
-from fusion.tuning_table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from fusion.backends.symm_mem import SymmMemAllReduce
+from fusion.backends.symm_mem_fused import SymmMemFusedAllReduceNorm
+from fusion.tuning.startup import tune_at_startup
+from fusion.dispatch.table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
 from fusion.validation import check_fusion_inputs
-from fusion.workspace import AllReduceFusionWorkspace, WorkspaceFactory
+from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace, WorkspaceFactory
 
 logger = logging.getLogger(__name__)
 

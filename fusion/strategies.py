@@ -87,8 +87,8 @@ class Resources:
 
     group: TensorParallelGroup
     workspace: Any = None  # flashinfer's trtllm workspace (AllReduceFusionWorkspace.handle)
-    symm_mem: Any = None  # fusion.symm_mem_allreduce.SymmMemAllReduce
-    symm_fused: Any = None  # fusion.symm_mem_fused.SymmMemFusedAllReduceNorm
+    symm_mem: Any = None  # fusion.backends.symm_mem.SymmMemAllReduce
+    symm_fused: Any = None  # fusion.backends.symm_mem_fused.SymmMemFusedAllReduceNorm
     launch_with_pdl: bool = True
 
 
@@ -130,7 +130,7 @@ def run_symm_mem_two_shot(res: Resources, x: torch.Tensor, residual: Optional[to
 
 def run_symm_mem_fused(res: Resources, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                        eps: float, quant: Optional[Quant]) -> FusedOutput:
-    """Our two Triton launches (`fusion.symm_mem_fused`); ``x`` receives the normed output."""
+    """Our two Triton launches (`fusion.backends.symm_mem_fused`); ``x`` receives the normed output."""
     return _quantized(*res.symm_fused(x, residual, weight, eps), quant)
 
 

@@ -1,4 +1,4 @@
-"""The built-in rule (`fusion.cost_model`): against the packaged measurements, against measured
+"""The built-in rule (`fusion.dispatch.cost_model`): against the packaged measurements, against measured
 shapes no table holds, and its reach (world sizes it has no model for)."""
 import json
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fusion import FusionDispatcher, FusionEnvironment
-from fusion.cost_model import cheapest, predicted_us, rule_picks
+from fusion.dispatch.cost_model import cheapest, predicted_us, rule_picks
 from fusion.strategies import Strategy as S
-from fusion.tuning_table import PACKAGED_TABLE
+from fusion.dispatch.table import PACKAGED_TABLE
 
 ALL = tuple(S)
 

@@ -7,7 +7,7 @@ flashinfer one-shot is played by the torch runner, which checks that it gets the
 import pytest
 import torch
 
-from fusion.startup_tuning import cache_file
+from fusion.tuning.startup import cache_file
 from tests.dist_utils import make_fusion, run_distributed
 
 HIDDEN = 64
@@ -42,7 +42,7 @@ def _pretend_flashinfer_kernel() -> None:
 
 
 def _tune_then_reuse(rank, world_size, cache_dir):
-    import fusion.tune as tune
+    import fusion.tuning.measure as tune
 
     _pretend_flashinfer()
     _pretend_flashinfer_kernel()

@@ -1,4 +1,4 @@
-"""The fused two-shot all-reduce + residual + RMSNorm kernels (fusion/two_shot_norm_kernels.py)
+"""The fused two-shot all-reduce + residual + RMSNorm kernels (fusion/backends/kernels/two_shot_norm.py)
 under Triton's CPU interpreter, with W ranks as W processes (gloo): each rank's symmetric buffer
 is a shared-memory file that every process maps, ``peer_ptrs`` holds their addresses in each
 process, and a gloo barrier stands in for the symmetric-memory barrier between the two launches.
@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 
 from fusion import reference  # noqa: E402
-from fusion.symm_mem_fused import (ShardLayout, SymmMemFusedAllReduceNorm, buffer_elements,  # noqa: E402
+from fusion.backends.symm_mem_fused import (ShardLayout, SymmMemFusedAllReduceNorm, buffer_elements,  # noqa: E402
                                    flags_offset, fused_unavailable_reason, gather_offset, output_tensors,
                                    push_shards, reduce_and_finish, row_chunks)
 from layers.parallel_state import get_tp_group  # noqa: E402

@@ -7,8 +7,8 @@ import torch
 
 from fusion import FusionDispatcher, FusionEnvironment
 from fusion.strategies import Strategy as S
-from fusion.symm_mem_allreduce import SymmMemAllReduce, symm_mem_unavailable_reason
-from fusion.tuning_table import StrategyTable, TuningTableError, parse_table, read_table, select_table
+from fusion.backends.symm_mem import SymmMemAllReduce, symm_mem_unavailable_reason
+from fusion.dispatch.table import StrategyTable, TuningTableError, parse_table, read_table, select_table
 from layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 
@@ -82,7 +82,7 @@ def test_dispatcher_follows_the_table_and_falls_back_without_one():
     assert short.strategy(0, 4096) == S.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
     assert short.strategy(0, 100000) == S.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
     builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None, "symm_fused_tokens": 4096}))
-    assert builtin.strategy(0, 1) == S.FLASHINFER_ONE_SHOT  # the built-in rule (fusion.cost_model)
+    assert builtin.strategy(0, 1) == S.FLASHINFER_ONE_SHOT  # the built-in rule (fusion.dispatch.cost_model)
     assert builtin.strategy(0, 65536) == S.SYMM_MEM_FUSED
     deterministic = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "enabled": False}))
     assert deterministic.strategy(0, 1024) == S.NCCL

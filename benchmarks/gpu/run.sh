@@ -21,7 +21,7 @@
 #                  1536 2048 2560 2880 3584 4096 5120 7168 8192; pass a subset per call if they
 #                  do not fit one), up to MAX_TOKENS (default 4096) tokens, into
 #                  $OUT/strategy_table.json; TABLE_BASE=FILE starts from a copy of FILE (e.g.
-#                  fusion/tables/strategy_table.json) and merges into it.
+#                  fusion/dispatch/tables/strategy_table.json) and merges into it.
 #   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
 #                  (default 1 32 128), FUSION (default off on), input 128 / output 64;
 #                  PROFILE=1 adds --profile.

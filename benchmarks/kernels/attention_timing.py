@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fusion.cuda_graph_timing import median_us_per_call
+from fusion.tuning.timing import median_us_per_call
 from layers.kernels.triton_decode_attention import decode_attention
 from layers.kernels.triton_extend_attention import extend_attention
 

@@ -19,7 +19,7 @@ tokens, the time of a dense bf16 GEMM of the same FLOPs.
 import pytest
 import torch
 
-from fusion.cuda_graph_timing import capture_cuda_graph, median_us_per_call
+from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 

@@ -1,5 +1,5 @@
 """A peer that never reaches the symmetric-memory barrier makes the waiting rank fail loudly
-within the barrier's timeout instead of spinning forever (`fusion.symmetric_buffer`).
+within the barrier's timeout instead of spinning forever (`fusion.backends.symmetric_buffer`).
 
 Two ranks allocate a symmetric buffer and pass one barrier together; then rank 1 takes another
 path and stays alive (its memory stays mapped) while rank 0 enters a second barrier with the
@@ -23,7 +23,7 @@ EXIT_WITHOUT_ERROR = 3  # rank 0's exit code if the barrier returned without its
 
 
 def _rank(rank: int, port: int) -> None:
-    import fusion.symmetric_buffer as symmetric_buffer
+    import fusion.backends.symmetric_buffer as symmetric_buffer
     from layers.parallel_state import get_tp_group, init_tensor_parallel
 
     init_tensor_parallel(2, rank, f"tcp://127.0.0.1:{port}", device=torch.device("cuda", rank), timeout_s=60)

@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 import torch
 
-from fusion.cuda_graph_timing import capture_cuda_graph, median_us_per_call
+from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 

@@ -7,7 +7,7 @@ copies this rank's partial sum into the buffer, runs ``torch.ops.symm_mem.two_sh
 (each rank reduces 1/world of the buffer reading every peer, then all-gathers: bandwidth-bound,
 ~311 GB/s per direction at 4096 x 4096 bf16 on H200) and copies the sum back to ``x``. Residual
 add + RMSNorm then run as in the unfused path. Failures on any rank are voted over the CPU
-group (`fusion.symmetric_buffer`), so every rank keeps or drops the strategy together.
+group (`fusion.backends.symmetric_buffer`), so every rank keeps or drops the strategy together.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from fusion.group import TensorParallelGroup
-from fusion.symmetric_buffer import SymmetricBuffer, symm_mem_unavailable_reason
+from fusion.backends.symmetric_buffer import SymmetricBuffer, symm_mem_unavailable_reason
 
 __all__ = ["SymmMemAllReduce", "symm_mem_unavailable_reason"]
 

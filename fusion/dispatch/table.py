@@ -10,7 +10,7 @@ File format (JSON):
 A batch of T tokens uses the smallest measured bucket >= T (the largest bucket beyond it) and
 the fastest strategy (`fusion.strategies.Strategy` values) measured there among those this process can run. Every rank uses rank 0's
 table (broadcast over the CPU group), so decisions stay identical. A missing or corrupt file
-gives one warning and no table: the built-in rule applies (`fusion.cost_model`).
+gives one warning and no table: the built-in rule applies (`fusion.dispatch.cost_model`).
 """
 from __future__ import annotations
 

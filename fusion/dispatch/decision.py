@@ -8,9 +8,9 @@ and a measured table is rank 0's, broadcast), so the answer is identical on ever
 Answers sit in a bounded LRU (functools.lru_cache: a C implementation) keyed on
 (layer_id, batch_size); it is cleared whenever the environment (workspace, table) changes.
 
-With a measured table (`fusion.tuning_table`: packaged, given, or measured at start-up) the
+With a measured table (`fusion.dispatch.table`: packaged, given, or measured at start-up) the
 fastest available strategy of the batch's bucket wins; without one, the built-in rule
-(`fusion.cost_model`): the available strategy a cost model fitted to measurements over hidden
+(`fusion.dispatch.cost_model`): the available strategy a cost model fitted to measurements over hidden
 sizes predicts fastest, from the message bytes and rows per rank. A world size the model does
 not cover takes flashinfer's kernel (one-shot or two-shot by message size) up to the workspace.
 """
@@ -23,11 +23,11 @@ from typing import Optional
 import torch
 
 from fusion.config import DEFAULT_CACHE_SIZE
-from fusion.cost_model import cheapest
-from fusion.one_shot import choose_one_shot
+from fusion.dispatch.cost_model import cheapest
+from fusion.dispatch.one_shot import choose_one_shot
 from fusion.platform import FUSED_KERNEL_SM_MAJORS, hidden_alignment_error
 from fusion.strategies import Strategy
-from fusion.tuning_table import StrategyTable
+from fusion.dispatch.table import StrategyTable
 
 
 @dataclass(frozen=True)

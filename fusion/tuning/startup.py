@@ -2,7 +2,7 @@
 dtype) is measured by the server itself before it reports ready, and the result is cached on
 disk for the next start.
 
-Collective: every rank measures together (`fusion.tune`: each timing is the slowest rank's);
+Collective: every rank measures together (`fusion.tuning.measure`: each timing is the slowest rank's);
 rank 0's table is broadcast, so every rank decides alike, and rank 0 alone reads and writes
 the cache. The measurement covers the power-of-two token counts up to the op's largest batch;
 a measurement that passes its time budget is abandoned (logged) and the built-in rule decides.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fusion.tuning_table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table,
+from fusion.dispatch.table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table,
                                  select_table)
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def tune_at_startup(fusion: "AllReduceFusion", cache_dir: Optional[str], budget_
     """Collective: this configuration's table from the cache, else measured now and cached;
     None when the measurement passed ``budget_s`` seconds, or when ranks share a GPU (nothing
     is measured or cached there)."""
-    from fusion.tune import make_buffers, table_entry
+    from fusion.tuning.measure import make_buffers, table_entry
 
     group = fusion.group
     start = time.monotonic()

@@ -1,5 +1,5 @@
 """Measure every strategy that runs here for all-reduce + residual + RMSNorm: the rows of a
-strategy table (`fusion.tuning_table`). The command line is `engine.tune_fusion`.
+strategy table (`fusion.dispatch.table`). The command line is `engine.tune_fusion`.
 
 Per token bucket (powers of two up to the op's ``max_tokens`` plus the decode batch sizes of
 the CUDA graphs), each strategy whose buffers hold the bucket is captured ``ops_per_graph``
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from fusion.cuda_graph_timing import median_us_eager, median_us_per_call
+from fusion.tuning.timing import median_us_eager, median_us_per_call
 from fusion.strategies import Strategy
-from fusion.tuning_table import dtype_name, gpu_name
+from fusion.dispatch.table import dtype_name, gpu_name
 
 if TYPE_CHECKING:
     from fusion.allreduce_fusion import AllReduceFusion
@@ -81,7 +81,7 @@ def _runs(fusion: "AllReduceFusion", strategy: Strategy, x: torch.Tensor) -> boo
 
 
 def table_entry(fusion: "AllReduceFusion", buckets: list[int], **timing: Any) -> dict[str, Any]:
-    """One strategy-table entry (`fusion.tuning_table` format) for the op's GPU, world size,
+    """One strategy-table entry (`fusion.dispatch.table` format) for the op's GPU, world size,
     hidden size and dtype, measured at ``buckets``."""
     rows = {str(t): {s.value: us for s, us in measure_bucket(fusion, t, **timing).items()} for t in buckets}
     return {"gpu": gpu_name(fusion.group.device), "world_size": fusion.group.world_size,

@@ -1,7 +1,7 @@
 """`SymmMemFusedAllReduceNorm`: all-reduce + residual add + RMSNorm as our own two-shot kernels
 over one symmetric buffer per TP group (the ``symm_mem_fused`` strategy).
 
-The math and the two launches are in `fusion.two_shot_norm_kernels`; this module sizes the
+The math and the two launches are in `fusion.backends.kernels.two_shot_norm`; this module sizes the
 buffer, cuts the tokens into shards and runs launch 1, barrier, launch 2 on the current stream
 (CUDA-graph capturable once the buffer exists).
 
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from fusion.group import TensorParallelGroup
-from fusion.symmetric_buffer import SymmetricBuffer
+from fusion.backends.symmetric_buffer import SymmetricBuffer
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def row_chunks(tokens: int, max_tokens: int) -> list[slice]:
 def fused_unavailable_reason(hidden: int) -> Optional[str]:
     """None when the Triton kernels can run a row of ``hidden`` elements here."""
     try:
-        from fusion.two_shot_norm_kernels import MAX_HIDDEN
+        from fusion.backends.kernels.two_shot_norm import MAX_HIDDEN
     except ImportError as exc:
         return f"the fused two-shot kernels need triton ({exc})"
     if hidden > MAX_HIDDEN:
@@ -84,7 +84,7 @@ def fused_unavailable_reason(hidden: int) -> Optional[str]:
 
 def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
     """Launch 1: this rank's rows of every other shard into their owners' slot ``rank``."""
-    from fusion.two_shot_norm_kernels import num_warps_for, push_shards_kernel
+    from fusion.backends.kernels.two_shot_norm import num_warps_for, push_shards_kernel
     import triton
 
     hidden = x.shape[1]
@@ -99,7 +99,7 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
                       layout: ShardLayout, gather_at: int, flags_at: int) -> None:
     """Launch 2: sum this rank's shard, push it with its flags to every peer and add + norm it
     here; add + norm each peer row once its owner's flag is up."""
-    from fusion.two_shot_norm_kernels import num_warps_for, reduce_and_finish_kernel
+    from fusion.backends.kernels.two_shot_norm import num_warps_for, reduce_and_finish_kernel
     import triton
 
     hidden = x.shape[1]

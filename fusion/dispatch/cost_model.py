@@ -15,7 +15,7 @@ lowest floor but reads every peer's whole message (high ``b``), the fused two-sh
 for narrow rows (hidden <= 1024) than for wide ones. The rule picks the cheapest strategy that
 can run; `benchmarks/fit_cost_model.py` fits the coefficients from tables written by
 ``engine.tune_fusion`` (derivation and data: docs/results.md, "dispatch"). World sizes with no
-fitted model fall back to flashinfer one-shot / two-shot by message size (`fusion.one_shot`).
+fitted model fall back to flashinfer one-shot / two-shot by message size (`fusion.dispatch.one_shot`).
 """
 from __future__ import annotations
 

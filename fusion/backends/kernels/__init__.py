@@ -1,0 +1,1 @@
+"""Our own Triton kernels over torch symmetric memory."""
