@@ -34,50 +34,12 @@ from fusion import norm, reference
 from fusion.errors import FusionInputError, FusionUnsupportedError
 from fusion.group import TensorParallelGroup
 from fusion.platform import device_capability, hidden_alignment_error
+from fusion.strategy import FusedOutput, Quant, Strategy
 from fusion.validation import check_fusion_inputs
-
-
-class Strategy(str, enum.Enum):
-    NCCL = "nccl"
-    FLASHINFER_ONE_SHOT = "flashinfer_one_shot"
-    FLASHINFER_TWO_SHOT = "flashinfer_two_shot"
-    SYMM_MEM_TWO_SHOT = "symm_mem_two_shot"
-    SYMM_MEM_FUSED = "symm_mem_fused"
-    TORCH = "torch"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 FLASHINFER_STRATEGIES = frozenset({Strategy.FLASHINFER_ONE_SHOT, Strategy.FLASHINFER_TWO_SHOT})
 SYMM_MEM_STRATEGIES = frozenset({Strategy.SYMM_MEM_TWO_SHOT, Strategy.SYMM_MEM_FUSED})
-
-
-@dataclass(frozen=True)
-class Quant:
-    """Quantized normed output: ``fp8 = e4m3(normed / scale)``; ``fp4``: NVFP4 with swizzled
-    128x4 block scales. ``scale``: a one-element float32 tensor on the input's device (a tensor,
-    so that CUDA graphs may update it between replays)."""
-
-    kind: Literal["fp8", "fp4"]
-    scale: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("fp8", "fp4"):
-            raise FusionInputError(f"quant kind must be 'fp8' or 'fp4', got {self.kind!r}")
-        if self.scale.numel() != 1 or self.scale.dtype != torch.float32:
-            raise FusionInputError(f"quant scale must be a one-element float32 tensor, got "
-                                   f"{self.scale.dtype} x {self.scale.numel()}")
-
-
-class FusedOutput(NamedTuple):
-    """``normed``: [tokens, hidden] in the input dtype (fp8 with FP8 quant; packed uint8
-    [tokens, hidden / 2] with FP4, whose swizzled scale factors are ``block_scales``);
-    ``residual``: ``sum(x) + residual``, the next layer's residual."""
-
-    normed: torch.Tensor
-    residual: torch.Tensor
-    block_scales: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

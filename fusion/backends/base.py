@@ -1,0 +1,88 @@
+"""`Backend`: one strategy of the fused all-reduce + residual add + RMSNorm, owning its resource.
+
+Every backend of an op (`fusion.AllReduceFusion`) is made for one TP group and states its own
+constraints, once:
+
+    ensure(max_tokens, hidden, dtype) -> bool   collective: make (or grow) the resource for
+                                                 ``max_tokens`` rows of ``hidden`` ``dtype``;
+                                                 every rank's reason not to is voted over the CPU
+                                                 group, so it is True on every rank or on none
+                                                 (``failure`` then names each rank's reason)
+    fits(num_tokens) -> bool                     local, no collective: the resource exists and
+                                                 this backend can run ``num_tokens`` rows of the
+                                                 ensured hidden size and dtype
+    run(x, residual, weight, eps, quant)         one reduction: (normed, sum(x) + residual);
+                                                 consumes ``x`` and ``residual`` (it may
+                                                 overwrite both); needs ``fits(x.shape[0])``
+    destroy()                                    free the resource on this rank (idempotent)
+
+``run`` never checks its inputs (the op checks them once, at its entry) and never changes the
+strategy: a call that does not fit raises `FusionInputError` before any collective.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from fusion import reference
+from fusion.errors import FusionUnsupportedError
+from fusion.group import TensorParallelGroup
+from fusion.strategy import FusedOutput, Quant, Strategy
+
+logger = logging.getLogger(__name__)
+
+
+class Backend(abc.ABC):
+    """One strategy and its resource on one TP group (module docstring)."""
+
+    strategy: ClassVar[Strategy]
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self.failure: Optional[str] = None  # every rank's reason the last `ensure` failed
+
+    @abc.abstractmethod
+    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool: ...
+
+    @abc.abstractmethod
+    def fits(self, num_tokens: int) -> bool: ...
+
+    @abc.abstractmethod
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+            quant: Optional[Quant] = None) -> FusedOutput: ...
+
+    def destroy(self) -> None:
+        """Free the resource on this rank; a backend without one has nothing to free."""
+
+    @property
+    def capacity(self) -> int:
+        """Rows one call takes without chunking (0: not ensured); for status reports."""
+        return 0
+
+    def vote(self, step: Callable[[], Optional[str]]) -> bool:
+        """Run ``step`` (a reason this rank cannot go on, or None) on this rank, then agree over
+        the CPU group: True on every rank when no rank has a reason; else ``failure`` names each
+        rank's and rank 0 logs it once. An exception in ``step`` is this rank's reason."""
+        try:
+            reason = step()
+        except Exception as exc:  # a failure of any kind must reach the other ranks
+            reason = f"{type(exc).__name__}: {exc}"
+        reasons = self.group.all_gather_object(reason)
+        failed = {rank: why for rank, why in enumerate(reasons) if why}
+        self.failure = "; ".join(f"rank {r}: {why}" for r, why in failed.items()) or None
+        if failed and self.group.rank == 0:
+            logger.warning("%s unavailable on every rank: %s", self.strategy, self.failure)
+        return not failed
+
+
+def quantized(normed: torch.Tensor, residual: torch.Tensor, quant: Optional[Quant]) -> FusedOutput:
+    """The output of a backend whose kernels do not quantize: FP8 as a separate cast."""
+    if quant is None:
+        return FusedOutput(normed, residual)
+    if quant.kind == "fp8":
+        return FusedOutput(reference.quantize_fp8_static(normed, quant.scale), residual)
+    raise FusionUnsupportedError("FP4 output exists only as flashinfer's fused pattern (flashinfer_one_shot / "
+                                 "flashinfer_two_shot on an sm100+ GPU)")
