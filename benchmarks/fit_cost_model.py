@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from fusion.strategies import Strategy
+from fusion.strategy import Strategy
 from fusion.dispatch.table import parse_table
 
 

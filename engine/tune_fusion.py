@@ -54,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.launch_config import fusion_config
     from fusion import AllReduceFusion
     from fusion.config import NO_TABLE
-    from fusion.tuning.measure import make_buffers, table_entry, token_buckets
+    from fusion.tuning.measure import table_entry, token_buckets
     from fusion.dispatch.table import TABLE_VERSION, merge_entry
     from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
     from server_args import ServerArgs
@@ -82,9 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for hidden in ns.hidden:
                 fusion = AllReduceFusion(group, config, hidden, DTYPES[dtype_name])
                 fusion.setup()
-                make_buffers(fusion, config.max_tokens)
-                entry = table_entry(fusion, buckets, ops_per_graph=ns.ops_per_graph, warmup=ns.warmup,
-                                    trials=ns.trials)
+                fusion.ensure_all(config.max_tokens)
+                entry = table_entry(group, fusion.backends, hidden, DTYPES[dtype_name], buckets,
+                                    ops_per_graph=ns.ops_per_graph, warmup=ns.warmup, trials=ns.trials)
                 fusion.destroy()
                 entries = merge_entry(entries, entry)
                 if rank == 0:

@@ -6,9 +6,6 @@ A `TensorParallelGroup` bundles the two process groups a TP rank needs:
 * ``cpu_group``: a gloo group for small control traffic (votes, broadcasts of Python
   objects) that must work even while the device group is busy or broken.
 
-It counts the activation reductions run over it (its own all-reduces and those of the fused
-kernels) so that tests can check that deferring a reduction never adds or drops one.
-
 It also knows which CUDA device each rank runs on (the identities the ranks exchange when the
 group is made). Two ranks on one GPU are supported for correctness (`shared_gpu_note`): the
 device group is then gloo (NCCL refuses two ranks per GPU), and every timing taken there is
@@ -17,22 +14,10 @@ not representative of two GPUs.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-
-
-@dataclass
-class ReductionCounters:
-    """How many activation all-reduces ran over this group (eager calls only: replays of a
-    captured CUDA graph do not pass through Python)."""
-
-    total: int = 0  # every reduction of activations, fused or not
-
-    def reset(self) -> None:
-        self.total = 0
 
 
 class TensorParallelGroup:
@@ -63,7 +48,6 @@ class TensorParallelGroup:
         self.node_ids = list(node_ids) if node_ids is not None else [0] * world_size
         # per rank: (node identity, device identity); the device identity is None off CUDA
         self.device_ids = list(device_ids) if device_ids is not None else [None] * world_size
-        self.counters = ReductionCounters()
 
     @property
     def spans_nodes(self) -> bool:
@@ -107,7 +91,6 @@ class TensorParallelGroup:
         """Sum ``x`` over the group, in place; returns ``x``."""
         if self.world_size == 1:
             return x
-        self.counters.total += 1
         dist.all_reduce(x, group=self.device_group)
         return x
 

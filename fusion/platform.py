@@ -7,8 +7,6 @@ from typing import Optional
 
 import torch
 
-# GPU generations the trtllm Lamport kernels are built and validated for.
-FUSED_KERNEL_SM_MAJORS = (9, 10)
 # Bytes one vectorised access moves in the trtllm kernels: hidden * itemsize must be a multiple.
 KERNEL_ACCESS_BYTES = 16
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

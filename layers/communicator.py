@@ -3,26 +3,30 @@ the norms is a drop-in.
 
 Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
 
-    prepare_attn(h, residual)       layer 0 (residual None, h = full embeddings): input_norm(h)
-                                    otherwise input_norm(h + residual), taking layer i-1's
-                                    deferred all-reduce of h fused into it when there is one
+    prepare_attn(h, residual)       layer 0 (residual None, h = full embeddings): input_norm(h);
+                                    otherwise input_norm(h + residual), where h is layer i-1's
+                                    `fusion.PartialSum` (its all-reduce fused into this norm) or
+                                    a reduced tensor
     prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, fused when
                                     layer i's strategy says so
-    postprocess_layer(h_partial, r) the down_proj all-reduce: deferred into the next norm when
-                                    layer i fuses, performed now otherwise
-    prepare_final_norm(h, r, norm)  (last layer) the final norm takes the deferred all-reduce
+    postprocess_layer(h_partial, r) the down_proj all-reduce: deferred as a `PartialSum` when
+                                    ``should_fuse_allreduce_residual_rmsnorm(i, tokens)``,
+                                    performed now otherwise
+    prepare_final_norm(h, r, norm)  (last layer) the final norm, reducing a `PartialSum` into it
 
 Each is one call into the model's `fusion.AllReduceFusion`, which decides (cached on
 (layer_id, tokens), identical on all ranks) and runs; every reduction runs exactly once.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from fusion import AllReduceFusion
+from fusion import AllReduceFusion, FusionInputError, PartialSum
 from layers.layernorm import RMSNorm
+
+LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its MLP reduction deferred
 
 
 class LayerCommunicator:
@@ -36,14 +40,17 @@ class LayerCommunicator:
         self.post_attention_layernorm = post_attention_layernorm
         self.fusion = fusion
 
-    def prepare_attn(self, hidden_states: torch.Tensor,
+    def prepare_attn(self, hidden_states: LayerOutput,
                      residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(normed input for attention, residual)``."""
         norm = self.input_layernorm
         if residual is None:
-            self.fusion.begin_forward()
+            if isinstance(hidden_states, PartialSum):
+                raise FusionInputError(f"layer {self.layer_id} got {hidden_states} without a residual: only the "
+                                       "embeddings start a forward")
             return norm(hidden_states), hidden_states
-        return self.fusion.add_rms_norm(hidden_states, residual, norm.weight, norm.eps, self.layer_id - 1)
+        self._check_from(hidden_states, self.layer_id - 1)
+        return self.fusion.add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
 
     def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the attention output (o_proj with ``reduce_results=False``) into the residual
@@ -52,15 +59,25 @@ class LayerCommunicator:
         return self.fusion.all_reduce_add_rms_norm(hidden_states, residual, norm.weight, norm.eps, self.layer_id)
 
     def postprocess_layer(self, hidden_states: torch.Tensor,
-                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP output (down_proj with ``reduce_results=False``): handed on un-reduced when
-        the next norm fuses the all-reduce, reduced here otherwise."""
-        return self.fusion.defer_all_reduce(hidden_states, self.layer_id), residual
+                          residual: torch.Tensor) -> tuple[LayerOutput, torch.Tensor]:
+        """The MLP output (down_proj with ``reduce_results=False``): a `PartialSum` for the next
+        norm when this layer fuses, reduced here otherwise."""
+        if self.fusion.should_fuse_allreduce_residual_rmsnorm(self.layer_id, hidden_states.shape[0]):
+            return self.fusion.partial_sum(hidden_states, self.layer_id), residual
+        return self.fusion.all_reduce(hidden_states), residual
 
-    def prepare_final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor,
+    def prepare_final_norm(self, hidden_states: LayerOutput, residual: torch.Tensor,
                            final_norm: RMSNorm) -> torch.Tensor:
-        """The model's final norm after this (last) layer, taking its deferred all-reduce."""
+        """The model's final norm after this (last) layer, reducing its deferred all-reduce into it."""
         if self.layer_id != self.num_layers - 1:
             raise ValueError(f"prepare_final_norm belongs to the last layer, not layer {self.layer_id}")
-        normed, _ = self.fusion.add_rms_norm(hidden_states, residual, final_norm.weight, final_norm.eps, self.layer_id)
+        self._check_from(hidden_states, self.layer_id)
+        normed, _ = self.fusion.add_rms_norm(hidden_states, residual, final_norm.weight, final_norm.eps)
         return normed
+
+    @staticmethod
+    def _check_from(hidden_states: LayerOutput, layer_id: int) -> None:
+        """A `PartialSum` reaching a norm must come from the layer just before it."""
+        if isinstance(hidden_states, PartialSum) and hidden_states.layer_id != layer_id:
+            raise FusionInputError(f"{hidden_states} reached the norm after layer {layer_id}: a deferred reduction "
+                                   "is taken by the next layer's input norm or the final norm")

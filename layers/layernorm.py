@@ -1,4 +1,4 @@
-"""RMSNorm with the common ``forward(x, residual=None)`` contract and a fused variant.
+"""RMSNorm with the common ``forward(x, residual=None)`` contract.
 
     forward(x)            -> x / RMS(x) * weight
     forward(x, residual)  -> (rms_norm(x + residual), x + residual)
@@ -6,7 +6,8 @@
 
 On GPU with flashinfer the residual form runs flashinfer's ``fused_add_rmsnorm`` in place
 (``residual`` receives the sum, ``x`` the normed output), as in vLLM and SGLang
-(`fusion.norm`).
+(`fusion.norm`). Fused with a TP all-reduce, the same norm runs through the model's fusion op
+(`layers.communicator.LayerCommunicator`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from fusion import AllReduceFusion, norm
+from fusion import norm
 
 NormOutput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -32,11 +33,3 @@ class RMSNorm(nn.Module):
         if residual is None:
             return norm.rms_norm(x, self.weight, self.eps)
         return norm.add_rms_norm(x, residual, self.weight, self.eps)
-
-    def forward_with_allreduce_fusion(self, x: torch.Tensor, residual: Optional[torch.Tensor],
-                                      fusion: AllReduceFusion, layer_id: int) -> NormOutput:
-        """``forward(sum over TP ranks of x, residual)``, returning exactly what `forward`
-        returns: ``x`` holds this rank's partial sum and is consumed; ``fusion`` runs it by layer
-        ``layer_id``'s cached strategy (one fused kernel, or the all-reduce and then this norm)."""
-        normed, residual_out = fusion.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, layer_id)
-        return normed if residual is None else (normed, residual_out)

@@ -111,13 +111,33 @@ def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 
             os.environ["TRITON_INTERPRET"] = previous
 
 
-def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, workspace_factory: Any = None,
-                **config: Any) -> Any:
+def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, **config: Any) -> Any:
     """Collective: a set-up `fusion.AllReduceFusion` over this rank's TP group for a model of
     ``hidden`` and ``dtype``, from `fusion.FusionConfig` fields (default: fusion off)."""
     from fusion import AllReduceFusion, FusionConfig
     from layers.parallel_state import get_tp_group
 
-    fusion = AllReduceFusion(get_tp_group(), FusionConfig(**config), hidden, dtype, workspace_factory)
+    fusion = AllReduceFusion(get_tp_group(), FusionConfig(**config), hidden, dtype)
     fusion.setup()
     return fusion
+
+
+class AllReduceCounter:
+    """Counts the activation all-reduces over ``group`` from now on (eager calls: the group's own
+    ``all_reduce``, which the NCCL path and every layer that reduces use). ``total`` so far."""
+
+    def __init__(self, group: Any) -> None:
+        self.total = 0
+        original = group.all_reduce
+
+        def counted(x: torch.Tensor) -> torch.Tensor:
+            self.total += 1
+            return original(x)
+
+        group.all_reduce = counted
+
+
+def reductions(counter: AllReduceCounter, fusion: Any) -> int:
+    """Every activation reduction since ``counter`` started: the group's all-reduces plus the
+    fusion op's reductions by kernels that do not call the group (all but nccl and torch)."""
+    return counter.total + sum(n for s, n in fusion.counts.items() if s not in ("nccl", "torch"))

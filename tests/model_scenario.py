@@ -9,6 +9,7 @@ import torch
 
 from engine.models.forward_batch import ForwardBatch
 from layers.parallel_state import get_tp_group
+from tests.dist_utils import AllReduceCounter, reductions
 
 PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]
 
@@ -23,7 +24,7 @@ def run_scenario(model: Any, fusion: Any, num_slots: int, decode_steps: int) -> 
     seqs = [list(p) for p in PROMPTS]
     slots: list[list[int]] = [[] for _ in PROMPTS]
     rows, logits = [], []
-    group.counters.reset()
+    counter = AllReduceCounter(group)
     fusion.counts.clear()
 
     def step(chunks: list[tuple[int, list[int]]]) -> list[int]:
@@ -46,4 +47,4 @@ def run_scenario(model: Any, fusion: Any, num_slots: int, decode_steps: int) -> 
             seqs[s].append(token)
         chunks = [(s, seqs[s][-1:]) for s in range(3)]
     return {"logits": torch.cat(logits), "rows": rows, "tokens": seqs, "forwards": len(logits),
-            "all_reduces": group.counters.total, "fused": sum(n for s, n in fusion.counts.items() if s != "nccl")}
+            "all_reduces": reductions(counter, fusion), "fused": sum(n for s, n in fusion.counts.items() if s != "nccl")}

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from fusion import Strategy, reference
+from fusion import FusionInputError, PartialSum, Strategy, reference
 from layers.communicator import LayerCommunicator
 from layers.layernorm import RMSNorm
 from layers.parallel_state import get_tp_group
-from tests.dist_utils import make_fusion, run_distributed
+from tests.dist_utils import AllReduceCounter, make_fusion, run_distributed
 from tests.tolerances import assert_close
 
 HIDDEN, LAYERS, EPS = 64, 4, 1e-6
@@ -77,14 +77,14 @@ def reference_decoder(tokens: int, world_size: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def _run_toy(rank, world_size, fusion_enabled, max_tokens):
-    group = get_tp_group()
+    counter = AllReduceCounter(get_tp_group())
     fusion = make_fusion(HIDDEN, enabled=fusion_enabled, backend="torch", max_tokens=max_tokens)
     model = ToyDecoder(rank, fusion)
     out = {}
     for tokens in (3, 24):
-        before = group.counters.total, fusion.counts[Strategy.TORCH]
+        before = counter.total, fusion.counts[Strategy.TORCH]
         out[tokens] = model(toy_input(tokens).clone())
-        out[(tokens, "reductions")] = group.counters.total - before[0]
+        out[(tokens, "reductions")] = counter.total - before[0]
         out[(tokens, "fused")] = fusion.counts[Strategy.TORCH] - before[1]
         assert_close(out[tokens], reference_decoder(tokens, world_size))
     out["status"] = fusion.status()
@@ -106,7 +106,7 @@ def test_fusion_on_equals_off_with_the_same_reductions(world_size, max_tokens):
     assert on[0]["status"]["active"] and not off[0]["status"]["active"]
 
 
-def _lookups_and_owed_reductions(rank, world_size):
+def _lookups_and_partial_sums(rank, world_size):
     fusion = make_fusion(HIDDEN, enabled=True, backend="torch")
     model = ToyDecoder(rank, fusion)
     info = fusion.cache_info()
@@ -115,27 +115,33 @@ def _lookups_and_owed_reductions(rank, world_size):
     info = fusion.cache_info()
     lookups = info.hits + info.misses - before
     x, residual = toy_input(5), toy_input(5)
-    weight = torch.ones(HIDDEN)
+    comm = model.comms[2]
     errors = {}
-    fusion.defer_all_reduce(x.clone(), layer_id=0)
-    with pytest.raises(RuntimeError) as err:
-        fusion.all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, layer_id=1)
-    errors["skipped"] = str(err.value)
-    fusion.defer_all_reduce(x.clone(), layer_id=0)
-    with pytest.raises(RuntimeError) as err:
-        fusion.add_rms_norm(x.clone(), residual.clone(), weight, EPS, layer_id=2)
-    errors["other_layer"] = str(err.value)
-    fusion.defer_all_reduce(x.clone(), layer_id=0)
-    fusion.begin_forward()  # a new forward drops what a failed one left owed
+
+    def refused(name, call, kind=FusionInputError):
+        with pytest.raises(kind) as err:
+            call()
+        errors[name] = str(err.value)
+
+    partial, _ = model.comms[0].postprocess_layer(x.clone(), residual.clone())
+    assert isinstance(partial, PartialSum) and partial.layer_id == 0 and partial.strategy is Strategy.TORCH
+    refused("as a reduced input", lambda: comm.prepare_mlp(partial, residual.clone()))
+    refused("to a later layer", lambda: comm.prepare_attn(partial, residual.clone()))
+    refused("to a torch op", lambda: partial @ x, TypeError)
+    model.comms[1].prepare_attn(partial, residual.clone())
+    refused("twice", lambda: model.comms[1].prepare_attn(partial, residual.clone()))
     return lookups, errors, model(toy_input(5).clone())
 
 
-def test_one_decision_per_reduction_point_and_an_owed_reduction_cannot_be_skipped():
-    per_rank = run_distributed(_lookups_and_owed_reductions, timeout_s=120)
+def test_a_deferred_reduction_is_a_value_that_cannot_be_misused():
+    per_rank = run_distributed(_lookups_and_partial_sums, timeout_s=120)
     lookups, errors, out = per_rank[0]
-    assert lookups == 2 * LAYERS, "prepare_mlp and postprocess_layer each look the decision up once per layer"
-    assert "layer 0 was never performed" in errors["skipped"]
-    assert "was not taken by the next norm (layer 2" in errors["other_layer"]
+    assert lookups == 3 * LAYERS, ("prepare_mlp's strategy, postprocess_layer's should_fuse, and the strategy the "
+                                   "PartialSum records: one cached lookup each per layer")
+    assert "a PartialSum is reduced by the next norm" in errors["as a reduced input"]
+    assert "reached the norm after layer 1" in errors["to a later layer"]
+    assert "PartialSum" in errors["to a torch op"]
+    assert "already reduced" in errors["twice"]
     assert_close(out, reference_decoder(5, 2))
 
 
@@ -145,24 +151,3 @@ def test_no_fusion_state_on_the_tp_group():
 
     assert not hasattr(TensorParallelGroup, "fusion") and not hasattr(parallel_state, "init_allreduce_fusion")
     assert not [name for name, value in vars(parallel_state).items() if "fusion" in type(value).__name__.lower()]
-
-
-def _norm_with_fusion(rank, world_size):
-    fusion = make_fusion(HIDDEN, enabled=True, backend="torch")
-    norm = RMSNorm(HIDDEN, EPS)
-    norm.weight.data.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3)))
-    partial = [torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(10 + r)) for r in range(world_size)]
-    residual = toy_input(5)
-    summed = sum(partial)
-    fused, fused_residual = norm.forward_with_allreduce_fusion(partial[rank].clone(), residual.clone(), fusion, 0)
-    expected, expected_residual = norm(summed.clone(), residual.clone())
-    assert_close(fused, expected)
-    assert_close(fused_residual, expected_residual)
-    alone = norm.forward_with_allreduce_fusion(partial[rank].clone(), None, fusion, 0)
-    assert isinstance(alone, torch.Tensor), "without a residual it returns what forward(x) returns: one tensor"
-    assert_close(alone, norm(summed.clone()))
-    return fusion.counts[Strategy.TORCH]
-
-
-def test_rms_norm_forward_with_allreduce_fusion_returns_what_forward_returns():
-    assert run_distributed(_norm_with_fusion, timeout_s=60) == [2, 2]

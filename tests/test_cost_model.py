@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from fusion import FusionDispatcher, FusionEnvironment
 from fusion.dispatch.cost_model import cheapest, predicted_us, rule_picks
-from fusion.strategies import Strategy as S
 from fusion.dispatch.table import PACKAGED_TABLE
+from fusion.strategy import Strategy as S
+from tests.fake_backends import UNLIMITED, flashinfer_backends, make_dispatcher
 
 ALL = tuple(S)
 
@@ -49,9 +49,8 @@ def test_unmodelled_world_sizes_get_no_pick_and_no_buffers():
 
 
 def test_dispatcher_uses_the_rule_without_a_table_and_respects_a_one_shot_limit():
-    env = FusionEnvironment(enabled=True, backend="flashinfer", world_size=2, hidden_size=2880, dtype=torch.bfloat16,
-                            max_tokens=4096, device_sm=(9, 0), workspace_ready=True, symm_fused_tokens=8192)
-    assert FusionDispatcher(environment=env).strategy(0, 1) == S.FLASHINFER_ONE_SHOT
-    assert FusionDispatcher(environment=env).strategy(0, 2048) == S.SYMM_MEM_FUSED
-    capped = FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 0, "one_shot_max_input_bytes": 1024})
-    assert FusionDispatcher(environment=capped).strategy(0, 16) != S.FLASHINFER_ONE_SHOT
+    d = make_dispatcher(flashinfer_backends(max_tokens=4096, symm_mem_fused=UNLIMITED), hidden=2880)
+    assert d.strategy(0, 1) == S.FLASHINFER_ONE_SHOT
+    assert d.strategy(0, 2048) == S.SYMM_MEM_FUSED
+    capped = make_dispatcher(flashinfer_backends(max_tokens=4096), hidden=2880, one_shot_max_input_bytes=1024)
+    assert capped.strategy(0, 16) != S.FLASHINFER_ONE_SHOT

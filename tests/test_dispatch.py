@@ -1,64 +1,59 @@
-"""The cached fusion decision: conditions, LRU bound and order, counters, rank agreement."""
+"""The cached fusion decision: what the backends fit, LRU bound and order, counters, rank agreement."""
 import pytest
 import torch
 
-from fusion import FusionDispatcher, FusionEnvironment
+from fusion.dispatch.decision import NOT_SET_UP, FusionDispatcher
+from fusion.strategy import Strategy as S
 from tests.dist_utils import make_fusion, run_distributed
-
-GOOD = FusionEnvironment(
-    enabled=True, backend="flashinfer", world_size=2, hidden_size=4096, dtype=torch.bfloat16,
-    max_tokens=2048, device_sm=(9, 0), workspace_ready=True,
-)
+from tests.fake_backends import UNLIMITED, FakeBackend, flashinfer_backends, make_dispatcher
 
 
-def test_constructs_with_defaults_on_cpu_without_process_group():
+def test_a_dispatcher_not_set_up_never_fuses():
     d = FusionDispatcher(cache_size=64)
     assert d.should_fuse_allreduce_residual_rmsnorm(0, 1) is False
-    assert "not enabled" in d.why_not(0, 1)
+    assert d.why_not(0, 1) == NOT_SET_UP
     info = d.cache_info()
     assert (info.hits, info.misses, info.maxsize, info.currsize) == (0, 1, 64, 1)
 
 
-def test_good_environment_fuses():
-    d = FusionDispatcher(environment=GOOD)
+def test_backends_that_fit_fuse():
+    d = make_dispatcher(flashinfer_backends())
     assert d.should_fuse_allreduce_residual_rmsnorm(3, 128)
+    assert d.strategy(3, 128) is S.FLASHINFER_ONE_SHOT
     assert d.why_not(3, 128) is None
 
 
 @pytest.mark.parametrize(
-    "change,batch,needle",
+    "backends,off_reason,batch,needle",
     [
-        ({"enabled": False}, 1, "not enabled"),
-        ({"world_size": 1}, 1, "TP size is 1"),
-        ({"flashinfer_error": "flashinfer is not importable"}, 1, "flashinfer"),
-        ({"device_sm": None}, 1, "no CUDA device"),
-        ({"device_sm": (8, 0)}, 1, "sm80"),
-        ({"device_sm": (12, 0)}, 1, "sm120"),
-        ({"spans_nodes": True}, 1, "spans nodes"),
-        ({"hidden_size": 4100}, 1, "multiple of 16"),
-        ({"workspace_ready": False}, 1, "no fusion workspace"),
-        ({}, 2049, "exceed the fusion limit"),
-        ({}, 0, "empty batch"),
-        ({"world_size": 4, "symm_fused_tokens": 64}, 2049, "exceed the fusion limit"),
+        (flashinfer_backends(), "fusion is not enabled", 1, "not enabled"),
+        ({S.NCCL: FakeBackend(UNLIMITED)}, None, 1, "no fused strategy can take 1 tokens"),
+        (flashinfer_backends(max_tokens=0), None, 1, "no fused strategy"),
+        (flashinfer_backends(), None, 2049, "no fused strategy can take 2049 tokens"),
+        (flashinfer_backends(), None, 0, "empty batch"),
     ],
 )
-def test_each_condition_turns_fusion_off_with_a_reason(change, batch, needle):
-    env = FusionEnvironment(**{**GOOD.__dict__, **change})
-    d = FusionDispatcher(environment=env)
+def test_each_condition_turns_fusion_off_with_a_reason(backends, off_reason, batch, needle):
+    d = make_dispatcher(backends, off_reason=off_reason)
     assert d.should_fuse_allreduce_residual_rmsnorm(0, batch) is False
     assert needle in d.why_not(0, batch)
 
 
-def test_torch_backend_needs_no_gpu_or_workspace():
-    env = FusionEnvironment(enabled=True, backend="torch", world_size=2, hidden_size=100, max_tokens=64)
-    d = FusionDispatcher(environment=env)
-    assert d.should_fuse_allreduce_residual_rmsnorm(0, 64)
+def test_two_shot_is_never_chosen_for_as_many_tokens_as_ranks():
+    backends = {S.NCCL: FakeBackend(UNLIMITED), S.FLASHINFER_TWO_SHOT: FakeBackend(4096, more_than=4)}
+    d = make_dispatcher(backends, world_size=4)  # no cost model at TP4: flashinfer's kernels by size
+    assert d.strategy(0, 4) is S.NCCL and d.strategy(0, 5) is S.FLASHINFER_TWO_SHOT
+
+
+def test_torch_backend_fuses_up_to_its_limit():
+    d = make_dispatcher({S.NCCL: FakeBackend(UNLIMITED), S.TORCH: FakeBackend(64)}, hidden=100)
+    assert d.strategy(0, 64) is S.TORCH
     assert not d.should_fuse_allreduce_residual_rmsnorm(0, 65)
 
 
 def test_negative_layer_id_is_an_error():
     with pytest.raises(ValueError, match="layer_id"):
-        FusionDispatcher(environment=GOOD).should_fuse_allreduce_residual_rmsnorm(-1, 4)
+        make_dispatcher(flashinfer_backends()).should_fuse_allreduce_residual_rmsnorm(-1, 4)
 
 
 def test_cache_size_must_be_positive():
@@ -67,7 +62,7 @@ def test_cache_size_must_be_positive():
 
 
 def test_hits_misses_and_false_answers_are_cached():
-    d = FusionDispatcher(cache_size=8, environment=GOOD)
+    d = make_dispatcher(flashinfer_backends(), cache_size=8)
     d.should_fuse_allreduce_residual_rmsnorm(0, 1)
     d.should_fuse_allreduce_residual_rmsnorm(0, 1)
     d.should_fuse_allreduce_residual_rmsnorm(0, 5000)  # False answer
@@ -77,7 +72,7 @@ def test_hits_misses_and_false_answers_are_cached():
 
 
 def test_bound_holds_over_thousands_of_batch_sizes_and_lru_goes_first():
-    d = FusionDispatcher(cache_size=16, environment=GOOD)
+    d = make_dispatcher(flashinfer_backends(), cache_size=16)
     for bs in range(1, 3001):
         d.should_fuse_allreduce_residual_rmsnorm(0, bs)
     assert d.cache_info().currsize == 16
@@ -92,10 +87,13 @@ def test_bound_holds_over_thousands_of_batch_sizes_and_lru_goes_first():
     assert d.cache_info().misses == misses + 1, "least recently used entry must be gone"
 
 
-def test_environment_update_clears_cache():
-    d = FusionDispatcher(environment=GOOD)
+def test_update_clears_the_cache_and_the_backends_answer_anew():
+    backends = flashinfer_backends()
+    d = make_dispatcher(backends)
     assert d.should_fuse_allreduce_residual_rmsnorm(0, 8)
-    d.update_environment(FusionEnvironment(**{**GOOD.__dict__, "workspace_ready": False}))
+    backends[S.FLASHINFER_ONE_SHOT].capacity = 0  # the workspace was destroyed
+    backends[S.FLASHINFER_TWO_SHOT].capacity = 0
+    d.update(d.shape, backends, None, None)
     assert d.cache_info().currsize == 0
     assert not d.should_fuse_allreduce_residual_rmsnorm(0, 8)
 
@@ -109,3 +107,9 @@ def test_decision_agrees_on_both_ranks():
     r0, r1 = run_distributed(_decisions)
     assert r0 == r1
     assert any(r0) and not all(r0)
+
+
+def test_the_hot_path_answers_are_the_cached_strategies():
+    d = make_dispatcher(flashinfer_backends(symm_mem_fused=UNLIMITED), dtype=torch.float16)
+    for tokens in (1, 64, 4096, 100000):
+        assert d.should_fuse_allreduce_residual_rmsnorm(1, tokens) == (d.strategy(1, tokens) is not S.NCCL)

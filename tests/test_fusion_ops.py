@@ -3,10 +3,10 @@ composition, 2 ranks over gloo; its input checks and the flashinfer workspace ch
 import pytest
 import torch
 
-from fusion import FusionInputError, FusionUnsupportedError, Quant, Strategy, all_reduce_add_rms_norm, reference
-from fusion.strategies import check_workspace
+from fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
+                    TensorParallelGroup, all_reduce_add_rms_norm, reference)
 from layers.parallel_state import get_tp_group
-from tests.dist_utils import run_distributed
+from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 
 EPS = 1e-6
@@ -24,6 +24,7 @@ def rank_inputs(rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: i
 
 def _backends_match_reference(rank, world_size, dtype, with_residual):
     group = get_tp_group()
+    counter = AllReduceCounter(group)
     results = {}
     for tokens, hidden in [(1, 64), (7, 128), (33, 96)]:
         x, residual, weight = rank_inputs(rank, tokens, hidden, dtype, seed=tokens)
@@ -31,11 +32,11 @@ def _backends_match_reference(rank, world_size, dtype, with_residual):
         res = residual if with_residual else None
         expected = reference.add_rms_norm(full, res, weight, EPS)
         for strategy in (Strategy.TORCH, Strategy.NCCL):
-            before = group.counters.total
+            before = counter.total
             normed, residual_out, _ = all_reduce_add_rms_norm(
                 x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=strategy
             )
-            assert group.counters.total == before + 1, "exactly one reduction per call"
+            assert counter.total == before + 1, "exactly one reduction per call"
             assert_close(normed, expected[0])
             assert_close(residual_out, expected[1])
             results[(tokens, hidden, strategy.value)] = normed.float().sum().item()
@@ -51,6 +52,7 @@ def test_torch_fused_equals_unfused_reference(dtype, with_residual):
 
 def _bad_inputs(rank, world_size):
     group = get_tp_group()
+    counter = AllReduceCounter(group)
     x, residual, weight = rank_inputs(rank, 8, 64, torch.float32)
     cases = {
         "non-contiguous": (x.t().contiguous().t(), residual, weight),
@@ -65,7 +67,7 @@ def _bad_inputs(rank, world_size):
         with pytest.raises(FusionInputError) as err:
             all_reduce_add_rms_norm(xi, ri, wi, EPS, group=group, strategy=Strategy.TORCH)
         messages[name] = str(err.value)
-    assert group.counters.total == 0, "a rejected input must not start a collective"
+    assert counter.total == 0, "a rejected input must not start a collective"
     return messages
 
 
@@ -79,25 +81,38 @@ def test_bad_inputs_raise_named_errors_without_collectives():
     assert "shape" in messages["residual shape"]
 
 
-class _FakeWorkspace:
-    metadata = {"max_token_num": 16, "hidden_dim": 128, "use_fp32_lamport": False, "tp_size": 2}
+class _FakeHandle:
+    def destroy(self) -> None:
+        pass
+
+
+def _workspace(max_tokens: int = 16, hidden: int = 128, dtype: torch.dtype = torch.bfloat16) -> AllReduceFusionWorkspace:
+    ws = AllReduceFusionWorkspace(TensorParallelGroup(0, 1, torch.device("cpu")), lambda *a: _FakeHandle())
+    assert ws.ensure(max_tokens, hidden, dtype)
+    return ws
 
 
 @pytest.mark.parametrize(
-    "tokens,hidden,dtype,needle",
-    [(17, 128, torch.bfloat16, "exceed the workspace"), (4, 100, torch.bfloat16, "multiple of 16"),
-     (4, 128, torch.float32, "does not match")],
+    "strategy,tokens,hidden,dtype,needle",
+    [(Strategy.FLASHINFER_ONE_SHOT, 17, 128, torch.bfloat16, "cannot take"),
+     (Strategy.FLASHINFER_ONE_SHOT, 4, 100, torch.bfloat16, "multiple of 16"),
+     (Strategy.FLASHINFER_ONE_SHOT, 4, 128, torch.float16, "cannot take"),
+     (Strategy.FLASHINFER_TWO_SHOT, 1, 128, torch.bfloat16, "cannot take"),
+     (Strategy.SYMM_MEM_FUSED, 4, 128, torch.bfloat16, "AllReduceFusion.run")],
 )
-def test_kernel_shape_checks_name_the_problem(tokens, hidden, dtype, needle):
-    x = torch.randn(tokens, hidden).to(dtype)
+def test_kernel_shape_checks_name_the_problem(strategy, tokens, hidden, dtype, needle):
+    x, residual, weight = (torch.randn(tokens, hidden).to(dtype), torch.randn(tokens, hidden).to(dtype),
+                           torch.rand(hidden).to(dtype) + 0.5)
+    ws = _workspace()
     with pytest.raises(FusionInputError, match=needle):
-        check_workspace(x, _FakeWorkspace(), world_size=2)
+        all_reduce_add_rms_norm(x, residual, weight, EPS, group=ws.group, strategy=strategy, workspace=ws)
 
 
 def test_kernel_shape_check_without_workspace():
+    x = torch.randn(2, 128).bfloat16()
     with pytest.raises(FusionInputError, match="no fusion workspace"):
-        check_workspace(torch.randn(2, 128).bfloat16(), None, world_size=2)
-
+        all_reduce_add_rms_norm(x, None, torch.ones(128).bfloat16(), EPS, group=TensorParallelGroup(0, 1, x.device),
+                                strategy=Strategy.FLASHINFER_ONE_SHOT)
 
 def test_reference_fp8_quantization_clamps_and_scales():
     normed = torch.tensor([[0.5, -1000.0, 3.0, 2000.0]])

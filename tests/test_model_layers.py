@@ -20,7 +20,7 @@ from engine.models.forward_batch import ForwardBatch, KVCache
 from layers.parallel_state import get_tp_group
 from layers.rotary_embedding import RotaryEmbedding, llama3_scale_inv_freq, rope_inv_freq, scaled_inv_freq
 from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from tests.dist_utils import run_distributed
+from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 
 IN, OUT, TOKENS, HEAD_DIM = 16, 12, 5, 4
@@ -43,6 +43,7 @@ def _rank_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def _column_layers(rank: int, world: int) -> dict[str, int]:
     """Column, merged and QKV layers: each rank's output is its slice of the full output."""
     group = get_tp_group()
+    counter = AllReduceCounter(group)
     x = randn(TOKENS, IN, seed=1)
     w, b = randn(OUT, IN, seed=2), randn(OUT, seed=3)
     col = ColumnParallelLinear(IN, OUT, bias=True)
@@ -72,26 +73,27 @@ def _column_layers(rank: int, world: int) -> dict[str, int]:
         assert_close(k, F.linear(x, wk, bk)[:, kv_cols])
         assert_close(v, F.linear(x, wv, bv)[:, kv_cols])
         checked[f"kv{kv_heads}"] = kv_start
-    assert group.counters.total == 0, "column-parallel layers communicate nothing"
+    assert counter.total == 0, "column-parallel layers communicate nothing"
     return checked
 
 
 def _row_layers(rank: int, world: int) -> None:
     """Row-parallel: the reduced output is the full op, bias once; unreduced, the partial sums."""
     group = get_tp_group()
+    counter = AllReduceCounter(group)
     x, w, b = randn(TOKENS, IN, seed=30), randn(OUT, IN, seed=31), randn(OUT, seed=32)
     x_local = _rank_rows(x, rank, world).contiguous()
     row = RowParallelLinear(IN, OUT, bias=True, reduce_results=True)
     _load(row.weight, w)
     _load(row.bias, b)
     assert_close(row(x_local), F.linear(x, w, b))
-    assert group.counters.total == 1
+    assert counter.total == 1
 
     partial_layer = RowParallelLinear(IN, OUT, bias=True, reduce_results=False)
     _load(partial_layer.weight, w)
     _load(partial_layer.bias, b)
     partial = partial_layer(x_local)
-    assert group.counters.total == 1, "reduce_results=False must not reduce"
+    assert counter.total == 1, "reduce_results=False must not reduce"
     own = x_local @ _rank_rows(w, rank, world).T + (b if rank == 0 else 0)
     assert_close(partial, own)
     assert_close(group.all_reduce(partial), F.linear(x, w, b))
@@ -99,14 +101,15 @@ def _row_layers(rank: int, world: int) -> None:
 
 def _vocab_layers(rank: int, world: int) -> None:
     group = get_tp_group()
+    counter = AllReduceCounter(group)
     vocab, hidden = 10, 6
     table, head = randn(vocab, hidden, seed=40), randn(vocab, hidden, seed=41)
     ids = torch.tensor([0, 9, 4, 5, 3, 7, 7])  # ids of both ranks' halves, repeated
     emb = VocabParallelEmbedding(vocab, hidden)
     _load(emb.weight, table)
-    before = group.counters.total
+    before = counter.total
     assert_close(emb(ids), F.embedding(ids, table))
-    assert group.counters.total == before + 1
+    assert counter.total == before + 1
 
     h = randn(3, hidden, seed=42)
     untied = ParallelLMHead(vocab, hidden)

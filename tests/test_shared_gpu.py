@@ -61,20 +61,16 @@ def test_more_ranks_than_gpus_run_on_the_gpus_there_are(monkeypatch):
 
 
 def test_start_up_tuning_measures_nothing_on_a_shared_gpu(tmp_path, monkeypatch, caplog):
-    import fusion.tuning.measure as tune
-    from fusion.tuning.startup import tune_at_startup
+    import fusion.tuning.startup as startup
 
     def no_measurement(*args, **kwargs):
         raise AssertionError("nothing may be measured on a shared GPU")
 
-    monkeypatch.setattr(tune, "make_buffers", no_measurement)
-    monkeypatch.setattr(tune, "table_entry", no_measurement)
+    monkeypatch.setattr(startup, "table_entry", no_measurement)
     group = group_of(0, [0, 0])
-    op = SimpleNamespace(group=group, hidden_size=4096, dtype=torch.bfloat16,
-                         config=SimpleNamespace(max_tokens=64, symm_max_tokens=None))
-    monkeypatch.setattr("fusion.tuning.startup.gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(startup, "gpu_name", lambda device: "NVIDIA H200")
     with caplog.at_level("WARNING"):
-        assert tune_at_startup(op, str(tmp_path), budget_s=20.0) is None
+        assert startup.tune_at_startup(group, {}, [], 4096, torch.bfloat16, 64, str(tmp_path), budget_s=20.0) is None
     assert "share a GPU" in caplog.text and "built-in rule decides" in caplog.text
     assert not any(tmp_path.rglob("*.json")), "nothing is cached"
 

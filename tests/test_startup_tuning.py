@@ -1,9 +1,10 @@
 """Start-up tuning over gloo (2 ranks; flashinfer and an sm90 GPU pretended, a fake workspace):
 a configuration no table holds is measured at set-up, every rank gets rank 0's table, rank 0
 caches it, the next set-up reads the cache instead of measuring, and the switches work (off,
-an explicit table, a passed budget). On the CPU nccl (gloo) measures; flashinfer two-shot and the
-symmetric-memory strategies fail there and are left out on every rank, as on a GPU where one fails;
-flashinfer one-shot is played by the torch runner, which checks that it gets the op's workspace."""
+an explicit table, a passed budget). On the CPU nccl (gloo) measures; the symmetric-memory
+backends cannot make their buffers there (voted: on no rank) and flashinfer two-shot fails and is
+left out on every rank, as on a GPU where one fails; flashinfer one-shot is played by the torch
+reference, which checks that it gets the op's workspace."""
 import pytest
 import torch
 
@@ -19,26 +20,35 @@ class _FakeWorkspace:
 
 
 def _pretend_flashinfer() -> None:
-    import fusion.allreduce_fusion as af
+    import fusion.backends.flashinfer as fi
+    import fusion.backends.flashinfer_workspace as ws
 
-    af.flashinfer_import_error = lambda: None
-    af.device_capability = lambda device: (9, 0)
+    fi.flashinfer_unavailable_reason = lambda *a: None
+    ws.create_flashinfer_workspace = lambda *a: _FakeWorkspace()
+    ws._preflight = lambda *a: None
 
 
 def _op(cache_dir, **config):
-    return make_fusion(HIDDEN, torch.float32, lambda *a: _FakeWorkspace(), enabled=True, backend="flashinfer",
-                       max_tokens=16, symm_max_tokens=16, tuning_cache_dir=cache_dir, **config)
+    return make_fusion(HIDDEN, torch.float32, enabled=True, backend="flashinfer", max_tokens=16, symm_max_tokens=16,
+                       tuning_cache_dir=cache_dir, **config)
 
 
 def _pretend_flashinfer_kernel() -> None:
-    """flashinfer one-shot as the torch runner, refusing to run without the op's workspace."""
-    import fusion.strategies as strategies
+    """flashinfer one-shot as the torch reference, refusing to run without the op's workspace;
+    two-shot fails."""
+    import fusion.backends.flashinfer as fi
+    from fusion import reference
+    from fusion.strategy import FusedOutput
+    from layers.parallel_state import get_tp_group
 
-    def one_shot(res, *args):
-        assert isinstance(res.workspace, _FakeWorkspace), f"one-shot ran with workspace {res.workspace!r}"
-        return strategies.run_torch(res, *args)
+    def kernel(workspace, x, residual, weight, eps, quant, one_shot, launch_with_pdl):
+        assert isinstance(workspace, _FakeWorkspace), f"one-shot ran with workspace {workspace!r}"
+        if not one_shot:
+            raise RuntimeError("two-shot is not played on the CPU")
+        get_tp_group().all_reduce(x)
+        return FusedOutput(*reference.add_rms_norm(x, residual, weight, eps))
 
-    strategies.RUNNERS[strategies.Strategy.FLASHINFER_ONE_SHOT] = one_shot
+    fi.run_trtllm_fusion = kernel
 
 
 def _tune_then_reuse(rank, world_size, cache_dir):
@@ -47,11 +57,11 @@ def _tune_then_reuse(rank, world_size, cache_dir):
     _pretend_flashinfer()
     _pretend_flashinfer_kernel()
     first = _op(cache_dir)
-    table = first.dispatcher.environment.table
+    table = first.table
     out = {"buckets": table.buckets,
            "measured": sorted({s for row in table.timings_us for s in row}),
            "reductions_after_setup": dict(first.counts),
-           "cached": cache_file(first, cache_dir).exists()}
+           "cached": cache_file(first.group, HIDDEN, torch.float32, cache_dir).exists()}
     first.destroy()
 
     def no_measurement(*args, **kwargs):
@@ -59,9 +69,9 @@ def _tune_then_reuse(rank, world_size, cache_dir):
 
     tune.measure_bucket = no_measurement
     second = _op(cache_dir)
-    out["reused"] = second.dispatcher.environment.table == table
+    out["reused"] = second.table == table
     second.destroy()
-    out["off"] = _op(cache_dir + "-off", tune_at_startup=False).dispatcher.environment.table
+    out["off"] = _op(cache_dir + "-off", tune_at_startup=False).table
     return out
 
 
@@ -77,8 +87,8 @@ def test_a_configuration_without_a_table_is_measured_once_and_cached(tmp_path):
 
 def _budget_and_explicit_table(rank, world_size, cache_dir, table_path):
     _pretend_flashinfer()
-    passed = _op(cache_dir, tuning_budget_s=1e-6).dispatcher.environment.table
-    explicit = _op(cache_dir, table_path=table_path).dispatcher.environment.table
+    passed = _op(cache_dir, tuning_budget_s=1e-6).table
+    explicit = _op(cache_dir, table_path=table_path).table
     return passed, explicit
 
 
@@ -91,12 +101,8 @@ def test_a_passed_budget_or_an_explicit_table_means_no_tuned_table(tmp_path, cap
 
 @pytest.mark.parametrize("gpu_dir", ["a/b", "x y"])
 def test_cache_file_names_are_safe(tmp_path, gpu_dir):
-    class _Op:
-        class group:
-            device = torch.device("cpu")
-            world_size = 2
-        hidden_size = 4096
-        dtype = torch.bfloat16
+    from fusion import TensorParallelGroup
 
-    path = cache_file(_Op, str(tmp_path / gpu_dir))
-    assert path.name == "cpu_tp2_h4096_bfloat16.json" and path.parent.parent == tmp_path / gpu_dir
+    group = TensorParallelGroup(0, 1, torch.device("cpu"))
+    path = cache_file(group, 4096, torch.bfloat16, str(tmp_path / gpu_dir))
+    assert path.name == "cpu_tp1_h4096_bfloat16.json" and path.parent.parent == tmp_path / gpu_dir

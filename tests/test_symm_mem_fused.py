@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 
 from fusion import reference  # noqa: E402
-from fusion.backends.symm_mem_fused import (ShardLayout, SymmMemFusedAllReduceNorm, buffer_elements,  # noqa: E402
+from fusion.backends.symm_mem_fused import (ShardLayout, SymmMemFusedBackend, buffer_elements,  # noqa: E402
                                    flags_offset, fused_unavailable_reason, gather_offset, output_tensors,
                                    push_shards, reduce_and_finish, row_chunks)
 from layers.parallel_state import get_tp_group  # noqa: E402
@@ -58,7 +58,7 @@ def case_inputs(case):
 
 def _run_rank(rank, world, case, shm_dir):
     """This rank's two calls of the op on buffers shared with the other rank processes, chunk by
-    chunk as `SymmMemFusedAllReduceNorm` does; returns each call's (out, residual_out) and
+    chunk as `SymmMemFusedBackend` does; returns each call's (out, residual_out) and
     whether every flag was 0 after it."""
     _, tokens, hidden, max_tokens, dtype, _ = case
     xs, residual, weight = case_inputs(case)
@@ -213,15 +213,15 @@ def test_hidden_past_one_row_per_program_is_refused_by_name():
 
 
 def _fused_on_cpu(rank, world_size):
-    fused = SymmMemFusedAllReduceNorm(get_tp_group())
+    fused = SymmMemFusedBackend(get_tp_group())
     ok = fused.ensure(16, 64, torch.float32)
     x = torch.randn(4, 64)
     try:
-        fused(x, None, torch.ones(64), EPS)
+        fused.run(x, None, torch.ones(64), EPS)
         call_error = None
     except ValueError as exc:
         call_error = str(exc)
-    return ok, fused.fits(x), fused.failure, call_error
+    return ok, fused.fits(4), fused.failure, call_error
 
 
 def test_fused_strategy_is_refused_together_on_cpu_and_a_call_says_why():
@@ -229,4 +229,4 @@ def test_fused_strategy_is_refused_together_on_cpu_and_a_call_says_why():
     for ok, fits, failure, call_error in results:
         assert not ok and not fits
         assert "rank 0" in failure and "rank 1" in failure and "CUDA device" in failure
-        assert "does not fit the fused two-shot buffer" in call_error
+        assert "symm_mem_fused cannot take" in call_error and "no buffer" in call_error

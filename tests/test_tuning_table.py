@@ -5,12 +5,13 @@ import logging
 import pytest
 import torch
 
-from fusion import FusionDispatcher, FusionEnvironment
-from fusion.strategies import Strategy as S
-from fusion.backends.symm_mem import SymmMemAllReduce, symm_mem_unavailable_reason
+from fusion.backends.symm_mem import SymmMemTwoShotBackend
+from fusion.backends.symmetric_buffer import symm_mem_unavailable_reason
 from fusion.dispatch.table import StrategyTable, TuningTableError, parse_table, read_table, select_table
+from fusion.strategy import Strategy as S
 from layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
+from tests.fake_backends import UNLIMITED, flashinfer_backends, make_dispatcher
 
 TIMINGS = {
     "1": {"nccl": 8.7, "flashinfer_one_shot": 4.5},
@@ -69,23 +70,23 @@ def test_missing_or_corrupt_file_warns_and_falls_back(tmp_path, caplog):
 
 
 def test_dispatcher_follows_the_table_and_falls_back_without_one():
-    env = FusionEnvironment(enabled=True, backend="flashinfer", world_size=2, hidden_size=64, dtype=torch.float32,
-                            max_tokens=4096, device_sm=(9, 0), workspace_ready=True, symm_mem_tokens=4096, table=table())
-    d = FusionDispatcher(environment=env)
+    def dispatcher(table_=table(), **more):
+        return make_dispatcher(flashinfer_backends(max_tokens=4096, **more), hidden=64, dtype=torch.float32,
+                               table=table_)
+
+    d = dispatcher(symm_mem_two_shot=4096)
     assert [d.strategy(0, t) for t in (1, 128, 1024, 4096)] == [
         S.FLASHINFER_ONE_SHOT, S.FLASHINFER_ONE_SHOT, S.SYMM_MEM_TWO_SHOT, S.SYMM_MEM_TWO_SHOT]
-    no_symm = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_mem_tokens": 0}))
-    assert no_symm.strategy(0, 4096) == S.FLASHINFER_ONE_SHOT, "symm-mem unavailable: next fastest"
-    fused = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 4096}))
+    assert dispatcher().strategy(0, 4096) == S.FLASHINFER_ONE_SHOT, "symm-mem unavailable: next fastest"
+    fused = dispatcher(symm_mem_two_shot=4096, symm_mem_fused=UNLIMITED)
     assert [fused.strategy(0, t) for t in (1024, 4096)] == [S.SYMM_MEM_TWO_SHOT, S.SYMM_MEM_FUSED]
-    short = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "symm_fused_tokens": 2048}))
-    assert short.strategy(0, 4096) == S.SYMM_MEM_FUSED, "the fused two-shot runs in chunks of its buffer"
-    assert short.strategy(0, 100000) == S.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
-    builtin = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "table": None, "symm_fused_tokens": 4096}))
+    chunked = dispatcher(symm_mem_fused=UNLIMITED)
+    assert chunked.strategy(0, 100000) == S.SYMM_MEM_FUSED, "beyond the table: its largest bucket"
+    builtin = dispatcher(None, symm_mem_fused=UNLIMITED)
     assert builtin.strategy(0, 1) == S.FLASHINFER_ONE_SHOT  # the built-in rule (fusion.dispatch.cost_model)
     assert builtin.strategy(0, 65536) == S.SYMM_MEM_FUSED
-    deterministic = FusionDispatcher(environment=FusionEnvironment(**{**env.__dict__, "enabled": False}))
-    assert deterministic.strategy(0, 1024) == S.NCCL
+    off = make_dispatcher(flashinfer_backends(), table=table(), off_reason="deterministic mode")
+    assert off.strategy(0, 1024) == S.NCCL
 
 
 class _FakeWorkspace:
@@ -94,18 +95,20 @@ class _FakeWorkspace:
 
 
 def _table_on_every_rank(rank, world_size, path):
-    import fusion.allreduce_fusion as af
+    import fusion.backends.flashinfer as fi
+    import fusion.backends.flashinfer_workspace as ws
 
-    af.flashinfer_import_error = lambda: None  # pretend: flashinfer and an sm90 GPU, fake workspace
-    af.device_capability = lambda device: (9, 0)
-    fusion = make_fusion(64, torch.float32, lambda *a: _FakeWorkspace(), enabled=True, backend="flashinfer",
-                         max_tokens=4096, table_path=path)
+    fi.flashinfer_unavailable_reason = lambda *a: None  # pretend: flashinfer on an sm90 GPU, fake workspace
+    ws.create_flashinfer_workspace = lambda *a: _FakeWorkspace()
+    ws._preflight = lambda *a: None
+    fusion = make_fusion(64, torch.float32, enabled=True, backend="flashinfer", max_tokens=4096, table_path=path)
     group = get_tp_group()
+    symm = fusion.backends[S.SYMM_MEM_TWO_SHOT]
     return {
         "strategies": [fusion.strategy(0, t) for t in (1, 64, 128, 512, 1024, 4096)],
-        "symm_ready": fusion.symm_mem.buffer is not None,
+        "symm_ready": symm.fits(1),
         "symm_reason": symm_mem_unavailable_reason(group.device),
-        "symm_failure": fusion.symm_mem.failure,
+        "symm_failure": symm.failure,
     }
 
 
@@ -121,8 +124,8 @@ def test_rank_zeros_table_reaches_every_rank_and_symm_mem_skips_cleanly_on_cpu(t
 
 
 def _symm_on_cpu(rank, world_size):
-    s = SymmMemAllReduce(get_tp_group())
-    return s.ensure(16, 64, torch.float32), s.fits(torch.ones(4, 64))
+    s = SymmMemTwoShotBackend(get_tp_group())
+    return s.ensure(16, 64, torch.float32), s.fits(4)
 
 
 def test_symm_mem_strategy_is_refused_together_on_cpu():

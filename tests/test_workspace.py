@@ -1,4 +1,5 @@
 """Workspace lifecycle: votes over the CPU group, failure on one rank, growth, destroy."""
+import pytest
 import torch
 
 from fusion import AllReduceFusionWorkspace
@@ -58,14 +59,16 @@ def test_failure_on_one_rank_makes_all_fall_back_without_hang():
 
 
 def _fusion_falls_back_together(rank, world_size):
-    import fusion.allreduce_fusion as af
+    import fusion.backends.flashinfer as fi
+    import fusion.backends.flashinfer_workspace as ws
 
     # Pretend this CPU rank had flashinfer and an sm90 GPU, so setup reaches the workspace.
-    af.flashinfer_import_error = lambda: None
-    af.device_capability = lambda device: (9, 0)
-    group = get_tp_group()
-    fusion = make_fusion(64, torch.float32, fail_on_rank(0), enabled=True, backend="flashinfer")
-    assert not fusion.active and "workspace creation failed" in fusion.status()["reason_inactive"]
+    fi.flashinfer_unavailable_reason = lambda *a: None
+    ws.create_flashinfer_workspace = fail_on_rank(0)
+    ws._preflight = lambda *a: None
+    fusion = make_fusion(64, torch.float32, enabled=True, backend="flashinfer")
+    reason = fusion.status()["reason_inactive"]
+    assert not fusion.active and "flashinfer_one_shot unavailable" in reason and "rank 0" in reason
     assert not fusion.should_fuse_allreduce_residual_rmsnorm(0, 4)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank)) + 1
     residual = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
@@ -73,10 +76,26 @@ def _fusion_falls_back_together(rank, world_size):
     expected_sum = sum(torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) + 1 for r in range(world_size))
     normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, layer_id=0)
     assert_close(res, expected_sum + residual)
-    assert group.counters.total == 1
+    assert fusion.counts == {"nccl": 1}
     return fusion.status()["reason_inactive"]
 
 
 def test_fusion_setup_failure_falls_back_on_every_rank():
     reasons = run_distributed(_fusion_falls_back_together, timeout_s=60)
     assert reasons[0] == reasons[1]
+
+
+@pytest.mark.parametrize("sm,spans,hidden,needle", [
+    (None, False, 128, "needs an sm90/sm100 GPU"), ((8, 0), False, 128, "sm80"), ((12, 0), False, 128, "sm120"),
+    ((9, 0), True, 128, "spans nodes"), ((9, 0), False, 100, "multiple of 16"), ((9, 0), False, 128, None)])
+def test_the_flashinfer_backends_state_their_constraints(monkeypatch, sm, spans, hidden, needle):
+    import fusion.backends.flashinfer as fi
+    from fusion import TensorParallelGroup
+
+    monkeypatch.setattr(fi, "flashinfer_import_error", lambda: None)
+    monkeypatch.setattr(fi, "device_capability", lambda device: sm)
+    group = TensorParallelGroup(0, 1, torch.device("cpu"), node_ids=[0])
+    if spans:
+        group.node_ids = [0, 1]
+    reason = fi.flashinfer_unavailable_reason(group, hidden, torch.bfloat16)
+    assert reason is None if needle is None else needle in reason

@@ -143,7 +143,7 @@ class Recorder:
 def fp4_skip_reason(device: Any, flashinfer_error: Optional[str]) -> Optional[str]:
     """The line printed instead of the FP4 tables, or None when FP4 can run here."""
     from fusion.errors import FusionUnsupportedError
-    from fusion.strategies import require_fp4_support
+    from fusion.backends.flashinfer import require_fp4_support
 
     if flashinfer_error:
         return "skipped: FP4 needs flashinfer"

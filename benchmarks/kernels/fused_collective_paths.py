@@ -29,6 +29,11 @@ EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340
 FP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # nvfp4 convention: e4m3 max * e2m1 max / amax
 MAX_ERROR_CHARS = 300
+# arfusion's own strategies over symmetric memory, each a row where its buffer holds the batch
+OWN_STRATEGY_PATHS = {
+    fusion.Strategy.SYMM_MEM_TWO_SHOT: "symm_mem_two_shot_allreduce_rmsnorm",
+    fusion.Strategy.SYMM_MEM_FUSED: "symm_mem_fused_two_shot_allreduce_rmsnorm",
+}
 
 Op = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
@@ -68,8 +73,7 @@ class FusedResources:
                                          launch_with_pdl=launch_with_pdl, table_path=table_path, tune_at_startup=False)
             self.fusion_op = fusion.AllReduceFusion(group, config, hidden, dtype)
             self.fusion_op.setup()
-            self.fusion_op.symm_mem.ensure(max_tokens, hidden, dtype)  # voted: ready on every rank or none
-            self.fusion_op.symm_fused.ensure(max_tokens, hidden, dtype)
+            self.fusion_op.ensure_all(max_tokens)  # each voted: ready on every rank or on none
 
     def destroy(self) -> None:
         if self.fusion_op is not None:
@@ -157,13 +161,14 @@ def _native_compiled(group: TensorParallelGroup, quant: str, inputs: Inputs) -> 
     return op
 
 
-def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, handle: Any, one_shot: bool, pdl: bool) -> Op:
+def _fused(group: TensorParallelGroup, quant: str, inputs: Inputs, workspace: fusion.AllReduceFusionWorkspace,
+           one_shot: bool, pdl: bool) -> Op:
     """arfusion's public op with an explicit flashinfer strategy over our workspace."""
     weight = inputs.weight
     strategy = fusion.Strategy.FLASHINFER_ONE_SHOT if one_shot else fusion.Strategy.FLASHINFER_TWO_SHOT
     q = None if quant == "none" else fusion.Quant(quant, inputs.scale)
     return lambda x, r: fusion.all_reduce_add_rms_norm(x, r, weight, EPS, group=group, strategy=strategy,
-                                                       workspace=handle, quant=q, launch_with_pdl=pdl).normed
+                                                       workspace=workspace, quant=q, launch_with_pdl=pdl).normed
 
 
 def _raw_oneshot(quant: str, inputs: Inputs, handle: Any, pdl: bool) -> Op:
@@ -226,19 +231,16 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         return Path(name, None, missing) if missing else Path(name, make())
 
     if not disable_oneshot:
-        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_oneshot", lambda: _fused(group, quant, inputs, ws.handle, True, res.launch_with_pdl)))
+        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_oneshot", lambda: _fused(group, quant, inputs, ws, True, res.launch_with_pdl)))
     if tokens > group.world_size:
-        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_twoshot", lambda: _fused(group, quant, inputs, ws.handle, False, res.launch_with_pdl)))
+        paths.append(fused("flashinfer_fused_allreduce_rmsnorm_twoshot", lambda: _fused(group, quant, inputs, ws, False, res.launch_with_pdl)))
     if not disable_oneshot and quant != "fp4":
         paths.append(fused("flashinfer_raw_oneshot", lambda: _raw_oneshot(quant, inputs, ws.handle, res.launch_with_pdl)))
     notes = []
     op = res.fusion_op
-    if quant == "none" and op.symm_mem.buffer is not None:
-        paths.append(Path("symm_mem_two_shot_allreduce_rmsnorm",
-                          lambda x, r: op.run(fusion.Strategy.SYMM_MEM_TWO_SHOT, x, r, inputs.weight, EPS).normed))
-    if quant == "none" and op.symm_fused.ready:
-        paths.append(Path("symm_mem_fused_two_shot_allreduce_rmsnorm",
-                          lambda x, r: op.run(fusion.Strategy.SYMM_MEM_FUSED, x, r, inputs.weight, EPS).normed))
+    for strategy, name in OWN_STRATEGY_PATHS.items():
+        if quant == "none" and op.backends[strategy].fits(tokens):
+            paths.append(Path(name, lambda x, r, s=strategy: op.run(s, x, r, inputs.weight, EPS).normed))
     if quant == "none":
         why = op.dispatcher.why_not(0, tokens)
         chosen = op.strategy(0, tokens)

@@ -9,7 +9,7 @@ A layer runs engine/models/llama.py's reductions, one for one (see that module's
     h, residual = comm.prepare_mlp(h_partial, residual)  all-reduce + add + post-attention RMSNorm
     h_partial   = mlp(h)                                 dense: down_proj's partial sum; MoE: the
                                                          partial sum of the combined experts
-    h, residual = comm.postprocess_layer(h_partial, r)   reduce now, or defer into the next norm
+    h, residual = comm.postprocess_layer(h_partial, r)   reduce now, or hand on a PartialSum
 
 so a MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense
 MLP's. A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``,
@@ -27,7 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.models.hf_layouts import ParamShard
 from fusion import AllReduceFusion
-from layers.communicator import LayerCommunicator
+from layers.communicator import LayerCommunicator, LayerOutput
 from layers.layernorm import RMSNorm
 from layers.linear import default_weight_loader
 from layers.moe import SparseMoeBlock
@@ -55,9 +55,9 @@ class BlockDecoderLayer(nn.Module):
         self.comm = LayerCommunicator(layer_id, config.num_hidden_layers, self.input_layernorm,
                                       self.post_attention_layernorm, fusion)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
-                batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(h, residual)`` in, ``(h, residual)`` out; h may be un-reduced (module docstring)."""
+    def forward(self, positions: torch.Tensor, hidden_states: LayerOutput, residual: Optional[torch.Tensor],
+                batch: ForwardBatch, kv_cache: KVCache) -> tuple[LayerOutput, torch.Tensor]:
+        """``(h, residual)`` in, ``(h, residual)`` out; h may be a `fusion.PartialSum` (module docstring)."""
         hidden_states, residual = self.comm.prepare_attn(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, batch, kv_cache)
         hidden_states, residual = self.comm.prepare_mlp(hidden_states, residual)
@@ -75,7 +75,7 @@ class BlockDecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]``: the final-normed hidden state of every new token."""
-        hidden_states = self.embed_tokens(batch.input_ids)
+        hidden_states: LayerOutput = self.embed_tokens(batch.input_ids)
         residual: Optional[torch.Tensor] = None
         for layer in self.layers:
             hidden_states, residual = layer(batch.positions, hidden_states, residual, batch, kv_cache)

@@ -1,2 +1,33 @@
 """The backends: one object per strategy, owning the resource it runs on (a flashinfer workspace,
-a symmetric buffer, nothing for NCCL and the torch reference)."""
+a symmetric buffer, nothing for NCCL and the torch reference). The contract: `base.Backend`."""
+from __future__ import annotations
+
+from fusion.backends.base import Backend
+from fusion.backends.flashinfer import FlashInferOneShotBackend, FlashInferTwoShotBackend
+from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
+from fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
+from fusion.backends.symm_mem import SymmMemTwoShotBackend
+from fusion.backends.symm_mem_fused import SymmMemFusedBackend
+from fusion.group import TensorParallelGroup
+from fusion.strategy import Strategy
+
+# made only when a measured table or the rule picks them (each holds a symmetric buffer)
+ON_DEMAND = (Strategy.SYMM_MEM_TWO_SHOT, Strategy.SYMM_MEM_FUSED)
+
+
+def build_backends(group: TensorParallelGroup, backend: str, launch_with_pdl: bool) -> dict[Strategy, Backend]:
+    """Every backend the fusion ``backend`` option ("flashinfer" or "torch") offers on ``group``,
+    none ensured yet (no collective). The two flashinfer backends share one workspace."""
+    backends: dict[Strategy, Backend] = {Strategy.NCCL: NcclBackend(group)}
+    if backend == "torch":
+        backends[Strategy.TORCH] = TorchBackend(group)
+        return backends
+    workspace = AllReduceFusionWorkspace(group)
+    backends[Strategy.FLASHINFER_ONE_SHOT] = FlashInferOneShotBackend(group, workspace, launch_with_pdl)
+    backends[Strategy.FLASHINFER_TWO_SHOT] = FlashInferTwoShotBackend(group, workspace, launch_with_pdl)
+    backends[Strategy.SYMM_MEM_TWO_SHOT] = SymmMemTwoShotBackend(group)
+    backends[Strategy.SYMM_MEM_FUSED] = SymmMemFusedBackend(group)
+    return backends
+
+
+__all__ = ["Backend", "ON_DEMAND", "build_backends"]

@@ -15,43 +15,53 @@ from typing import Optional
 
 import torch
 
+from fusion import norm
+from fusion.backends.base import Backend, quantized
+from fusion.backends.symmetric_buffer import SymmetricBuffer
+from fusion.errors import FusionInputError
 from fusion.group import TensorParallelGroup
-from fusion.backends.symmetric_buffer import SymmetricBuffer, symm_mem_unavailable_reason
-
-__all__ = ["SymmMemAllReduce", "symm_mem_unavailable_reason"]
+from fusion.strategy import FusedOutput, Quant, Strategy
 
 
-class SymmMemAllReduce:
-    """The symmetric buffer of one TP group and the all-reduce through it."""
+class SymmMemTwoShotBackend(Backend):
+    """The symmetric buffer of one TP group and the all-reduce + norm through it."""
+
+    strategy = Strategy.SYMM_MEM_TWO_SHOT
 
     def __init__(self, group: TensorParallelGroup) -> None:
-        self.group = group
+        super().__init__(group)
         self.symmetric = SymmetricBuffer(group, "symmetric-memory all-reduce")
-
-    @property
-    def buffer(self) -> Optional[torch.Tensor]:
-        return self.symmetric.buffer
-
-    @property
-    def failure(self) -> Optional[str]:
-        return self.symmetric.failure
+        self.max_tokens = 0
 
     def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: a buffer of at least ``max_tokens * hidden`` elements of ``dtype`` on every
         rank; True on every rank or False on every rank. Refused during CUDA-graph capture."""
-        return self.symmetric.ensure(max_tokens * hidden, dtype)
+        ok = self.symmetric.ensure(max_tokens * hidden, dtype)
+        self.failure = self.symmetric.failure
+        self.max_tokens = self.symmetric.buffer.numel() // hidden if ok else 0
+        return ok
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return self.buffer is not None and x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel()
+    def fits(self, num_tokens: int) -> bool:
+        return 1 <= num_tokens <= self.max_tokens
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place (through the symmetric buffer); returns ``x``."""
-        staged = self.buffer[: x.numel()]
+    @property
+    def capacity(self) -> int:
+        return self.max_tokens
+
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+            quant: Optional[Quant] = None) -> FusedOutput:
+        """torch's two-shot all-reduce of ``x`` in place (through the buffer), then add + RMSNorm
+        as `fusion.norm.add_rms_norm` does it (in place on GPU)."""
+        buffer = self.symmetric.buffer
+        if buffer is None or x.dtype != buffer.dtype or x.numel() > buffer.numel():
+            raise FusionInputError(f"{self.strategy} cannot take {tuple(x.shape)} {x.dtype}: its buffer holds "
+                                   f"{0 if buffer is None else buffer.numel()} elements")
+        staged = buffer[: x.numel()]
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group.device_group.group_name)
         x.view(-1).copy_(staged)
-        self.group.counters.total += 1
-        return x
+        return quantized(*norm.add_rms_norm(x, residual, weight, eps), quant)
 
     def destroy(self) -> None:
         self.symmetric.destroy()
+        self.max_tokens = 0

@@ -19,8 +19,11 @@ from typing import Optional
 
 import torch
 
-from fusion.group import TensorParallelGroup
+from fusion.backends.base import Backend, quantized
 from fusion.backends.symmetric_buffer import SymmetricBuffer
+from fusion.errors import FusionInputError
+from fusion.group import TensorParallelGroup
+from fusion.strategy import FusedOutput, Quant, Strategy
 
 
 @dataclass(frozen=True)
@@ -117,22 +120,24 @@ def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[t
     return x, residual
 
 
-class SymmMemFusedAllReduceNorm:
+class SymmMemFusedBackend(Backend):
     """The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
 
+    strategy = Strategy.SYMM_MEM_FUSED
+
     def __init__(self, group: TensorParallelGroup) -> None:
-        self.group = group
+        super().__init__(group)
         self.symmetric = SymmetricBuffer(group, "fused two-shot all-reduce + RMSNorm")
         self.max_tokens = 0
         self.hidden = 0
 
     @property
-    def failure(self) -> Optional[str]:
-        return self.symmetric.failure
-
-    @property
     def ready(self) -> bool:
         return self.symmetric.buffer is not None
+
+    @property
+    def capacity(self) -> int:
+        return self.max_tokens
 
     def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: the buffer for ``max_tokens`` rows of ``hidden`` on every rank; True on
@@ -143,30 +148,32 @@ class SymmMemFusedAllReduceNorm:
         size = dtype.itemsize
         ok = self.symmetric.ensure(buffer_elements(max_tokens, hidden, world, size), dtype,
                                    fused_unavailable_reason(hidden))
+        self.failure = self.symmetric.failure
         self.max_tokens, self.hidden = (max_tokens, hidden) if ok else (0, 0)
         if ok:  # every flag down before any peer can raise one (after the next call's barrier)
             start = flags_offset(max_tokens, hidden, world, size) * 4
             self.symmetric.buffer.view(torch.uint8)[start:start + 4 * max_tokens].zero_()
         return ok
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """The buffer exists for x's dtype and hidden size (any number of rows: see chunks)."""
-        return self.ready and x.dim() == 2 and x.dtype == self.symmetric.buffer.dtype and x.shape[1] == self.hidden
+    def fits(self, num_tokens: int) -> bool:
+        """Any number of rows once the buffer exists: a batch beyond it runs in chunks (every
+        step of the op is row-wise)."""
+        return self.ready and num_tokens >= 1
 
-    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+            quant: Optional[Quant] = None) -> FusedOutput:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group; ``x`` and
-        ``residual`` are overwritten (see `output_tensors`). Needs ``fits(x)``; runs in chunks of
-        at most ``max_tokens`` rows. Inputs are the caller's to check (`fusion.validation`)."""
-        if not self.fits(x):
-            raise ValueError(f"input {tuple(x.shape)} {x.dtype} does not fit the fused two-shot buffer "
-                             f"({self.hidden or 'none'} hidden, {self.symmetric.buffer.dtype if self.ready else 'no buffer'})")
+        ``residual`` are overwritten (see `output_tensors`); runs in chunks of at most
+        ``max_tokens`` rows."""
+        if not self.ready or x.dtype != self.symmetric.buffer.dtype or x.shape[1] != self.hidden:
+            raise FusionInputError(f"{self.strategy} cannot take {tuple(x.shape)} {x.dtype}: its buffer is for "
+                                   f"hidden {self.hidden or 'none'}, "
+                                   f"{self.symmetric.buffer.dtype if self.ready else 'no buffer'}")
         out, residual_out = output_tensors(x, residual)
         for rows in row_chunks(x.shape[0], self.max_tokens):
             self._run_chunk(x[rows], None if residual is None else residual[rows], out[rows], residual_out[rows],
                             weight, eps)
-        self.group.counters.total += 1
-        return out, residual_out
+        return quantized(out, residual_out, quant)
 
     def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                    residual_out: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

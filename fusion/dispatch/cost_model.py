@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from fusion.strategies import Strategy
+from fusion.strategy import Strategy
 
 # world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank)
 # Fitted by benchmarks/fit_cost_model.py to the packaged H200 TP2 bf16 table (hidden 1024, 4096,

@@ -8,7 +8,7 @@ File format (JSON):
                                  "128": {...}, ...}}]}
 
 A batch of T tokens uses the smallest measured bucket >= T (the largest bucket beyond it) and
-the fastest strategy (`fusion.strategies.Strategy` values) measured there among those this process can run. Every rank uses rank 0's
+the fastest strategy (`fusion.strategy.Strategy` values) measured there among those this process can run. Every rank uses rank 0's
 table (broadcast over the CPU group), so decisions stay identical. A missing or corrupt file
 gives one warning and no table: the built-in rule applies (`fusion.dispatch.cost_model`).
 """
@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fusion.strategies import Strategy
+from fusion.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 TABLE_VERSION = 2  # 2: strategy names with one_shot / two_shot

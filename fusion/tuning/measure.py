@@ -2,29 +2,28 @@
 strategy table (`fusion.dispatch.table`). The command line is `engine.tune_fusion`.
 
 Per token bucket (powers of two up to the op's ``max_tokens`` plus the decode batch sizes of
-the CUDA graphs), each strategy whose buffers hold the bucket is captured ``ops_per_graph``
+the CUDA graphs), each strategy whose backend fits the bucket is captured ``ops_per_graph``
 times in one CUDA graph, replayed ``warmup`` then ``trials`` times (eagerly, host-timed, on a
 device without CUDA graphs); a row keeps the median µs per op of the slowest rank. A strategy that fails on any rank is left out of that row on every
-rank. Collective: every rank of the op's group calls it together.
+rank. Collective: every rank of the group calls it together, with the same backends.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from fusion.tuning.timing import median_us_eager, median_us_per_call
-from fusion.strategies import Strategy
+from fusion.backends.base import Backend
 from fusion.dispatch.table import dtype_name, gpu_name
-
-if TYPE_CHECKING:
-    from fusion.allreduce_fusion import AllReduceFusion
+from fusion.group import TensorParallelGroup
+from fusion.strategy import Strategy
+from fusion.tuning.timing import median_us_eager, median_us_per_call
 
 logger = logging.getLogger(__name__)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MEASURED = (Strategy.NCCL, Strategy.FLASHINFER_ONE_SHOT, Strategy.FLASHINFER_TWO_SHOT, Strategy.SYMM_MEM_TWO_SHOT,
-            Strategy.SYMM_MEM_FUSED)
+            Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -33,17 +32,9 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted(powers | {max_tokens} | {b for b in DECODE_BATCH_SIZES if b <= max_tokens})
 
 
-def make_buffers(fusion: "AllReduceFusion", max_tokens: int) -> None:
-    """Collective: the symmetric buffers of both symmetric-memory strategies for ``max_tokens``
-    rows (each voted: ready on every rank or on none)."""
-    fusion.symm_mem.ensure(max_tokens, fusion.hidden_size, fusion.dtype)
-    fusion.symm_fused.ensure(max_tokens, fusion.hidden_size, fusion.dtype)
-
-
-def measure_bucket(fusion: "AllReduceFusion", num_tokens: int, ops_per_graph: int = 20, warmup: int = 3,
-                   trials: int = 10) -> dict[Strategy, float]:
-    """µs per op (slowest rank) of every strategy that can run ``num_tokens`` rows here."""
-    group, hidden, dtype = fusion.group, fusion.hidden_size, fusion.dtype
+def measure_bucket(group: TensorParallelGroup, backends: Mapping[Strategy, Backend], hidden: int, dtype: torch.dtype,
+                   num_tokens: int, ops_per_graph: int = 20, warmup: int = 3, trials: int = 10) -> dict[Strategy, float]:
+    """µs per op (slowest rank) of every measured strategy whose backend fits ``num_tokens`` rows."""
     g = torch.Generator(device=group.device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, device=group.device, dtype=dtype, generator=g)
     residual = torch.randn(num_tokens, hidden, device=group.device, dtype=dtype, generator=g)
@@ -51,12 +42,13 @@ def measure_bucket(fusion: "AllReduceFusion", num_tokens: int, ops_per_graph: in
     timings: dict[Strategy, float] = {}
     timer = median_us_per_call if group.device.type == "cuda" else median_us_eager
     for strategy in MEASURED:
-        if not _runs(fusion, strategy, x):
+        backend = backends.get(strategy)
+        if backend is None or not backend.fits(num_tokens):  # identical on every rank
             continue
 
-        def calls(strategy: Strategy = strategy) -> None:
+        def calls(backend: Backend = backend) -> None:
             for _ in range(ops_per_graph):
-                fusion.run(strategy, x, residual, weight, 1e-6)
+                backend.run(x, residual, weight, 1e-6)
 
         try:
             us: Optional[float] = timer(calls, ops_per_graph, warmup, trials)
@@ -71,18 +63,11 @@ def measure_bucket(fusion: "AllReduceFusion", num_tokens: int, ops_per_graph: in
     return timings
 
 
-def _runs(fusion: "AllReduceFusion", strategy: Strategy, x: torch.Tensor) -> bool:
-    """``strategy`` can run ``x`` with the op's buffers (two-shot needs more rows than ranks)."""
-    if strategy is Strategy.FLASHINFER_TWO_SHOT and x.shape[0] <= fusion.group.world_size:
-        return False
-    if strategy is Strategy.NCCL:
-        return True
-    return fusion.fits(strategy, x)
-
-
-def table_entry(fusion: "AllReduceFusion", buckets: list[int], **timing: Any) -> dict[str, Any]:
-    """One strategy-table entry (`fusion.dispatch.table` format) for the op's GPU, world size,
-    hidden size and dtype, measured at ``buckets``."""
-    rows = {str(t): {s.value: us for s, us in measure_bucket(fusion, t, **timing).items()} for t in buckets}
-    return {"gpu": gpu_name(fusion.group.device), "world_size": fusion.group.world_size,
-            "hidden": fusion.hidden_size, "dtype": dtype_name(fusion.dtype), "timings_us": rows}
+def table_entry(group: TensorParallelGroup, backends: Mapping[Strategy, Backend], hidden: int, dtype: torch.dtype,
+                buckets: list[int], **timing: Any) -> dict[str, Any]:
+    """One strategy-table entry (`fusion.dispatch.table` format) for the group's GPU, world size,
+    ``hidden`` and ``dtype``, measured at ``buckets``."""
+    rows = {str(t): {s.value: us for s, us in measure_bucket(group, backends, hidden, dtype, t, **timing).items()}
+            for t in buckets}
+    return {"gpu": gpu_name(group.device), "world_size": group.world_size, "hidden": hidden,
+            "dtype": dtype_name(dtype), "timings_us": rows}

@@ -18,15 +18,15 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from fusion.dispatch.table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table,
-                                 select_table)
-
-if TYPE_CHECKING:
-    from fusion.allreduce_fusion import AllReduceFusion
+from fusion.backends.base import Backend
+from fusion.dispatch.table import TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from fusion.group import TensorParallelGroup
+from fusion.strategy import Strategy
+from fusion.tuning.measure import table_entry
 
 logger = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "arfusion"
@@ -41,10 +41,10 @@ def _version(package: str) -> str:
         return "none"
 
 
-def cache_file(fusion: "AllReduceFusion", cache_dir: Optional[str]) -> Path:
+def cache_file(group: TensorParallelGroup, hidden: int, dtype: torch.dtype, cache_dir: Optional[str]) -> Path:
     """Where this configuration's measured table is cached."""
     versions = f"table-v{TABLE_VERSION}_torch-{torch.__version__}_flashinfer-{_version('flashinfer-python')}"
-    key = f"{gpu_name(fusion.group.device)}_tp{fusion.group.world_size}_h{fusion.hidden_size}_{dtype_name(fusion.dtype)}"
+    key = f"{gpu_name(group.device)}_tp{group.world_size}_h{hidden}_{dtype_name(dtype)}"
     return Path(cache_dir or DEFAULT_CACHE_DIR) / _safe(versions) / f"{_safe(key)}.json"
 
 
@@ -53,16 +53,16 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+_-]", "-", name)
 
 
-def tune_at_startup(fusion: "AllReduceFusion", cache_dir: Optional[str], budget_s: float) -> Optional[StrategyTable]:
-    """Collective: this configuration's table from the cache, else measured now and cached;
-    None when the measurement passed ``budget_s`` seconds, or when ranks share a GPU (nothing
-    is measured or cached there)."""
-    from fusion.tuning.measure import make_buffers, table_entry
-
-    group = fusion.group
+def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Backend], on_demand: Sequence[Backend],
+                    hidden: int, dtype: torch.dtype, max_rows: int, cache_dir: Optional[str],
+                    budget_s: float) -> Optional[StrategyTable]:
+    """Collective: this configuration's table from the cache, else measured now over ``backends``
+    up to ``max_rows`` rows and cached; None when the measurement passed ``budget_s`` seconds, or
+    when ranks share a GPU (nothing is measured or cached there). The ``on_demand`` backends are
+    ensured for the measurement and destroyed after it (the caller keeps those the table picks)."""
     start = time.monotonic()
-    path = cache_file(fusion, cache_dir)
-    key = (gpu_name(group.device), group.world_size, fusion.hidden_size, dtype_name(fusion.dtype))
+    path = cache_file(group, hidden, dtype, cache_dir)
+    key = (gpu_name(group.device), group.world_size, hidden, dtype_name(dtype))
     if group.shares_gpu:  # identical on every rank: all skip together
         if group.rank == 0:
             logger.warning("all-reduce fusion: no start-up tuning for %s TP%d hidden %d %s: the TP ranks share a "
@@ -76,21 +76,21 @@ def tune_at_startup(fusion: "AllReduceFusion", cache_dir: Optional[str], budget_
             logger.info("all-reduce fusion: strategy table for %s TP%d hidden %d %s from %s (%.2f s)", *key, path,
                         time.monotonic() - start)
         return cached
-    max_rows = max(fusion.config.max_tokens, fusion.config.symm_max_tokens or 0)
     buckets = [1 << i for i in range(max_rows.bit_length())]
-    make_buffers(fusion, max_rows)
+    for backend in on_demand:
+        backend.ensure(max_rows, hidden, dtype)  # voted: ready on every rank or on none
     entry = {"gpu": key[0], "world_size": key[1], "hidden": key[2], "dtype": key[3], "timings_us": {}}
     try:
         for tokens in buckets:
-            entry["timings_us"].update(table_entry(fusion, [tokens], **TIMING)["timings_us"])
+            entry["timings_us"].update(table_entry(group, backends, hidden, dtype, [tokens], **TIMING)["timings_us"])
             if group.broadcast_object(time.monotonic() - start > budget_s) and tokens != buckets[-1]:
                 if group.rank == 0:
                     logger.warning("all-reduce fusion: start-up tuning for %s TP%d hidden %d %s passed its %.0f s "
                                    "budget at %d tokens: abandoned, the built-in rule decides", *key, budget_s, tokens)
                 return None
     finally:
-        fusion.symm_mem.destroy()  # the caller makes the buffers of the strategies the table picks
-        fusion.symm_fused.destroy()
+        for backend in on_demand:  # the caller makes the buffers of the strategies the table picks
+            backend.destroy()
     entry = group.broadcast_object(entry)
     if group.rank == 0:
         _write(path, entry)

@@ -63,7 +63,7 @@ def _all_cases(rank, world_size):
         strategy = Strategy.FLASHINFER_ONE_SHOT if one_shot else Strategy.FLASHINFER_TWO_SHOT
         normed, res_out, _ = all_reduce_add_rms_norm(
             x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=strategy,
-            workspace=workspaces[dtype].handle,
+            workspace=workspaces[dtype],
         )
         un_normed, un_res, _ = all_reduce_add_rms_norm(
             x.clone(), None if res is None else res.clone(), weight, EPS, group=group, strategy=Strategy.NCCL

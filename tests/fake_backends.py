@@ -1,0 +1,39 @@
+"""Stand-ins for fusion backends where only the decision is under test: each answers ``fits``
+from a token capacity, as a real backend does from its buffer."""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from fusion.dispatch.decision import FusionDispatcher, ModelShape
+from fusion.dispatch.table import StrategyTable
+from fusion.strategy import Strategy
+
+UNLIMITED = 1 << 40
+
+
+class FakeBackend:
+    def __init__(self, capacity: int, more_than: int = 0) -> None:
+        self.capacity = capacity
+        self.more_than = more_than  # two-shot: needs more tokens than ranks
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.more_than < num_tokens <= self.capacity
+
+
+def flashinfer_backends(max_tokens: int = 2048, world_size: int = 2, **more: int) -> dict[Strategy, FakeBackend]:
+    """NCCL, both flashinfer kernels over a ``max_tokens`` workspace, and ``more`` (strategy value ->
+    capacity; the fused two-shot's buffer runs any batch in chunks: give it UNLIMITED)."""
+    backends = {Strategy.NCCL: FakeBackend(UNLIMITED), Strategy.FLASHINFER_ONE_SHOT: FakeBackend(max_tokens),
+                Strategy.FLASHINFER_TWO_SHOT: FakeBackend(max_tokens, more_than=world_size)}
+    backends.update({Strategy(s): FakeBackend(c) for s, c in more.items()})
+    return backends
+
+
+def make_dispatcher(backends: Mapping[Strategy, FakeBackend], hidden: int = 4096, dtype: torch.dtype = torch.bfloat16,
+                    world_size: int = 2, table: Optional[StrategyTable] = None, off_reason: Optional[str] = None,
+                    one_shot_max_input_bytes: Optional[int] = None, cache_size: int = 4096) -> FusionDispatcher:
+    d = FusionDispatcher(cache_size)
+    d.update(ModelShape(world_size, hidden, dtype, one_shot_max_input_bytes), backends, table, off_reason)
+    return d
