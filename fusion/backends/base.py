@@ -31,6 +31,7 @@ from fusion import reference
 from fusion.errors import FusionUnsupportedError
 from fusion.group import TensorParallelGroup
 from fusion.strategy import FusedOutput, Quant, Strategy
+from fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +64,12 @@ class Backend(abc.ABC):
         return 0
 
     def vote(self, step: Callable[[], Optional[str]]) -> bool:
-        """Run ``step`` (a reason this rank cannot go on, or None) on this rank, then agree over
-        the CPU group: True on every rank when no rank has a reason; else ``failure`` names each
-        rank's and rank 0 logs it once. An exception in ``step`` is this rank's reason."""
-        try:
-            reason = step()
-        except Exception as exc:  # a failure of any kind must reach the other ranks
-            reason = f"{type(exc).__name__}: {exc}"
-        reasons = self.group.all_gather_object(reason)
-        failed = {rank: why for rank, why in enumerate(reasons) if why}
-        self.failure = "; ".join(f"rank {r}: {why}" for r, why in failed.items()) or None
-        if failed and self.group.rank == 0:
+        """`fusion.voting.voted_failure` of ``step``: True on every rank when no rank has a
+        reason; else ``failure`` names each rank's and rank 0 logs it once."""
+        self.failure = voted_failure(self.group, step)
+        if self.failure and self.group.rank == 0:
             logger.warning("%s unavailable on every rank: %s", self.strategy, self.failure)
-        return not failed
+        return self.failure is None
 
 
 def quantized(normed: torch.Tensor, residual: torch.Tensor, quant: Optional[Quant]) -> FusedOutput:

@@ -17,6 +17,7 @@ import torch
 
 from fusion.group import TensorParallelGroup
 from fusion.platform import flashinfer_import_error, is_capturing_cuda_graph
+from fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +131,13 @@ class AllReduceFusionWorkspace:
         return ok
 
     def _vote(self, phase: str, step: Callable[[], Optional[str]]) -> bool:
-        """Run ``step`` on this rank, then agree over the CPU group; log every rank's reason once."""
-        try:
-            reason = step()
-        except Exception as exc:  # a failure of any kind must reach the other ranks
-            reason = f"{type(exc).__name__}: {exc}"
-        reasons = self.group.all_gather_object(reason)
-        failed = {r: why for r, why in enumerate(reasons) if why}
-        if not failed:
+        """`fusion.voting.voted_failure` of ``step``; rank 0 logs every rank's reason once."""
+        failure = voted_failure(self.group, step)
+        if failure is None:
             return True
-        self.failure = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
+        self.failure = failure
         if self.group.rank == 0:
-            logger.warning("fusion workspace %s failed, all ranks fall back to the unfused path: %s", phase, self.failure)
+            logger.warning("fusion workspace %s failed, all ranks fall back to the unfused path: %s", phase, failure)
         return False
 
     def destroy(self) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from fusion.group import TensorParallelGroup
 from fusion.platform import is_capturing_cuda_graph
+from fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 # A barrier whose peer has not arrived after this long traps on the device ("[FATAL]
@@ -59,16 +60,16 @@ class SymmetricBuffer:
         if is_capturing_cuda_graph():
             raise RuntimeError(f"the {self.purpose} symmetric buffer cannot be allocated during CUDA-graph capture")
         self.destroy()
-        reason = extra_check or symm_mem_unavailable_reason(self.group.device)
-        if reason is None:
-            try:
+
+        def allocate() -> Optional[str]:
+            reason = extra_check or symm_mem_unavailable_reason(self.group.device)
+            if reason is None:
                 self._allocate(elements, dtype)
-            except Exception as exc:  # any failure must reach the other ranks through the vote
-                reason = f"{type(exc).__name__}: {exc}"
-        reasons = self.group.all_gather_object(reason)
-        failed = {r: why for r, why in enumerate(reasons) if why}
-        if failed:
-            self.failure = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
+            return reason
+
+        failure = voted_failure(self.group, allocate)
+        if failure:
+            self.failure = failure
             self.destroy()
             if self.group.rank == 0:
                 logger.warning("%s unavailable: %s", self.purpose, self.failure)
