@@ -102,7 +102,7 @@ class AllReduceFusion:
         """Collective: every backend's resource for ``max_tokens`` rows (each voted: ready on every
         rank or on none), for measuring and benchmarking every strategy."""
         for backend in self.backends.values():
-            backend.ensure(max_tokens, self.hidden_size, self.dtype)
+            backend.ensure(backend.rows_for(max_tokens), self.hidden_size, self.dtype)
         self._refresh(self.dispatcher.off_reason)
 
     def destroy(self) -> None:
@@ -111,6 +111,13 @@ class AllReduceFusion:
             backend.destroy()
         self.table = None
         self._refresh(DESTROYED)
+
+    def raise_if_failed(self) -> None:
+        """`fusion.errors.FusionTimeoutError` when a backend's kernel gave up waiting for a peer
+        (a stalled or dead rank): its outputs since then are garbage. Cheap (a host read, no
+        sync): call it where the step's results reach the host, before they are used."""
+        for backend in self.backends.values():
+            backend.raise_if_failed()
 
     # ---- the cached decision
 
@@ -229,11 +236,11 @@ class AllReduceFusion:
             picked = {min(row, key=row.__getitem__) for row in self.table.timings_us}
         else:
             picked = rule_picks(self._largest_batch(), self.hidden_size, self.dtype, self.group.world_size)
-        rows = {Strategy.SYMM_MEM_TWO_SHOT: self.config.max_tokens,
-                Strategy.SYMM_MEM_FUSED: self.config.symm_max_tokens or self.config.max_tokens}
         for strategy in ON_DEMAND:
             if strategy in picked and strategy in self.backends:
-                self.backends[strategy].ensure(rows[strategy], self.hidden_size, self.dtype)
+                backend = self.backends[strategy]
+                rows = self.config.symm_max_tokens if strategy is Strategy.SYMM_MEM_FUSED else None
+                backend.ensure(backend.rows_for(rows or self.config.max_tokens), self.hidden_size, self.dtype)
 
     def _read_table(self) -> Optional[StrategyTable]:
         """(rank 0) The configured table's entry for this GPU, TP size, hidden and dtype."""

@@ -13,6 +13,7 @@ from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
+from fusion import AllReduceFusion, FusionConfig
 from fusion.group import TensorParallelGroup
 
 VOCAB = 264
@@ -24,6 +25,8 @@ class FakeRunner:
 
     def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64, context_len: int = 32) -> None:
         self.group = TensorParallelGroup(0, 1, torch.device("cpu"))
+        self.fusion = AllReduceFusion(self.group, FusionConfig(), 8, torch.float32)  # TP1: off
+        self.fusion.setup()
         self.num_kv_slots, self.max_rows, self.context_len = slots, rows, context_len
         self.config = types.SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
         self.device = torch.device("cpu")

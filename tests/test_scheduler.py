@@ -66,6 +66,29 @@ def test_a_failing_step_reports_once_then_fails_every_request_with_a_500():
         s.submit(Request([1], SamplingParams(max_tokens=1), emit=emit))
 
 
+def test_a_fused_reduction_that_gave_up_on_a_peer_fails_the_step_before_its_tokens_are_used():
+    from fusion import FusionTimeoutError
+
+    runner, failures = FakeRunner(), []
+
+    def timed_out() -> None:
+        if runner.calls >= 2:  # the second step's kernel gave up on a stalled peer
+            raise FusionTimeoutError("lamport_one_shot: rank 0 waited more than 1000 ms for rank 1's rows")
+
+    runner.fusion.raise_if_failed = timed_out
+    s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=64, on_failure=failures.append)
+    chunks, emit = collect()
+    s.submit(Request([1, 2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), emit=emit))
+    thread = threading.Thread(target=s.run_forever)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not s.alive
+    tokens = [t for c in chunks if not isinstance(c, EngineError) for t in c.token_ids]
+    assert len(tokens) <= 1, "no token of the failed step (or later) reaches the client"
+    assert isinstance(chunks[-1], EngineError) and chunks[-1].status == 500
+    assert "FusionTimeoutError" in chunks[-1].message and "rank 1" in failures[0]
+
+
 def test_a_stopped_scheduler_ends_the_requests_left_with_a_503():
     s = Scheduler(FakeRunner(), build_tiny_tokenizer(), max_prefill_tokens=64)
     (running, emit_running), (queued, emit_queued) = collect(), collect()

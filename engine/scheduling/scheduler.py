@@ -208,8 +208,9 @@ class Scheduler:
         """Append a launched step's tokens (and log-probabilities) to their requests, emit them,
         and retire the requests that finished (a request that finished or was aborted since the
         launch drops its token). A request whose token cannot be taken in (detokenizing, stop
-        checks) fails alone."""
+        checks) fails alone; a fused reduction that gave up on a peer fails the scheduler."""
         tokens, logprobs = step.tokens.get(), step.tokens.logprobs()
+        self.runner.fusion.raise_if_failed()  # a peer that stalled made the step's tokens garbage
         sampled = {}
         if step.logprob_rows:
             rows = step.logprob_rows

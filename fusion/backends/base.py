@@ -40,6 +40,12 @@ class Backend(abc.ABC):
     """One strategy and its resource on one TP group (module docstring)."""
 
     strategy: ClassVar[Strategy]
+    row_limit: ClassVar[Optional[int]] = None  # the most rows ``ensure`` takes (None: no bound)
+
+    @classmethod
+    def rows_for(cls, max_tokens: int) -> int:
+        """``max_tokens`` within this backend's ``row_limit``: what to ensure it for."""
+        return max_tokens if cls.row_limit is None else min(max_tokens, cls.row_limit)
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
@@ -57,6 +63,10 @@ class Backend(abc.ABC):
 
     def destroy(self) -> None:
         """Free the resource on this rank; a backend without one has nothing to free."""
+
+    def raise_if_failed(self) -> None:
+        """Raise `fusion.errors.FusionTimeoutError` if a kernel of this backend gave up waiting
+        for a peer since it was ensured; a backend without bounded device waits never does."""
 
     @property
     def capacity(self) -> int:

@@ -78,7 +78,7 @@ def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Back
         return cached
     buckets = [1 << i for i in range(max_rows.bit_length())]
     for backend in on_demand:
-        backend.ensure(max_rows, hidden, dtype)  # voted: ready on every rank or on none
+        backend.ensure(backend.rows_for(max_rows), hidden, dtype)  # voted: ready on every rank or on none
     entry = {"gpu": key[0], "world_size": key[1], "hidden": key[2], "dtype": key[3], "timings_us": {}}
     try:
         for tokens in buckets:
