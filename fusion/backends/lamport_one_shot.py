@@ -161,7 +161,8 @@ class LamportOneShotBackend(Backend):
         return True
 
     def _initialise(self, layout: LamportLayout) -> None:
-        """Sentinel in every data element, zeros in the control area, done on the device."""
+        """Sentinel in every data element, zeros in the control area, done on the device; the
+        kernel compiled (a failure to compile is this rank's reason in the vote)."""
         buffer = self.symmetric.buffer
         bits = torch.int16 if layout.element_size == 2 else torch.int32
         sentinel = sentinel_bits(buffer.dtype)
@@ -173,9 +174,11 @@ class LamportOneShotBackend(Backend):
         self._control.zero_()
         props = torch.cuda.get_device_properties(self.group.device)
         self._max_programs = max(1, props.multi_processor_count // self.group.ranks_on_this_gpu)
-        from fusion.backends.kernels.lamport_one_shot import use_pdl
+        from fusion.backends.kernels.lamport_one_shot import precompile, use_pdl
 
         self._pdl = use_pdl(self.group.device)
+        precompile(layout.hidden, buffer.dtype, self.group.device, self.symmetric.peer_ptrs, self._control,
+                   self.group.rank, layout.world, layout.max_tokens, self._pdl)
         torch.cuda.synchronize(self.group.device)
 
     def fits(self, num_tokens: int) -> bool:

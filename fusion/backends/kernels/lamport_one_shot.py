@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 MAX_HIDDEN = 16384  # one row of fp32 per program, as in two_shot_norm
+WARMUP_TIMEOUT_NS = 1_000_000_000  # any value: timeout_ns is not specialised on
 CONTROL = {"index": 0, "arrivals": 1, "error": 2, "rows": 3}  # int32 offsets; rows: 3 entries
 
 HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
@@ -111,7 +112,7 @@ def _wait_row(slot_ptr, cols, mask, t0, timeout_ns, ok, SENTINEL: tl.constexpr):
     return bits, ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "timeout_ns"])  # one compile per (dtype, hidden, residual)
 def lamport_one_shot_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, peer_ptrs, control_ptr,
                             tokens, hidden, slot_elems, eps, timeout_ns,
                             RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -197,17 +198,37 @@ def num_warps_for(hidden: int) -> int:
     return max(4, min(16, triton.next_power_of_2(hidden) // 512))
 
 
+def _launch(grid: tuple[int], x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+            residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
+            control: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int, pdl: bool,
+            warmup: bool = False) -> None:
+    tokens, hidden = x.shape
+    bits_ty, sentinel = (tl.int32, -2**31) if x.element_size() == 4 else (tl.int16, -2**15)
+    kernel = lamport_one_shot_kernel.warmup if warmup else lamport_one_shot_kernel[grid]
+    kwargs = {"grid": grid} if warmup else {}
+    kernel(x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, control,
+           tokens, hidden, max_tokens * hidden, eps, timeout_ns, RANK=rank, WORLD=world,
+           HAS_RESIDUAL=residual is not None, USE_PDL=pdl, BITS=bits_ty, SENTINEL=sentinel,
+           BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden),
+           **({"launch_pdl": True} if pdl else {}), **kwargs)
+
+
 def lamport_one_shot(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                      residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
                      control: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int,
                      max_programs: int, pdl: bool) -> None:
     """One launch on the current stream (capturable): writes ``out`` and ``residual_out``
     ([T, H], contiguous; may alias x / residual, see the module docstring)."""
-    tokens, hidden = x.shape
-    bits, sentinel = (torch.int32, -2**31) if x.element_size() == 4 else (torch.int16, -2**15)
-    bits_ty = tl.int32 if bits == torch.int32 else tl.int16
-    lamport_one_shot_kernel[(min(tokens, max_programs),)](
-        x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, control,
-        tokens, hidden, max_tokens * hidden, eps, timeout_ns, RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None,
-        USE_PDL=pdl, BITS=bits_ty, SENTINEL=sentinel, BLOCK=triton.next_power_of_2(hidden),
-        num_warps=num_warps_for(hidden), **({"launch_pdl": True} if pdl else {}))
+    _launch((min(x.shape[0], max_programs),), x, residual, out, residual_out, weight, eps, peer_ptrs, control,
+            rank, world, max_tokens, timeout_ns, pdl)
+
+
+def precompile(hidden: int, dtype: torch.dtype, device: torch.device, peer_ptrs: torch.Tensor,
+               control: torch.Tensor, rank: int, world: int, max_tokens: int, pdl: bool) -> None:
+    """Compiles both variants (with and without residual) without launching, so that no rank's
+    first call waits for a peer that is still compiling (a compile can outlast the bound)."""
+    x = torch.empty(1, hidden, dtype=dtype, device=device)
+    for residual in (None, torch.empty_like(x)):
+        _launch((1,), x, residual, x, x, x[0], 1e-6, peer_ptrs, control, rank, world, max_tokens,
+                WARMUP_TIMEOUT_NS, pdl, warmup=True)
+
