@@ -2,7 +2,8 @@
 ``lamport_one_shot`` strategy) over one symmetric buffer per TP group, for decode batches.
 
 The kernel and its ordering argument are in `fusion.backends.kernels.lamport_one_shot`; this
-module lays out and initialises the buffer, launches one kernel per call (no barrier, no host
+module lays out and initialises the buffer, compiles the kernel in ``ensure`` (so that no first
+call waits out its bound for a peer that is still compiling), launches one kernel per call (no barrier, no host
 sync: CUDA-graph capturable, replays rotate the three buffers on the device) and reads the
 kernel's error flag when the caller asks (`raise_if_failed`).
 
