@@ -82,6 +82,7 @@ def _ready_backend(max_tokens: int) -> LamportOneShotBackend:
     backend.symmetric.buffer = torch.zeros(layout.elements, dtype=torch.bfloat16)
     backend.layout = layout
     backend._control = torch.zeros(CONTROL_INTS, dtype=torch.int32)
+    backend._host_error = torch.zeros(1, dtype=torch.int32)  # the kernel's host-readable copy of the flag
     return backend
 
 
@@ -97,14 +98,14 @@ def test_fits_from_one_token_to_the_ensured_max_tokens():
 def test_an_expired_wait_raises_naming_rank_peer_and_bound_and_turns_the_backend_off():
     backend = _ready_backend(8)
     backend.raise_if_failed()  # flag down: nothing
-    backend._control[ERROR] = 1 + 1  # the kernel's code: 1 + the stalled peer's rank
+    backend._host_error[0] = 1 + 1  # the kernel's code: 1 + the stalled peer's rank
     with pytest.raises(FusionTimeoutError) as info:
         backend.raise_if_failed()
     message = str(info.value)
     assert "lamport_one_shot" in message and "rank 0" in message and "rank 1's rows" in message
     assert "200 ms" in message and "timeout_ns=200000000" in message
     assert not backend.fits(1)
-    backend._control[ERROR] = 0
+    backend._host_error[0] = 0
     with pytest.raises(FusionTimeoutError):  # still off: the buffers are out of step
         backend.raise_if_failed()
     with pytest.raises(FusionInputError, match="off after a timeout"):

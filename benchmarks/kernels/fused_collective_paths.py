@@ -33,6 +33,7 @@ MAX_ERROR_CHARS = 300
 OWN_STRATEGY_PATHS = {
     fusion.Strategy.SYMM_MEM_TWO_SHOT: "symm_mem_two_shot_allreduce_rmsnorm",
     fusion.Strategy.SYMM_MEM_FUSED: "symm_mem_fused_two_shot_allreduce_rmsnorm",
+    fusion.Strategy.LAMPORT_ONE_SHOT: "lamport_one_shot_allreduce_rmsnorm",
 }
 
 Op = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]

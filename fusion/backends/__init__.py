@@ -5,6 +5,7 @@ from __future__ import annotations
 from fusion.backends.base import Backend
 from fusion.backends.flashinfer import FlashInferOneShotBackend, FlashInferTwoShotBackend
 from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
+from fusion.backends.lamport_one_shot import LamportOneShotBackend
 from fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
 from fusion.backends.symm_mem import SymmMemTwoShotBackend
 from fusion.backends.symm_mem_fused import SymmMemFusedBackend
@@ -12,7 +13,7 @@ from fusion.group import TensorParallelGroup
 from fusion.strategy import Strategy
 
 # made only when a measured table or the rule picks them (each holds a symmetric buffer)
-ON_DEMAND = (Strategy.SYMM_MEM_TWO_SHOT, Strategy.SYMM_MEM_FUSED)
+ON_DEMAND = (Strategy.SYMM_MEM_TWO_SHOT, Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT)
 
 
 def build_backends(group: TensorParallelGroup, backend: str, launch_with_pdl: bool) -> dict[Strategy, Backend]:
@@ -27,6 +28,7 @@ def build_backends(group: TensorParallelGroup, backend: str, launch_with_pdl: bo
     backends[Strategy.FLASHINFER_TWO_SHOT] = FlashInferTwoShotBackend(group, workspace, launch_with_pdl)
     backends[Strategy.SYMM_MEM_TWO_SHOT] = SymmMemTwoShotBackend(group)
     backends[Strategy.SYMM_MEM_FUSED] = SymmMemFusedBackend(group)
+    backends[Strategy.LAMPORT_ONE_SHOT] = LamportOneShotBackend(group)
     return backends
 
 

@@ -112,6 +112,7 @@ class LamportOneShotBackend(Backend):
     this rank (``fits`` False) until `destroy`."""
 
     strategy = Strategy.LAMPORT_ONE_SHOT
+    row_limit = MAX_TOKENS
 
     def __init__(self, group: TensorParallelGroup, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
         super().__init__(group)
@@ -120,6 +121,8 @@ class LamportOneShotBackend(Backend):
         self.layout: Optional[LamportLayout] = None
         self.timed_out: Optional[str] = None  # why this backend is off on this rank, once a wait expired
         self._control: Optional[torch.Tensor] = None
+        self._host_error: Optional[torch.Tensor] = None  # pinned int32 [1]: the kernel's error code, host-readable
+        self._host_error_addr: Optional[torch.Tensor] = None  # int64 [1] on the device: its address
         self._max_programs = 0
         self._pdl = False
 
@@ -173,12 +176,16 @@ class LamportOneShotBackend(Backend):
         start = layout.control_offset * 4
         self._control = ints[start:start + CONTROL_INTS * 4].view(torch.int32)
         self._control.zero_()
+        # pinned host memory is addressable from the device at the same address (unified addressing)
+        self._host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._host_error_addr = torch.tensor([self._host_error.data_ptr()], dtype=torch.int64, device=self.group.device)
         props = torch.cuda.get_device_properties(self.group.device)
         self._max_programs = max(1, props.multi_processor_count // self.group.ranks_on_this_gpu)
         from fusion.backends.kernels.lamport_one_shot import precompile, use_pdl
 
         self._pdl = use_pdl(self.group.device)
         precompile(layout.hidden, buffer.dtype, self.group.device, self.symmetric.peer_ptrs, self._control,
+                   self._host_error_addr,
                    self.group.rank, layout.world, layout.max_tokens, self._pdl)
         torch.cuda.synchronize(self.group.device)
 
@@ -200,17 +207,18 @@ class LamportOneShotBackend(Backend):
         layout = self.layout
         out, residual_out = output_tensors(x, residual)
         lamport_one_shot(x, residual, out, residual_out, weight, eps, self.symmetric.peer_ptrs, self._control,
+                         self._host_error_addr,
                          self.group.rank, layout.world, layout.max_tokens, int(self.timeout_ns), self._max_programs,
                          self._pdl)
-        self.group.counters.total += 1
         return quantized(out, residual_out, quant)
 
     def raise_if_failed(self) -> None:
-        """Reads the device error flag (syncs the current stream; not during capture). Raises
-        `FusionTimeoutError` naming this rank, the stalled peer and the bound once a wait has
-        expired, and from then on; the caller decides when to check."""
-        if self.timed_out is None and self._control is not None:
-            code = int(self._control[ERROR].item())
+        """Reads the pinned host copy of the kernel's error flag (a host read, no device sync: a
+        kernel's code is there once that kernel has completed, e.g. once the step's results have
+        reached the host). Raises `FusionTimeoutError` naming this rank, the stalled peer and
+        the bound once a wait has expired, and from then on; the caller decides when to check."""
+        if self.timed_out is None and self._host_error is not None:
+            code = int(self._host_error[0])  # host memory: no device sync
             if code:
                 self.timed_out = (f"{self.strategy}: rank {self.group.rank} waited more than "
                                   f"{self.timeout_ns / 1e6:g} ms (timeout_ns={int(self.timeout_ns)}) for rank "
@@ -222,3 +230,4 @@ class LamportOneShotBackend(Backend):
         """Frees the buffer on this rank (idempotent) and clears a timeout's mark."""
         self.symmetric.destroy()
         self.layout, self._control, self.timed_out = None, None, None
+        self._host_error = self._host_error_addr = None

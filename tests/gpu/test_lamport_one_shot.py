@@ -151,6 +151,7 @@ def _stall(backend, rank, group, dev):
         backend.timeout_ns = STALL_BOUND_NS
         start = time.monotonic()
         backend.run(x.clone(), residual.clone(), weight, EPS)
+        torch.cuda.synchronize()  # the engine reads the flag once a step's results reached the host
         try:
             backend.raise_if_failed()
             out["raised"] = None

@@ -6,7 +6,8 @@ fed the same tokens (teacher forcing) and compared step by step: greedy-token ag
 logits relative error. The fused model must be as close to fp32 as the unfused one (its error
 at most 1.5x); its agreement with the unfused bf16 model is reported against the accuracy
 target (>= 99%, rel. err <= 1e-2). One eager forward counts the reductions that ran in
-flashinfer's fused kernel: one per reduction point of every layer.
+flashinfer's fused kernel: one per reduction point of every layer. The same with our own one-shot
+Lamport kernel, chosen by a strategy table that makes it fastest everywhere.
 """
 import pytest
 import torch
@@ -27,6 +28,23 @@ def _logits_for(runner, prompts, tokens):
     for step in range(STEPS):
         out.append(batch.decode(tokens[step], gather_logits=True).full.clone())
     return torch.stack(out)  # [STEPS+1, B, vocab]
+
+
+def _lamport_table(group, hidden):
+    """A strategy table (in a temporary file) in which our one-shot Lamport kernel is fastest at
+    every size it takes: the dispatch then runs it for every reduction, prefill and decode."""
+    import json
+    import tempfile
+
+    from fusion.dispatch.table import TABLE_VERSION, gpu_name
+
+    rows = {str(t): {"lamport_one_shot": 1.0, "nccl": 100.0} for t in (1, 8, 64, 256, 512)}
+    entry = {"gpu": gpu_name(group.device), "world_size": group.world_size, "hidden": hidden, "dtype": "bfloat16",
+             "timings_us": rows}
+    path = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False).name
+    with open(path, "w") as f:
+        json.dump({"version": TABLE_VERSION, "entries": [entry]}, f)
+    return path
 
 
 def _run(rank, world_size):
@@ -68,6 +86,11 @@ def _run(rank, world_size):
     results["bf16_fused_flashinfer"] = _logits_for(runner, prompts, tokens)
     runner.reconfigure_fusion(replace(off, enabled=True, backend="torch"))
     results["bf16_fused_torch"] = _logits_for(runner, prompts, tokens)
+    runner.reconfigure_fusion(replace(off, enabled=True, table_path=_lamport_table(group, runner.config.hidden_size)))
+    runner.fusion.counts.clear()
+    StaticBatch(runner, prompts, 1).prefill()
+    out["lamport_prefill_counts"] = dict(runner.fusion.counts)
+    results["bf16_fused_lamport"] = _logits_for(runner, prompts, tokens)
     out["num_layers"] = runner.config.num_hidden_layers
     runner.destroy()
 
@@ -79,13 +102,14 @@ def _run(rank, world_size):
     out["vs_fp32"] = {name: compare(v, reference) for name, v in results.items()}
     out["fused_vs_unfused"] = compare(results["bf16_fused_flashinfer"], results["bf16_unfused"])
     out["torch_vs_unfused"] = compare(results["bf16_fused_torch"], results["bf16_unfused"])
+    out["lamport_vs_unfused"] = compare(results["bf16_fused_lamport"], results["bf16_unfused"])
     return out
 
 
 @pytest.fixture(scope="module")
 def result():
     r = run_distributed(_run, world_size=gpu_world_size(), device_kind="cuda", timeout_s=500)[0]
-    for key in ("vs_fp32", "fused_vs_unfused", "torch_vs_unfused"):
+    for key in ("vs_fp32", "fused_vs_unfused", "torch_vs_unfused", "lamport_vs_unfused"):
         print(f"\n{key}: {r[key]}")
     return r
 
@@ -118,3 +142,11 @@ def test_fused_perturbs_no_more_than_any_other_rounding_change(result):
           f"{fused['max_rel_err']:.4f} (target 0.01); torch backend vs unfused: {torch_backend}")
     assert fused["mean_rel_err"] <= 1.1 * torch_backend["mean_rel_err"], result
     assert fused["agreement"] >= torch_backend["agreement"] - 0.02, result
+
+
+def test_the_own_lamport_kernel_runs_the_model_as_close_to_fp32_as_unfused(result):
+    layers = result["num_layers"]
+    assert result["lamport_prefill_counts"] == {"lamport_one_shot": 2 * layers}, result["lamport_prefill_counts"]
+    lamport, unfused = result["vs_fp32"]["bf16_fused_lamport"], result["vs_fp32"]["bf16_unfused"]
+    assert lamport["mean_rel_err"] <= 1.5 * unfused["mean_rel_err"], result["vs_fp32"]
+    assert lamport["agreement"] >= unfused["agreement"] - 0.02, result["vs_fp32"]

@@ -38,7 +38,8 @@ critical path. The reset covers the rows the buffer's last call used (``rows``),
 more tokens than that one never finds stale rows.
 
 Bounded waits: every wait ends ``timeout_ns`` after the program began (``%globaltimer``). On
-expiry the program records 1 + the peer's rank in the error flag (first one wins), stops
+expiry the program records 1 + the peer's rank in the error flag (first one wins) and in a
+pinned host word (read by the host at its own sync points, without a device sync), stops
 waiting, finishes with garbage and arrives, so the kernel always exits; a set flag makes later
 calls skip their waits (a failed op fails fast; the host reads the flag at its sync points).
 
@@ -114,11 +115,13 @@ def _wait_row(slot_ptr, cols, mask, t0, timeout_ns, ok, SENTINEL: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tokens", "timeout_ns"])  # one compile per (dtype, hidden, residual)
 def lamport_one_shot_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, peer_ptrs, control_ptr,
-                            tokens, hidden, slot_elems, eps, timeout_ns,
+                            host_error_ptr, tokens, hidden, slot_elems, eps, timeout_ns,
                             RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                             USE_PDL: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
                             BLOCK: tl.constexpr):
     """One call (module docstring). ``control_ptr``: this rank's control area (int32);
+    ``host_error_ptr``: one int64, the address of a pinned host int32 that receives the error
+    code too (the host reads it without a device sync);
     ``slot_elems``: max_tokens * hidden (the offsets stay below 2**31: 3 * 8 * 512 * 16384)."""
     if USE_PDL:
         _grid_dependency_wait()
@@ -158,6 +161,7 @@ def lamport_one_shot_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, weig
                                   ok, SENTINEL)
                 if (before != 0) & (ok == 0):
                     tl.atomic_cas(control_ptr + 2, 0, p + 1, sem="relaxed", scope="gpu")
+                    tl.store(tl.load(host_error_ptr).to(tl.pointer_type(tl.int32)), p + 1)
             acc += v.to(elem_ty, bitcast=True).to(tl.float32)
         y = acc.to(elem_ty)
         offs = row.to(tl.int64) * hidden + cols
@@ -200,13 +204,13 @@ def num_warps_for(hidden: int) -> int:
 
 def _launch(grid: tuple[int], x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
             residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
-            control: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int, pdl: bool,
-            warmup: bool = False) -> None:
+            control: torch.Tensor, host_error: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int,
+            pdl: bool, warmup: bool = False) -> None:
     tokens, hidden = x.shape
     bits_ty, sentinel = (tl.int32, -2**31) if x.element_size() == 4 else (tl.int16, -2**15)
     kernel = lamport_one_shot_kernel.warmup if warmup else lamport_one_shot_kernel[grid]
     kwargs = {"grid": grid} if warmup else {}
-    kernel(x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, control,
+    kernel(x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, control, host_error,
            tokens, hidden, max_tokens * hidden, eps, timeout_ns, RANK=rank, WORLD=world,
            HAS_RESIDUAL=residual is not None, USE_PDL=pdl, BITS=bits_ty, SENTINEL=sentinel,
            BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden),
@@ -215,20 +219,22 @@ def _launch(grid: tuple[int], x: torch.Tensor, residual: Optional[torch.Tensor],
 
 def lamport_one_shot(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                      residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
-                     control: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int,
-                     max_programs: int, pdl: bool) -> None:
+                     control: torch.Tensor, host_error: torch.Tensor, rank: int, world: int, max_tokens: int,
+                     timeout_ns: int, max_programs: int, pdl: bool) -> None:
     """One launch on the current stream (capturable): writes ``out`` and ``residual_out``
-    ([T, H], contiguous; may alias x / residual, see the module docstring)."""
+    ([T, H], contiguous; may alias x / residual, see the module docstring). ``host_error``:
+    int64 [1] on the device, the address of the pinned int32 that a wait's expiry sets."""
     _launch((min(x.shape[0], max_programs),), x, residual, out, residual_out, weight, eps, peer_ptrs, control,
-            rank, world, max_tokens, timeout_ns, pdl)
+            host_error, rank, world, max_tokens, timeout_ns, pdl)
 
 
 def precompile(hidden: int, dtype: torch.dtype, device: torch.device, peer_ptrs: torch.Tensor,
-               control: torch.Tensor, rank: int, world: int, max_tokens: int, pdl: bool) -> None:
+               control: torch.Tensor, host_error: torch.Tensor, rank: int, world: int, max_tokens: int,
+               pdl: bool) -> None:
     """Compiles both variants (with and without residual) without launching, so that no rank's
     first call waits for a peer that is still compiling (a compile can outlast the bound)."""
     x = torch.empty(1, hidden, dtype=dtype, device=device)
     for residual in (None, torch.empty_like(x)):
-        _launch((1,), x, residual, x, x, x[0], 1e-6, peer_ptrs, control, rank, world, max_tokens,
+        _launch((1,), x, residual, x, x, x[0], 1e-6, peer_ptrs, control, host_error, rank, world, max_tokens,
                 WARMUP_TIMEOUT_NS, pdl, warmup=True)
 
