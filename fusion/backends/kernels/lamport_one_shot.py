@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion.backends.kernels.row_norm import add_rms_norm_row
+
 MAX_HIDDEN = 16384  # one row of fp32 per program, as in two_shot_norm
 WARMUP_TIMEOUT_NS = 1_000_000_000  # any value: timeout_ns is not specialised on
 CONTROL = {"index": 0, "arrivals": 1, "error": 2, "rows": 3}  # int32 offsets; rows: 3 entries
@@ -164,16 +166,8 @@ def lamport_one_shot_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, weig
                     tl.store(tl.load(host_error_ptr).to(tl.pointer_type(tl.int32)), p + 1)
             acc += v.to(elem_ty, bitcast=True).to(tl.float32)
         y = acc.to(elem_ty)
-        offs = row.to(tl.int64) * hidden + cols
-        if HAS_RESIDUAL:
-            res = (y.to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(elem_ty)
-        else:
-            res = y
-        tl.store(residual_out_ptr + offs, res, mask=mask)
-        resf = res.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(resf * resf, axis=0) / hidden + eps)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, (resf * inv_rms * w).to(elem_ty), mask=mask)
+        add_rms_norm_row(y, row.to(tl.int64), residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden,
+                         eps, HAS_RESIDUAL)
 
     tl.debug_barrier()  # every thread has read b before this program arrives
     arrived = tl.atomic_add(control_ptr + 1, 1, sem="acq_rel", scope="gpu")  # 4. arrive

@@ -58,6 +58,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusion.backends.kernels.row_norm import add_rms_norm_row
+
 MAX_HIDDEN = 16384  # one row of fp32 per program: 64 KiB of registers over 16 warps
 
 
@@ -67,24 +69,6 @@ def _peer_row(peer_ptrs, rank, offset, elem_ty: tl.constexpr):
     every symmetric allocation is: the hint lets row accesses use 128-bit loads and stores)."""
     base = tl.multiple_of(tl.load(peer_ptrs + rank).to(tl.pointer_type(elem_ty)), 16)
     return base + offset
-
-
-@triton.jit
-def _add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
-                      HAS_RESIDUAL: tl.constexpr):
-    """Stores ``residual_out[row] = round(y + residual[row])`` and ``out[row] = rmsnorm(...)``
-    (``y``: the reduced row, already in the output dtype)."""
-    out_ty = out_ptr.dtype.element_ty
-    offs = row * hidden + cols
-    if HAS_RESIDUAL:
-        res = (y.to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(out_ty)
-    else:
-        res = y
-    tl.store(residual_out_ptr + offs, res, mask=mask)
-    resf = res.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(resf * resf, axis=0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (resf * inv_rms * w).to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -141,7 +125,7 @@ def reduce_and_finish_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, wei
         tl.debug_barrier()  # the acquire precedes every thread's reads below
         gathered = _peer_row(peer_ptrs, rank, gather_offset + row * hidden, elem_ty)
         y = tl.load(gathered + cols, mask=mask, other=0.0, cache_modifier=".cv")
-    _add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
+    add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
                       HAS_RESIDUAL)
 
 
