@@ -57,8 +57,10 @@ def test_negative_layer_id_is_an_error():
 
 
 def test_cache_size_must_be_positive():
+    from fusion import FusionConfig
+
     with pytest.raises(ValueError, match="cache_size"):
-        FusionDispatcher(cache_size=0)
+        FusionConfig(cache_size=0)
 
 
 def test_hits_misses_and_false_answers_are_cached():

@@ -49,8 +49,7 @@ class FusionDispatcher:
     """Bounded-LRU cached fusion decision for one model (one hidden size and dtype)."""
 
     def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+        """``cache_size``: the LRU's bound (`FusionConfig` checks it is at least 1)."""
         self.cache_size = cache_size
         self.shape = ModelShape()
         self.backends: Mapping[Strategy, Fits] = {}

@@ -1,7 +1,8 @@
 """One-shot vs two-shot choice of the trtllm fused all-reduce.
 
 One-shot: every rank reads all peers' full inputs (latency-bound, best for small messages).
-Two-shot: reduce-scatter then all-gather (bandwidth-bound, needs tokens > world size).
+Two-shot: reduce-scatter then all-gather (bandwidth-bound; needs tokens > world size, which its
+backend states).
 The choice depends on the bytes moved and the world size, not on the token count alone.
 """
 from __future__ import annotations
@@ -31,9 +32,8 @@ def choose_one_shot(
     world_size: int,
     one_shot_max_input_bytes: Optional[int] = None,
 ) -> bool:
-    """True for one-shot. ``one_shot_max_input_bytes`` overrides the per-world-size threshold."""
-    if num_tokens <= world_size:
-        return True  # two-shot splits tokens across ranks and needs more tokens than ranks
+    """True for one-shot. ``one_shot_max_input_bytes`` overrides the per-world-size threshold.
+    Whether two-shot can run the batch at all is its backend's to say (`fits`)."""
     itemsize = dtype.itemsize
     input_bytes = num_tokens * hidden * itemsize
     lamport_bytes = num_tokens * hidden * world_size * (4 if dtype == torch.float32 else 2)
