@@ -2,7 +2,7 @@ r"""Accuracy with all-reduce fusion off vs on (and, optionally, a baseline at an
 one server per setting, same model, same evals.
 
     python -m benchmarks.accuracy_regression --model-path /tmp/model.gguf --tp-size 2 --baseline-tp-size 1 \
-        --gsm8k-data-path /work/shared/data/gsm8k/test.jsonl --mmlu-data-dir /work/shared/data/mmlu \
+        --gsm8k-data-path grade_school_math/data/test.jsonl --mmlu-data-dir data \
         --results-dir /tmp/accuracy --output-file accuracy_regression.json
 
 Settings, in this order: the baseline (``--baseline-tp-size N``: fusion off at TP N, e.g. TP1),

@@ -84,7 +84,6 @@ def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
 
 def _rank(rank: int, world_size: int) -> dict:
     from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_plan import StepPlan
     from engine.tokenizers.tokenizer import build_tiny_tokenizer
     from layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one entry point: bash benchmarks/gpu/run.sh PART [N]
 #
-# Each part fits one 10-minute device call: every command runs under `timeout`, within
-# BUDGET_S seconds for the whole part (default 570). A part sources .gpu/env.sh (staged by
+# Every command of a part runs under `timeout`, within BUDGET_S seconds for the whole part
+# (default 570). A part sources .gpu/env.sh (staged by
 # `bash ../shared/gpu/prepare.sh`), prints `nvidia-smi -L`, writes its log ($OUT/PART.log) and
 # a few result files under $OUT (default ./out), and exits non-zero when its main command
 # failed (124: out of time). TP (default 2) is the GPU count of the multi-GPU parts.

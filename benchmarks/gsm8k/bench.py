@@ -1,13 +1,13 @@
 """GSM8K few-shot chain-of-thought accuracy against an OpenAI-compatible server.
 
-    python -m benchmarks.gsm8k --data-path /work/shared/data/gsm8k/test.jsonl --port 30000
+    python -m benchmarks.gsm8k --data-path grade_school_math/data/test.jsonl --port 30000
 
 Data: JSON lines with ``question`` and ``answer`` (the reference ends with ``#### <n>``).
 ``--data-path`` is the test file; the shots come from ``--train-path``, by default
 ``train.jsonl`` next to the test file. With neither flag the two public files of
 openai/grade-school-math are downloaded (urllib) into ``~/.cache/arfusion/gsm8k``; without
-network, pass ``--data-path``. The official copies used for real runs in this project live in
-``/work/shared/data/gsm8k/{test,train}.jsonl`` (see ``/work/shared/data/SOURCES.md``).
+network, pass ``--data-path`` (the official files: ``grade_school_math/data/{test,train}.jsonl``
+of github.com/openai/grade-school-math).
 
 The first ``--num-shots`` train rows are the shots, the first ``--num-questions`` test rows (all
 by default) the questions; greedy decoding (``--temperature 0``) with stop sequences ``scoring.STOP``.

@@ -1,9 +1,9 @@
 """MMLU few-shot multiple-choice accuracy against an OpenAI-compatible server.
 
-    python -m benchmarks.mmlu --data-dir /work/shared/data/mmlu --port 30000
+    python -m benchmarks.mmlu --data-dir data --port 30000
 
 ``--data-dir`` holds ``test/<subject>_test.csv`` and ``dev/<subject>_dev.csv`` (the Hendrycks
-release; this project's copy is ``/work/shared/data/mmlu``, see ``/work/shared/data/SOURCES.md``).
+release: ``tar xf data.tar`` of people.eecs.berkeley.edu/~hendrycks/data.tar gives ``data/``).
 The shots are the first ``--num-shots`` dev rows of the same subject (5, or 0 for zero-shot);
 ``--examples`` caps the test rows per subject; ``--subjects`` keeps only the named subjects.
 Greedy decoding of ``--max-tokens`` tokens; the letter is parsed by `scoring.parse_letter`.
