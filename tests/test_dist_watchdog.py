@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.common.sampling_params import SamplingParams
-from engine.runtime.heartbeat import HeartbeatMonitor, interval_s
+from engine.runtime.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
 from engine.runtime.step_progress import StepProgress
 from engine.runtime.watchdog import DistWatchdog, detection_bound_s
 from engine.scheduling.request import Request
@@ -48,6 +48,32 @@ def test_step_progress_on_the_cpu_finishes_a_step_at_its_end():
     progress.end()
     progress.end()  # nothing begun: nothing to end
     assert progress.finished == 3 and progress.oldest_unfinished() is None
+
+
+def test_a_worker_publishes_its_last_finished_step_beside_its_heartbeat():
+    """The worker side of the step rule: `Heartbeat.publish_steps` raises the store's step to
+    the worker's `StepProgress.finished`, which rank 0's monitor reads."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    init_method = f"tcp://127.0.0.1:{port}"
+    heartbeat = Heartbeat(init_method, 2, DIST_TIMEOUT_S)
+    monitor = HeartbeatMonitor(init_method, [2], DIST_TIMEOUT_S)
+    progress = StepProgress(torch.device("cpu"))
+    try:
+        heartbeat.publish_steps(progress)
+        for _ in range(3):
+            progress.begin()
+            progress.end()
+        progress.begin()  # step 4 in flight: not published
+        deadline = time.monotonic() + WAIT_S
+        while monitor.finished_steps() != {2: 3}:
+            assert time.monotonic() < deadline, monitor.finished_steps()
+            time.sleep(0.01)
+        time.sleep(4 * interval_s(DIST_TIMEOUT_S))
+        assert monitor.finished_steps() == {2: 3} and master.add("arfusion/step/2", 0) == 3
+    finally:
+        heartbeat.stop()
+        monitor.stop()
 
 
 class Rank1:
