@@ -10,10 +10,11 @@
 #   tests          python -m pytest tests/gpu. ARFUSION_GPU_WORLD is the collective tests' world
 #                  (default 2): with fewer GPUs its ranks share them (correctness only), and only
 #                  tests whose subject is two physical GPUs skip. TESTS picks files (default
-#                  tests/gpu). The server fault tests (FAULT_TESTS) kill ranks, after which an
-#                  MPS daemon can refuse the next client: they run after the others, each test
-#                  in its own pytest (results in $OUT/fault_tests_N.xml), with a
-#                  fresh MPS daemon before each and after the last (when the part started one).
+#                  tests/gpu). The server fault tests (FAULT_TESTS, or some of its test ids in
+#                  TESTS) kill ranks, after which an MPS daemon can refuse the next client: they
+#                  run after the others, each test in its own pytest (results in
+#                  $OUT/fault_tests_N.xml), with a fresh MPS daemon before each and after the
+#                  last (when the part started one).
 #
 # With fewer GPUs than ranks (tests, kernels, engine, accuracy), the part starts the CUDA MPS daemon (its
 # pipe and log folders under /tmp) so that the ranks sharing a GPU run concurrently instead of
@@ -133,11 +134,15 @@ start_part() {  # the environment, and which GPUs this machine has
 # ---- parts ------------------------------------------------------------------------------------
 
 part_tests() {
-  local tests others=() faults=0 t rc=0
+  local tests others=() faults=() t rc=0
   read -ra tests <<< "${TESTS:-tests/gpu}"
-  for t in "${tests[@]}"; do  # the fault file, or a folder holding it, runs the fault tests
+  for t in "${tests[@]}"; do  # the fault file, a folder holding it, or one of its tests
+    if [[ $t == "$FAULT_TESTS::"* ]]; then
+      faults+=("$t")
+      continue
+    fi
     if [[ $FAULT_TESTS == "${t%/}" || $FAULT_TESTS == "${t%/}"/* ]]; then
-      faults=1
+      faults+=("$FAULT_TESTS")
       [ "${t%/}" = "$FAULT_TESTS" ] && continue
     fi
     others+=("$t")
@@ -148,16 +153,16 @@ part_tests() {
     run_timed 560 python -m pytest "${others[@]}" --ignore="$FAULT_TESTS" -q -s -p no:cacheprovider \
       --junitxml="$OUT/tests.xml" || rc=$?
   fi
-  if ((faults)); then
-    run_fault_tests || { ((rc)) || rc=1; }
+  if ((${#faults[@]})); then
+    run_fault_tests "${faults[@]}" || { ((rc)) || rc=1; }
   fi
   return "$rc"
 }
 
-run_fault_tests() {  # each test of FAULT_TESTS in its own pytest, a fresh MPS daemon before each
+run_fault_tests() {  # run_fault_tests FILE-OR-ID...: each test in its own pytest, a fresh MPS daemon before each
   local ids id n=0 rc=0
-  mapfile -t ids < <(python -m pytest "$FAULT_TESTS" --collect-only -q -p no:cacheprovider | grep "^$FAULT_TESTS::")
-  ((${#ids[@]})) || { echo "!! no test collected from $FAULT_TESTS"; return 2; }
+  mapfile -t ids < <(python -m pytest "$@" --collect-only -q -p no:cacheprovider | grep "^$FAULT_TESTS::")
+  ((${#ids[@]})) || { echo "!! no test collected from $*"; return 2; }
   for id in "${ids[@]}"; do
     restart_mps
     n=$((n + 1))
