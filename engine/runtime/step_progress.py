@@ -12,7 +12,9 @@ finishes); on the CPU, at `end`.
 Threads: `begin` and `end` run on the thread that drives the runner; `poll` (which queries CUDA
 events, and so may block if the driver does) runs on a monitoring thread or at `end`;
 `oldest_unfinished` and `finished` touch no device and never block, so a watchdog that reads
-them keeps running whatever the device and the other threads do.
+them keeps running whatever the device and the other threads do. No thread may `poll` while
+another captures a CUDA graph (an event query would break the capture): the engine polls only
+once its runner is built, after the capture.
 """
 from __future__ import annotations
 
