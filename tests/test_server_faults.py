@@ -151,3 +151,19 @@ def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survive
           f"{elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s); clients: {[(o.status, o.error_object()) for o in outcomes]}")
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 is stopped")
     assert elapsed <= EXIT_BOUND_S, server.log_tail()
+
+
+def test_an_idle_server_whose_worker_stops_is_ended_by_the_watchdog():
+    """No request runs, so no collective of rank 0 waits on the stopped worker (its idle plans go
+    out unanswered): only the watchdog's heartbeat rule ends the server, within EXIT_BOUND_S."""
+    server = ServerProcess(*TP2, "--dist-timeout", str(DIST_TIMEOUT_S), timeout_s=START_S)
+    workers = server.worker_pids()
+    stopped = time.monotonic()
+    os.kill(workers[0], signal.SIGSTOP)
+    elapsed = wait_exit(server, stopped, DIST_TIMEOUT_S + WAIT_S)
+    log = server.log_text()
+    print(f"\nSIGSTOP of rank 1 of an idle server, --dist-timeout {DIST_TIMEOUT_S:g}: exit code {server.proc.returncode} "
+          f"after {elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s)")
+    assert server.proc.returncode == 1 and elapsed <= EXIT_BOUND_S, log
+    assert "TP worker rank 1 is stopped" in log and "TP worker rank 1 sent no heartbeat for " in log, log
+    assert_no_orphans(workers)
