@@ -11,7 +11,7 @@ start of the blocked step); it fires within its `detection_bound_s` after that, 
 """
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import pytest
 import torch
