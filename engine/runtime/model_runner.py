@@ -25,6 +25,7 @@ from engine.runtime.load_agreement import load_together
 from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.runtime.step_progress import StepProgress
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 
@@ -85,6 +86,7 @@ class ModelRunner:
         self.group = group
         self.device = group.device
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
         load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
@@ -182,7 +184,9 @@ class ModelRunner:
         ``prompt_logprobs`` sequences score (a collective either way; records the plan's KV slots). A decode
         step replayed from a CUDA graph returns the graph's static output buffers: the values
         are valid until the next forward (copy them to keep them). Follow it with
-        `commit_tokens` when the plan's next tokens are to come from the device."""
+        `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
+        of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
+        self.progress.begin()
         prompt: tuple[TokenLogprobs, ...] = ()
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
@@ -245,6 +249,7 @@ class ModelRunner:
         if greedy is None:
             self.group.broadcast(tokens, src=0)
         self.table.commit_tokens(rows, tokens)
+        self.progress.end()
         return tokens
 
     def destroy(self) -> None:
