@@ -2,8 +2,8 @@
 a request head or body that does not arrive within its timeout (``--request-head-timeout``,
 ``--request-body-timeout``) is answered 408 and logged, a connection beyond
 ``--max-connections`` is answered 503 at once and logged, and a shutdown with bodies still
-arriving answers them 503 and logs no error or traceback. The timeouts are short here (1-1.5
-s); every time bound is derived from them."""
+arriving answers them 503 and logs no error or traceback (in-process, and the real server under
+SIGTERM). The timeouts are short here (1-1.5 s); every time bound is derived from them."""
 import asyncio
 import logging
 import signal
@@ -16,6 +16,7 @@ from engine.server.http_server import GRACEFUL_SHUTDOWN_S, HttpLimits
 from tests.fake_engine import FakeEngine
 from tests.in_process_server import LIMIT, InProcessServer
 from tests.raw_http import HOST, exchange, head, read_answer
+from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(60)
 HEAD_S, BODY_S, CONNECTIONS = 1.0, 1.5, 4
@@ -176,3 +177,31 @@ def test_a_shutdown_with_bodies_still_arriving_answers_503_without_a_traceback(l
     assert not server.thread.is_alive() and elapsed < GRACEFUL_SHUTDOWN_S
     bad = [r for r in logs.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not bad, [r.getMessage() for r in bad]
+
+
+def test_sigterm_with_slow_clients_connected_exits_0_without_a_traceback():
+    """The real server (TP1, CPU) with 20 requests whose bodies never come and 5 half-sent heads:
+    SIGTERM answers the bodies 503, and the server exits 0 with no traceback or error logged."""
+    server = ServerProcess("--device", "cpu", "--skip-server-warmup", "--request-body-timeout", "120",
+                           "--request-head-timeout", "120", "--shutdown-timeout", "1")
+
+    async def scenario() -> tuple[list[Any], float]:
+        bodies = [asyncio.ensure_future(timed(server.port, POST + b"{}", timeout_s=60)) for _ in range(20)]
+        heads = [await asyncio.open_connection(HOST, server.port) for _ in range(5)]
+        for _, writer in heads:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHo")
+        await asyncio.sleep(1.0)
+        seconds = await asyncio.to_thread(server.stop)
+        answers = await asyncio.gather(*bodies, return_exceptions=True)
+        for _, writer in heads:
+            writer.close()
+        return answers, seconds
+
+    try:
+        answers, _ = asyncio.run(scenario())
+    finally:
+        server.kill()
+    log = server.log_text()
+    assert server.proc.returncode == 0, log
+    assert all(not isinstance(a, BaseException) and a[0][0] == 503 for a in answers), answers
+    assert "Traceback" not in log and "ERROR" not in log, log
