@@ -96,7 +96,7 @@ def test_special_tokens_written_in_the_prompt_stand_where_they_are(named_tokeniz
         assert_offsets_index_the_text(text, lp, ids)
 
 
-def test_the_issue_example_with_the_tiny_tokenizer():
+def test_a_bos_has_empty_text_at_offset_0_with_the_tiny_tokenizer():
     text, lp = echo(client_with(build_tiny_tokenizer()), "Hi")
     assert text == "Hi" and lp["tokens"] == ["", "H", "i"] and lp["text_offset"] == [0, 0, 1]
 
