@@ -106,7 +106,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
     from engine.server.app import build_app
     from engine.server.engine import Engine
     from engine.server.http_limits import max_request_bytes
-    from engine.server.http_server import DrainingServer, http_config
+    from engine.server.http_server import DrainingServer, HttpLimits, http_config
     from engine.server.lifecycle import Lifecycle
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
@@ -149,7 +149,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
         scheduler_thread.start()
         shutdown = EngineError(503, f"the server shut down before the request finished "
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
-        config = http_config(build_app(engine, model_name, lifecycle), body_limit, args.log_level)
+        limits = HttpLimits(body_limit, args.request_head_timeout, args.request_body_timeout, args.max_connections)
+        config = http_config(build_app(engine, model_name, lifecycle), limits, args.log_level)
 
         def serving() -> None:
             logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
