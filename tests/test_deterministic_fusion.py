@@ -232,3 +232,47 @@ def test_default_mode_keeps_the_plain_reference():
 def test_config_keeps_fusion_on_in_deterministic_mode():
     config = FusionConfig(enabled=True, deterministic=True)
     assert config.deterministic and config.enabled
+
+
+# ---- the unfused tail's Triton kernel, under the interpreter
+
+KERNEL_CASES = [(1, 5, 96, torch.float32, True), (3, 4, 160, torch.float32, False), (1, 3, 128, torch.bfloat16, True),
+                (4, 2, 64, torch.bfloat16, True)]  # (parts, tokens, hidden, dtype, with residual)
+
+
+def _kernel_cases(rank, world):
+    from fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
+
+    out = []
+    for num_parts, tokens, hidden, dtype, with_residual in KERNEL_CASES:
+        g = torch.Generator().manual_seed(num_parts * 100 + tokens)
+        parts = (2 * torch.randn(num_parts, tokens, hidden, generator=g)).to(dtype)
+        residual = (2 * torch.randn(tokens, hidden, generator=g)).to(dtype) if with_residual else None
+        weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+        x = parts[0].clone()  # in place as the unfused path runs it: out over the input, residual_out over residual
+        res_in = None if residual is None else residual.clone()
+        out_t = x if num_parts == 1 and res_in is not None else torch.empty_like(x)
+        res_out = res_in if res_in is not None else torch.empty_like(x)
+        reduce_add_rms_norm(x[None] if num_parts == 1 else parts, res_in, out_t, res_out, weight, EPS)
+        out.append((parts, residual, weight, out_t, res_out))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_unfused_tail_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.dist_utils import run_under_triton_interpreter
+    from tests.test_triton_elementwise import interpreter_cast
+
+    for parts, residual, weight, normed, residual_out in run_under_triton_interpreter(_kernel_cases):
+        dtype = parts.dtype
+        acc = torch.zeros(parts.shape[1:], dtype=torch.float32)
+        for part in parts:
+            acc = acc + part.float()
+        y = interpreter_cast(acc, dtype)
+        res = y if residual is None else interpreter_cast(y.float() + residual.float(), dtype)
+        assert torch.equal(bits(residual_out), bits(res)), "rank-order fp32 sum and residual add, bit for bit"
+        rf = res.float()
+        expected = rf / torch.sqrt((rf * rf).sum(-1, keepdim=True) / rf.shape[-1] + EPS) * weight.float()
+        scale = expected.abs().clamp_min(1.0)
+        assert ((normed.float() - expected).abs() <= 2 * torch.finfo(dtype).eps * scale).all()

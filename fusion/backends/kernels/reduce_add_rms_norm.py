@@ -28,17 +28,18 @@ from fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_nu
 MAX_HIDDEN = 16384  # one row of fp32 per program, as in the fused kernels
 
 
-@triton.jit
-def reduce_add_rms_norm_kernel(parts_ptr, part_stride, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, hidden,
+@triton.jit(do_not_specialize=["tokens"])  # one compile per (dtype, hidden, PARTS, residual): every T alike
+def reduce_add_rms_norm_kernel(parts_ptr, tokens, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, hidden,
                                eps, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``row``: the rank-order sum of the row's ``PARTS`` partials (``part_stride``
-    elements apart), then residual add + RMSNorm."""
+    """Program ``row``: the rank-order sum of the row's ``PARTS`` partials (``parts`` is
+    ``[PARTS, tokens, hidden]``), then residual add + RMSNorm. Offsets in int64 (``row`` is);
+    every row starts on a multiple of ``hidden``, so the loads are as wide as the row step's."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in tl.static_range(PARTS):
-        acc += tl.load(parts_ptr + p * part_stride + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(parts_ptr + (p * tokens + row) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     y = acc.to(out_ptr.dtype.element_ty)
     add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
                      HAS_RESIDUAL)
@@ -52,5 +53,5 @@ def reduce_add_rms_norm(parts: torch.Tensor, residual: Optional[torch.Tensor], o
     if tokens == 0:
         return
     reduce_add_rms_norm_kernel[(tokens,)](
-        parts, tokens * hidden, residual if residual is not None else parts, out, residual_out, weight, hidden, eps,
+        parts, tokens, residual if residual is not None else parts, out, residual_out, weight, hidden, eps,
         PARTS=num_parts, HAS_RESIDUAL=residual is not None, BLOCK=row_block(hidden), num_warps=row_num_warps(hidden))
