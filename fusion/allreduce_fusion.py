@@ -17,7 +17,7 @@ so every reduction runs exactly once, by a strategy whose backend fits the batch
 no state between layers; it counts the reductions it runs, by strategy (``counts``).
 
 Deterministic mode (``FusionConfig(deterministic=True)``) keeps fusion on: the op builds only the
-strategies `fusion.deterministic` allows, each following the canonical recipe of
+strategies `fusion.backends.deterministic` allows, each following the canonical recipe of
 `fusion.reference` (rank-order fp32 sum, one rounding; the residual added at one point; the
 row's sum of squares by a tree fixed by the hidden size), and its unfused calls (``all_reduce``,
 ``add_rms_norm`` of a reduced tensor) follow it too. So the dispatch may still switch strategies
@@ -33,7 +33,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fusion import deterministic, norm
+from fusion import norm
+from fusion.backends import deterministic
 from fusion.backends import ON_DEMAND, Backend, build_backends
 from fusion.config import NO_TABLE, FusionConfig
 from fusion.dispatch.cost_model import rule_picks
@@ -168,7 +169,7 @@ class AllReduceFusion:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the group now, in place (NCCL; deterministic mode: the canonical
-        rank-order sum, `fusion.deterministic.ordered_all_reduce`); returns ``x``."""
+        rank-order sum, `fusion.backends.deterministic.ordered_all_reduce`); returns ``x``."""
         self.counts[_NCCL] += 1
         if self.config.deterministic:
             return deterministic.ordered_all_reduce(self.group, x)

@@ -16,7 +16,7 @@ every way takes and returns.
 
 ``nccl`` runs everywhere. In deterministic mode every strategy the op builds follows one
 canonical recipe (fusion/reference.py), so a row's bits do not depend on which one runs;
-flashinfer's two are left out there (`fusion.deterministic` says why).
+flashinfer's two are left out there (`fusion.backends.deterministic` says why).
 
 An optional ``quant`` asks for quantized normed output: FP8 (static per-tensor e4m3) fuses into
 the flashinfer kernel and is a separate cast elsewhere; FP4 exists only as flashinfer's fused

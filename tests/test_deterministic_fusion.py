@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from fusion import FusionConfig, Strategy, deterministic, reference
+from fusion import FusionConfig, Strategy, reference
+from fusion.backends import deterministic
 from layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 

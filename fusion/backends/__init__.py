@@ -9,7 +9,7 @@ from fusion.backends.lamport_one_shot import LamportOneShotBackend
 from fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
 from fusion.backends.symm_mem import SymmMemTwoShotBackend
 from fusion.backends.symm_mem_fused import SymmMemFusedBackend
-from fusion.deterministic import allowed
+from fusion.backends.deterministic import allowed
 from fusion.group import TensorParallelGroup
 from fusion.strategy import Strategy
 
@@ -21,7 +21,7 @@ def build_backends(group: TensorParallelGroup, backend: str, launch_with_pdl: bo
                    deterministic: bool = False) -> dict[Strategy, Backend]:
     """Every backend the fusion ``backend`` option ("flashinfer" or "torch") offers on ``group``,
     none ensured yet (no collective). The two flashinfer backends share one workspace. With
-    ``deterministic``, only the strategies `fusion.deterministic.allowed` at this world size,
+    ``deterministic``, only the strategies `fusion.backends.deterministic.allowed` at this world size,
     each following the canonical recipe."""
     backends: dict[Strategy, Backend] = {Strategy.NCCL: NcclBackend(group, deterministic)}
     if backend == "torch":

@@ -10,7 +10,7 @@ the torch reference of the fused semantics (any device).
 Neither owns a resource. NCCL runs every batch; the torch backend takes up to the token limit
 it was ensured for (the engine's fusion limit), as a fused backend would.
 
-With ``deterministic`` both follow the canonical recipe instead (`fusion.deterministic.reduce_then_norm`:
+With ``deterministic`` both follow the canonical recipe instead (`fusion.backends.deterministic.reduce_then_norm`:
 the rank-order sum, then on the GPU the fused kernels' own row step, elsewhere the recipe in
 torch), so each gives a row the bits every other allowed strategy gives it.
 """
@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from fusion import deterministic, norm, reference
+from fusion import norm, reference
+from fusion.backends import deterministic
 from fusion.backends.base import Backend, quantized
 from fusion.group import TensorParallelGroup
 from fusion.strategy import FusedOutput, Quant, Strategy

@@ -9,8 +9,8 @@ copies this rank's partial sum into the buffer, runs ``torch.ops.symm_mem.two_sh
 add + RMSNorm then run as in the unfused path. Failures on any rank are voted over the CPU
 group (`fusion.backends.symmetric_buffer`), so every rank keeps or drops the strategy together.
 
-With ``deterministic`` (2 ranks only: `fusion.deterministic`) the add + norm is the fused
-kernels' row step (`fusion.deterministic.add_rms_norm`): at 2 ranks torch's kernel adds each
+With ``deterministic`` (2 ranks only: `fusion.backends.deterministic`) the add + norm is the fused
+kernels' row step (`fusion.backends.deterministic.add_rms_norm`): at 2 ranks torch's kernel adds each
 element once, so the sum is the canonical one and the row's bits are the other strategies'.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from fusion import deterministic, norm
+from fusion import norm
+from fusion.backends import deterministic
 from fusion.backends.base import Backend, quantized
 from fusion.backends.symmetric_buffer import SymmetricBuffer
 from fusion.errors import FusionInputError

@@ -13,7 +13,7 @@ to each other, to every other T's, on both ranks; and within bf16 rounding of an
 (a wrong row is off by O(1)). Ranks sharing a GPU get the symmetric-memory stand-in for their
 gloo collectives (`fusion.enable_capturable_collectives`), so the nccl path is captured too.
 
-Norm part (``gpus(1)``): the unfused tail's Triton kernel (`fusion.deterministic.add_rms_norm`)
+Norm part (``gpus(1)``): the unfused tail's Triton kernel (`fusion.backends.deterministic.add_rms_norm`)
 row-invariant for T = 1 ... 4096, and its rank-order sum of P partial rows equal, bit for bit,
 to torch's fp32 rank-order sum followed by the P = 1 kernel.
 """
@@ -167,7 +167,8 @@ def test_rows_are_right(swept):
 
 
 def _norm_kernel(rank, world):
-    from fusion import deterministic, reference
+    from fusion import reference
+    from fusion.backends import deterministic
 
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
