@@ -8,8 +8,8 @@ symmetric-memory two-shot's limit), the Lamport one-shot's 512 rows; T = 1 ... 4
 counts just below and above each cut-off. Fixed random probe rows sit at a position that moves
 with T among T - 1 other random rows. For every T, every allowed strategy that fits T
 (``AllReduceFusion.run``), the dispatch's own choice, and, for a few T, each strategy captured
-in a CUDA graph and replayed: the probes' normed output and new residual must be bit-identical
-to each other, to every other T's, on both ranks; and within bf16 rounding of an fp32 reference
+in a CUDA graph and replayed: at each T every path's whole output must be bit-identical, and the
+probes' normed output and new residual bit-identical to every other T's, on both ranks; and within bf16 rounding of an fp32 reference
 (a wrong row is off by O(1)). Ranks sharing a GPU get the symmetric-memory stand-in for their
 gloo collectives (`fusion.enable_capturable_collectives`), so the nccl path is captured too.
 
@@ -90,9 +90,17 @@ def _sweep(rank, world, hidden):
     fusion.ensure_all(MAX_TOKENS)  # the Lamport one-shot (512 rows) and the two-shot too
     status = fusion.status()
     allowed = [Strategy(s) for s in status["deterministic_strategies"]]
-    probes, errors, picked, failures = {}, {}, {}, {}
+    probes, errors, picked, failures, differs = {}, {}, {}, {}, {}
+    first = {}  # per T: the first path's whole output, which every other path must equal bit for bit
 
     def keep(key, normed, residual_out, tokens, at):
+        whole = (_bits(normed).clone(), _bits(residual_out).clone())
+        if tokens not in first:
+            first[tokens] = whole
+        else:
+            n_diff = sum(int((a != b).sum()) for a, b in zip(whole, first[tokens]))
+            if n_diff:
+                differs[key] = n_diff
         n = min(PROBES, tokens)
         probes[key] = (_bits(normed[at:at + n]).cpu(), _bits(residual_out[at:at + n]).cpu())
         errors[key] = ((normed[at:at + n].float() - expected).norm() / expected.norm()).item()
@@ -118,6 +126,7 @@ def _sweep(rank, world, hidden):
     fits = {s.value: [t for t in TOKEN_COUNTS if fusion.backends[s].fits(t)] for s in allowed}
     fusion.destroy()
     return {"status": status, "probes": probes, "errors": errors, "picked": picked, "failures": failures,
+            "differs": differs,
             "fits": fits, "capturable": capturable, "shares_gpu": group.shares_gpu}
 
 
@@ -148,7 +157,8 @@ def test_every_allowed_strategy_is_set_up_and_flashinfer_is_left_out(swept):
 def test_rows_are_bit_identical_across_batches_strategies_graphs_and_ranks(swept):
     reference = swept[0]["probes"][("nccl", max(TOKEN_COUNTS))]
     compared = 0
-    for result in swept:
+    for result in swept:  # at each T every path's whole output equals the first path's
+        assert not result["differs"], f"elements differing from another strategy at the same T: {result['differs']}"
         for (name, tokens), (normed, residual_out) in result["probes"].items():
             n = normed.shape[0]
             assert torch.equal(residual_out, reference[1][:n]), f"{name} at T={tokens}: residual bits differ"
