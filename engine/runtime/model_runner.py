@@ -137,8 +137,9 @@ class ModelRunner:
 
     def _capturable_bytes(self, max_bs: int) -> int:
         """Bytes per rank of the largest collective a decode graph of ``max_bs`` runs: a
-        ``[batch, hidden]`` activation all-reduce (the greedy tokens' pairs are smaller)."""
-        return capture_sizes(max_bs)[-1] * max(self.config.hidden_size * self.dtype.itemsize, 8)
+        ``[batch, hidden]`` activation all-reduce (the greedy tokens' pairs are smaller); at
+        least 1 MiB, so that a small model's buffer has room to spare."""
+        return max(capture_sizes(max_bs)[-1] * max(self.config.hidden_size * self.dtype.itemsize, 8), 1 << 20)
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
