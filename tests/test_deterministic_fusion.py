@@ -23,7 +23,6 @@ import torch
 
 from fusion import FusionConfig, Strategy, reference
 from fusion.backends import deterministic
-from layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
