@@ -27,10 +27,8 @@ TILE_ELEMENTS = 4096  # CHUNK * next_power_of_2(E): one-hot tiles of 32 register
 
 
 @triton.jit
-def align_slots(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num_slots, num_experts, max_rows,
-                max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """The grouping of the module docstring by the calling program alone (also the tail of the
-    routing kernel in layers/moe/kernels/triton_router.py, which calls it on the ids it wrote)."""
+def _align_kernel(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num_slots, num_experts, max_rows,
+                  max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -58,19 +56,6 @@ def align_slots(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num_s
         next_row += tl.sum(onehot, axis=0)
 
 
-@triton.jit
-def _align_kernel(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num_slots, num_experts, max_rows,
-                  max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    align_slots(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num_slots, num_experts, max_rows,
-                max_blocks, BLOCK_M, BLOCK_E, CHUNK)
-
-
-def align_tiles(num_experts: int) -> tuple[int, int]:
-    """``(BLOCK_E, CHUNK)`` of `align_slots` for ``num_experts``."""
-    block_e = triton.next_power_of_2(num_experts)
-    return block_e, max(16, TILE_ELEMENTS // block_e)
-
-
 def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """`layers.moe.align.align_by_expert` in one launch (module docstring); the same tensors,
     equal element for element. No host synchronisation."""
@@ -80,7 +65,8 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     sorted_slots = torch.empty(max_rows, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=flat.device)
     num_rows = torch.empty(1, dtype=torch.int32, device=flat.device)
-    block_e, chunk = align_tiles(num_experts)
+    block_e = triton.next_power_of_2(num_experts)
+    chunk = max(16, TILE_ELEMENTS // block_e)
     _align_kernel[(1,)](flat, sorted_slots, block_expert, num_rows, num_slots, num_experts, max_rows,
                         block_expert.numel(), BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
     return ExpertBlocks(sorted_slots, block_expert, num_rows, block_m)
