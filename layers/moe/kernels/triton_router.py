@@ -21,7 +21,10 @@ alignment cost one launch per layer. Larger batches take two launches (the parti
 grid, then their sum and the selection by blocks of tokens) and fused_moe's own alignment.
 
 Every tile size is fixed (never chosen by the token count), so a token's logits, weights and ids
-are the same bits whatever batch it is in and whichever path runs.
+are the same bits whatever batch it is in and whichever path runs. The loops over the k rounds and
+the splits are not unrolled, to keep the last program's code short: inside a decode step the
+launch took about twice its time alone (measured with the rounds unrolled), which instruction
+caches emptied by the kernels between two routing launches would explain (a guess, not measured).
 
 Why our own kernel: flashinfer 0.7.2's routing (``trtllm_gen_routing``, the routing inside
 ``trtllm_bf16_moe``, ``alphamoe_fused_router``) belongs to its trtllm-gen / AlphaMoE fused-MoE
@@ -59,7 +62,7 @@ def _sum_partials(part_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K: tl.con
     mask = (offs_t < tokens)[:, None] & (experts < num_experts)[None, :]
     offs = offs_t[:, None].to(tl.int64) * num_experts + experts[None, :]
     logits = tl.zeros([SELECT_T, E_POW2], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in range(SPLIT_K):
         logits += tl.load(part_ptr + s * tokens * num_experts + offs, mask=mask, other=0.0, cache_modifier=".cg")
     tl.store(logits_ptr + offs, logits, mask=mask)
     return tl.where((experts < num_experts)[None, :], logits, float("-inf"))
@@ -83,7 +86,7 @@ def _select_rows(logits, weights_ptr, ids_ptr, t0, tokens, num_experts, TOPK: tl
     sel_w = tl.zeros([SELECT_T, K_POW2], dtype=tl.float32)
     sel_id = tl.zeros([SELECT_T, K_POW2], dtype=tl.int32)
     open_ = (experts < num_experts)[None, :] & (logits == logits)  # not taken yet; a NaN logit never is
-    for j in tl.static_range(TOPK):
+    for j in range(TOPK):
         best = tl.max(tl.where(open_, logits, float("-inf")), axis=1)
         idx = tl.min(tl.where(open_ & (logits == best[:, None]), experts[None, :], E_POW2), axis=1)
         if LIBDEVICE_EXP:  # the softmax numerator of the chosen logit: the same op on the same value
@@ -134,7 +137,7 @@ def _group_by_expert(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, 
         t_mask = offs_t < tokens
         taken = tl.zeros([SELECT_T, E_POW2], dtype=tl.int32)
         slot = tl.zeros([SELECT_T, E_POW2], dtype=tl.int32)
-        for j in tl.static_range(TOPK):
+        for j in range(TOPK):
             ids = tl.load(ids_ptr + offs_t * TOPK + j, mask=t_mask, other=-1)
             hit = experts[None, :] == ids[:, None]
             taken += hit.to(tl.int32)
