@@ -129,3 +129,16 @@ def test_bad_inputs_are_named():
         route_triton(h, weight, 2, True, counter.long())
     with pytest.raises(ValueError, match="fp32"):
         select_experts_triton(torch.randn(3, 8).bfloat16(), 2, True)
+
+
+def test_fused_moe_refuses_blocks_of_another_size():
+    """Blocks grouped for another block_m (or slot count) are refused before any launch."""
+    from layers.moe.kernels.triton_fused_moe import default_block_config, fused_moe
+
+    x, w13, w2 = torch.randn(3, 16), torch.randn(8, 24, 16), torch.randn(8, 16, 12)
+    weights, ids = select_experts(torch.randn(3, 8), 2, True)
+    block_m = default_block_config(6, 8).block_m
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, w13, w2, weights, ids, blocks=align_by_expert(ids, 8, 2 * block_m))
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, w13, w2, weights, ids, blocks=align_by_expert(ids[:2], 8, block_m))

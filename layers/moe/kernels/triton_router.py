@@ -46,10 +46,10 @@ from layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
 FUSED_MAX_TOKENS = 256  # the last program selects every token alone: its time grows with tokens x experts
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
 SPLIT_WIDTH = 2 * BLOCK_K  # hidden columns per program: many short programs keep many loads in flight
-SELECT_ELEMENTS = 2048  # tokens x next_power_of_2(E) logits per selection step: 8 per thread at NUM_WARPS
+SELECT_ELEMENTS = 1024  # tokens x next_power_of_2(E) logits per selection step: 8 per thread at NUM_WARPS
 FILL = 1024  # sentinel rows written per step
 BLOCK_ELEMENTS = 8192  # blocks x next_power_of_2(E) comparisons per step of the block -> expert map
-NUM_WARPS = 8  # a few rows of logits per warp: short dependent chains of reductions
+NUM_WARPS = 4  # two rows of logits per warp at 128 experts: short chains of in-warp reductions
 
 
 @triton.jit
