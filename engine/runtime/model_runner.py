@@ -6,6 +6,8 @@ weights (on every rank, or refused on every rank: `engine.runtime.load_agreement
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
 of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
+With ``deterministic`` every forward and every graph capture runs in batch-invariant mode
+(`layers.batch_invariant`): a sequence's logits do not depend on what else is in its batch.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
+from layers.batch_invariant import batch_invariant_mode, set_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class RunnerSettings:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     fusion: FusionConfig = FusionConfig()
+    deterministic: bool = False  # batch-invariant ops in every forward (layers.batch_invariant)
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
 
 
@@ -84,6 +88,8 @@ class ModelRunner:
         self.settings = settings
         self.group = group
         self.device = group.device
+        self.deterministic = settings.deterministic
+        set_enabled(self.deterministic)
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
         start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
@@ -133,7 +139,8 @@ class ModelRunner:
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
         self.fusion.reserve(capture_sizes(max_bs)[-1])
-        return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
+        with batch_invariant_mode(self.deterministic):
+            return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
 
     @property
     def num_kv_slots(self) -> int:
@@ -168,9 +175,12 @@ class ModelRunner:
 
     def reconfigure_fusion(self, config: FusionConfig) -> None:
         """Collective: give the model's fusion op a new config (e.g. off -> on in one benchmark
-        run) and recapture the decode graphs, which baked the old decisions in."""
+        run) and recapture the decode graphs, which baked the old decisions in. Batch-invariant
+        mode follows ``config.deterministic``."""
         if self.graphs is not None:
             self.graphs.destroy()
+        self.deterministic = config.deterministic
+        set_enabled(self.deterministic)
         self.fusion.reconfigure(config)
         if self.graphs is not None:
             self.graphs = self._capture_graphs(self.graphs.sizes[-1])
@@ -183,6 +193,10 @@ class ModelRunner:
         step replayed from a CUDA graph returns the graph's static output buffers: the values
         are valid until the next forward (copy them to keep them). Follow it with
         `commit_tokens` when the plan's next tokens are to come from the device."""
+        with batch_invariant_mode(self.deterministic):
+            return self._forward(plan)
+
+    def _forward(self, plan: StepPlan) -> StepLogits:
         prompt: tuple[TokenLogprobs, ...] = ()
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
