@@ -100,7 +100,8 @@ def _attention_reference(q, keys, values, q_pos, scale):
 
 def test_attention_matches_torch_and_rows_depend_on_their_prefix_only():
     heads, kv_heads, dim, n = 8, 4, 16, 150
-    q, keys, values = _seeded(n, heads, dim, seed=12), _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
+    q = _seeded(n, heads, dim, seed=12)
+    keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
     pos = torch.arange(n)
     out = attend_sequence(q, keys, values, pos, 0.25)
     torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)

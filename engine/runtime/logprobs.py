@@ -54,7 +54,10 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> TokenLogprobs:
     """``logits`` fp32 ``[N, V]``, ``tokens`` int64 ``[N]`` (the chosen ones) -> their
     log-probabilities and each row's ``top_k`` most likely tokens (the module docstring)."""
-    logp = batch_invariant.log_softmax(logits) if batch_invariant.enabled() else torch.log_softmax(logits.float(), dim=-1)
+    if batch_invariant.enabled():
+        logp = batch_invariant.log_softmax(logits)
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     top_logprobs, top_ids = torch.topk(logp, top_k, dim=-1)
     return TokenLogprobs(chosen, top_ids, top_logprobs)
