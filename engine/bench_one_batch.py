@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fusion", nargs="+", choices=SETTINGS, default=["off", "on"],
                        help="settings to measure, in order: off (unfused), on (the fused path with the strategy table), "
                             "builtin (the fused path with the built-in rule, no table) (default: off on)")
-    bench.add_argument("--deterministic", nargs="+", choices=MODES, default=["off"],
+    bench.add_argument("--deterministic", dest="deterministic_modes", nargs="+", choices=MODES, default=["off"],
                        help="batch-invariant mode (a server's --deterministic) for each setting, in order: off, on, or "
                             "both to measure its cost side by side (default: off)")
     bench.add_argument("--json-file", help="append the results as one JSON object per line (default: none)")
@@ -126,11 +126,11 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
     configs = {"off": replace(base, enabled=False), "on": replace(base, enabled=True),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     decode_tokens = max(args.output_len, PROFILE_STEPS + 2) if args.profile else args.output_len
-    runs_of = [(setting, mode == "on") for mode in args.deterministic for setting in args.fusion]
+    runs_of = [(setting, mode == "on") for mode in args.deterministic_modes for setting in args.fusion]
     first = replace(configs[runs_of[0][0]], deterministic=runs_of[0][1])
     settings = replace(runner_settings(server), context_length=args.input_len + decode_tokens,
                        max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
-                       fusion=first, deterministic=first.deterministic)
+                       fusion=first)
     runner = ModelRunner(settings, group)
     results = []
     try:
@@ -190,7 +190,7 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     ``off`` in the same mode; with both modes, the cost of batch-invariant mode per setting
     (TPOT and prefill of mode on / mode off)."""
     by = {(_label(r["fusion"], r.get("deterministic", False)), r["batch_size"]): r for r in results}
-    modes = [m == "on" for m in args.deterministic]
+    modes = [m == "on" for m in args.deterministic_modes]
     measured = [_label(s, d) for d in modes for s in args.fusion]
     compared = [(_label(s, d), _label("off", d)) for d in modes for s in args.fusion if s != "off"] \
         if "off" in args.fusion else []

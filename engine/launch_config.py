@@ -61,5 +61,5 @@ def runner_settings(args: ServerArgs) -> RunnerSettings:
         model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
         context_length=args.context_length, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph, fusion=fusion_config(args), deterministic=args.deterministic,
+        disable_cuda_graph=args.disable_cuda_graph, fusion=fusion_config(args),
     )

@@ -150,7 +150,9 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
 
         def serving() -> None:
             logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
-                        group.world_size, fusion_summary(runner.fusion.status()), startup_summary(runner.startup_s))
+                        group.world_size, fusion_summary(runner.fusion.status())
+                        + ("; deterministic (batch-invariant)" if runner.deterministic else ""),
+                        startup_summary(runner.startup_s))
 
         DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown), serving).run([sock])
     finally:

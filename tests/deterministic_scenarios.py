@@ -68,7 +68,7 @@ def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: s
 
     fusion = FusionConfig(enabled=True, backend=backend, deterministic=True)
     runner = ModelRunner(RunnerSettings(model_path="tiny", dtype=dtype, context_length=256, max_running_requests=40,
-                                        kv_slots=8192, fusion=fusion, deterministic=True), get_tp_group())
+                                        kv_slots=8192, fusion=fusion), get_tp_group())
     try:
         if rank != 0:
             follow_plans(runner)

@@ -6,8 +6,9 @@ weights (on every rank, or refused on every rank: `engine.runtime.load_agreement
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
 of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
-With ``deterministic`` every forward and every graph capture runs in batch-invariant mode
-(`layers.batch_invariant`): a sequence's logits do not depend on what else is in its batch.
+With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
+in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
+else is in its batch, and the fusion op keeps to its deterministic strategies.
 """
 from __future__ import annotations
 
@@ -52,7 +53,6 @@ class RunnerSettings:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     fusion: FusionConfig = FusionConfig()
-    deterministic: bool = False  # batch-invariant ops in every forward (layers.batch_invariant)
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
 
 
@@ -88,7 +88,7 @@ class ModelRunner:
         self.settings = settings
         self.group = group
         self.device = group.device
-        self.deterministic = settings.deterministic
+        self.deterministic = settings.fusion.deterministic
         set_enabled(self.deterministic)
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
         start = time.perf_counter()
