@@ -151,13 +151,17 @@ class Attention(nn.Module):
 
     def _attend_per_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              batch: AttentionBatch) -> torch.Tensor:
-        """Batch-invariant mode off the Triton path: each sequence's new queries (the last
-        ``extend_lens[i]`` of its ``seq_lens[i]`` positions; one in decode) by `attend_sequence`."""
-        out = torch.empty_like(q)
+        """Batch-invariant mode off the Triton path, by `attend_sequence`: a decode batch in one
+        call (each row over its own keys, padded to the longest sequence), an extend batch one
+        sequence at a time (its new queries, the last ``extend_lens[i]`` of ``seq_lens[i]``)."""
         seq_slots = _sequence_slots(batch)
-        new_counts = [1] * q.shape[0] if batch.is_decode else batch.extend_lens.tolist()
+        if batch.is_decode:
+            longest = int(batch.seq_lens.max())
+            slots = seq_slots[:, :longest]
+            return attend_sequence(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1, self.scale)
+        out = torch.empty_like(q)
         start = 0
-        for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), new_counts)):
+        for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
             slots = seq_slots[i, :seq_len]
             positions = torch.arange(seq_len - new, seq_len, device=q.device)
             out[start:start + new] = attend_sequence(q[start:start + new], k_cache[slots], v_cache[slots], positions,

@@ -28,24 +28,29 @@ WORK_ELEMENTS = 1 << 24  # fp32 elements of the [queries, H, keys, D] products h
 
 def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """``q [t, H, D]`` at positions ``q_pos [t]`` over ``keys, values [n, KVH, D]`` (positions
-    0 ... n-1, causal: key j visible to query i iff j <= q_pos[i]) -> ``[t, H, D]`` in q's dtype
-    (the module docstring). Reads only."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
+    """``q [t, H, D]`` at positions ``q_pos [t]`` over ``keys, values``: ``[n, KVH, D]`` shared by
+    the t queries (one sequence), or ``[t, n, KVH, D]``, one set per query (a decode batch, each
+    row its own sequence's keys, padded to n with anything finite or not: masked). Key j is
+    visible to query i iff j <= q_pos[i]. Returns ``[t, H, D]`` in q's dtype (the module
+    docstring). Reads only."""
+    if keys.dim() == 3:
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    heads, kv_heads = q.shape[1], keys.shape[2]
     group = heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=1).permute(1, 0, 2)  # [H, n, D]
-    v = values.float().repeat_interleave(group, dim=1).permute(1, 2, 0)  # [H, D, n]
-    n, dim = keys.shape[0], keys.shape[2]
+    k = keys.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # [1 or t, H, n, D]
+    v = values.float().repeat_interleave(group, dim=2).permute(0, 2, 3, 1)  # [1 or t, H, D, n]
+    n, dim = keys.shape[1], keys.shape[3]
     rows = max(1, WORK_ELEMENTS // (heads * n * dim))
     key_pos = torch.arange(n, device=q.device)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start in range(0, q.shape[0], rows):
         qi = q[start:start + rows].float()  # [r, H, D]
+        ki, vi = (k, v) if k.shape[0] == 1 else (k[start:start + rows], v[start:start + rows])
         visible = (key_pos[None, :] <= q_pos[start:start + rows, None])[:, None, :]  # [r, 1, n]
-        scores = tree_sum(qi[:, :, None, :] * k[None]) * scale  # [r, H, n]
+        scores = tree_sum(qi[:, :, None, :] * ki) * scale  # [r, H, n]
         scores = scores.masked_fill(~visible, float("-inf"))
         weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         weights = torch.where(visible, weights, torch.zeros_like(weights))
-        weighted = torch.where(visible[:, :, None, :], weights[:, :, None, :] * v[None], 0.0)  # [r, H, D, n]
+        weighted = torch.where(visible[:, :, None, :], weights[:, :, None, :] * vi, 0.0)  # [r, H, D, n]
         out[start:start + rows] = tree_sum(weighted) / tree_sum(weights)[:, :, None]
     return out.to(q.dtype)

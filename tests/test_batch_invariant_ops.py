@@ -111,6 +111,23 @@ def test_attention_matches_torch_and_rows_depend_on_their_prefix_only():
         assert torch.equal(part, out[start:end]), (start, end, keys_seen)
 
 
+def test_a_decode_batch_of_padded_sequences_gives_each_row_its_own_bits():
+    heads, kv_heads, dim = 8, 4, 16
+    lens = [1, 40, 129, 7, 64]
+    longest = max(lens)
+    keys = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=20 + n), (0, 0, 0, 0, 0, longest - n), value=float("nan"))
+                        for n in lens])  # [B, longest, KVH, D], NaN past each sequence's length
+    values = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=40 + n), (0, 0, 0, 0, 0, longest - n), value=1e30)
+                          for n in lens])
+    q = _seeded(len(lens), heads, dim, seed=15)
+    batched = attend_sequence(q, keys, values, torch.tensor(lens) - 1, 0.25)
+    for i, n in enumerate(lens):
+        alone = attend_sequence(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)
+        assert torch.equal(batched[i:i + 1], alone), n
+        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys[i, :n], values[i, :n],
+                                                               torch.tensor([n - 1]), 0.25), rtol=1e-5, atol=1e-5)
+
+
 MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
 
 
