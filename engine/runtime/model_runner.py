@@ -125,6 +125,9 @@ class ModelRunner:
         self.context_len = requested
         self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
         self.model = build_model(config, self.fusion, self.dtype, self.device)
+        if self.deterministic and config.num_experts and self.group.rank == 0:
+            logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
+                           "outputs may still depend on the batch")
         self.model.load_weights(weights)
         self.model.eval()
 
