@@ -19,12 +19,12 @@ static shapes (all sequences' keys gathered to ``[B, max_context, ...]`` and mas
 
 Batch-invariant mode (`layers.batch_invariant`): on GPU, decode takes a fixed number of splits
 (`DETERMINISTIC_DECODE_SPLITS`, so a sequence's key chunks depend on its length only, not on
-the batch) and extend runs unchanged (one program per block of a sequence's tokens, over keys in
-blocks of a size fixed by dtype and head dim, aligned at key 0: a row's blocks and their order
-depend on its position only, and fully masked blocks leave its running sums exactly as they
-were). On CPU both run `layers.batch_invariant_attention.attend_sequence` one sequence at a
-time, whose rows depend on nothing else (a prompt row and the same position decoded give the
-same bits).
+the batch) and extend takes every key block through its masked step (``mask_all``: one program
+per block of a sequence's tokens, over keys in blocks of a size fixed by dtype and head dim,
+aligned at key 0, each block by one instruction sequence: a row's blocks and their order depend
+on its position only, and blocks past it leave its running sums exactly as they were). On CPU
+both run `layers.batch_invariant_attention.attend_sequence`, whose rows depend on nothing else
+(a prompt row and the same position decoded give the same bits).
 """
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ class Attention(nn.Module):
             from layers.kernels.triton_extend_attention import extend_attention
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
-                                    self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len)
+                                    self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len,
+                                    mask_all=batch_invariant.enabled())
         if batch_invariant.enabled():
             return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._extend_torch(q, k_cache, v_cache, batch)
