@@ -1,7 +1,7 @@
 """The batch-invariant Triton matmul (layers/kernels/triton_bi_matmul.py) against cuBLAS
 (``F.linear``) on one GPU, at llama3-8b TP1 GEMM shapes (bf16) and decode/prefill row counts.
-Each time is the median of CUDA-graph replays of 20 calls (µs per call); the weights of 20
-calls exceed L2, as in a forward. Also checks, per shape, that row 0's bits are the same at
+Each time is the median of CUDA-graph replays of up to 20 calls on distinct weights, at most
+200 MiB of them (µs per call): more than L2 holds, as in a forward. Also checks, per shape, that row 0's bits are the same at
 every M (a failed check is printed, not hidden).
 
     python -m benchmarks.kernels.bench_bi_matmul --rows 1 32 128 2048 --json-file out.json
@@ -25,7 +25,7 @@ CALLS = 20
 
 
 def time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: list, ws: list) -> float:
-    """Median µs per call over CUDA-graph replays of ``CALLS`` calls on distinct weights."""
+    """Median µs per call over CUDA-graph replays of one call per weight in ``ws``."""
     for x, w in zip(xs, ws):
         fn(x, w)
     torch.cuda.synchronize()
