@@ -153,11 +153,12 @@ class Attention(nn.Module):
     def _attend_per_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              batch: AttentionBatch) -> torch.Tensor:
         """Batch-invariant mode off the Triton path, by `attend_sequence`: a decode batch in one
-        call (each row over its own keys, padded to the longest sequence), an extend batch one
-        sequence at a time (its new queries, the last ``extend_lens[i]`` of ``seq_lens[i]``)."""
+        call (each row over its own keys, padded to the longest sequence, or on a GPU to the
+        table's width), an extend batch one sequence at a time (its new queries, the last
+        ``extend_lens[i]`` of ``seq_lens[i]``)."""
         seq_slots = _sequence_slots(batch)
-        if batch.is_decode:
-            longest = int(batch.seq_lens.max())
+        if batch.is_decode:  # on a GPU the whole width: no host sync, so a CUDA graph can capture it
+            longest = seq_slots.shape[1] if q.is_cuda else int(batch.seq_lens.max())
             slots = seq_slots[:, :longest]
             return attend_sequence(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1, self.scale)
         out = torch.empty_like(q)
