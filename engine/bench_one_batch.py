@@ -8,6 +8,9 @@ same static batches).
 Settings (``--fusion``, any of): ``off`` (NCCL + fused_add_rmsnorm), ``on`` (the fused path as
 a server runs it: the measured strategy table, packaged or ``--allreduce-fusion-table``) and
 ``builtin`` (the fused path with the built-in rule, no table). Gains are against ``off``.
+``--deterministic off on`` measures each setting in the default mode and in batch-invariant mode
+(``--deterministic`` of a server) side by side in the same run and reports the cost of the
+latter as ratios (``TPOT det/default``, ``prefill det/default``: mode on / mode off).
 
 Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed until its tokens
 reach the host), then ``output_len - 1`` greedy decode steps (CUDA-graph replays on GPU), each
@@ -33,6 +36,7 @@ import torch
 
 logger = logging.getLogger("engine.bench_one_batch")
 SETTINGS = ("off", "on", "builtin")
+MODES = ("off", "on")  # --deterministic
 
 
 # The ServerArgs fields this benchmark reads (the engine is configured as a server configures
@@ -44,7 +48,7 @@ BENCH_FIELDS = (
     "tp_size", "dist_timeout",
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
-    "allreduce_fusion_tuning_cache_dir", "deterministic",
+    "allreduce_fusion_tuning_cache_dir",
     "mem_fraction_static", "disable_cuda_graph", "disable_overlap_schedule",
     "log_level",
 )
@@ -67,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fusion", nargs="+", choices=SETTINGS, default=["off", "on"],
                        help="settings to measure, in order: off (unfused), on (the fused path with the strategy table), "
                             "builtin (the fused path with the built-in rule, no table) (default: off on)")
+    bench.add_argument("--deterministic", dest="deterministic_modes", nargs="+", choices=MODES, default=["off"],
+                       help="batch-invariant mode (a server's --deterministic) for each setting, in order: off, on, or "
+                            "both to measure its cost side by side (default: off)")
     bench.add_argument("--json-file", help="append the results as one JSON object per line (default: none)")
     bench.add_argument("--profile", action="store_true",
                        help="GPU only: after timing, profile 10 decode steps per batch size and setting and print the "
@@ -119,15 +126,18 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
     configs = {"off": replace(base, enabled=False), "on": replace(base, enabled=True),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     decode_tokens = max(args.output_len, PROFILE_STEPS + 2) if args.profile else args.output_len
+    runs_of = [(setting, mode == "on") for mode in args.deterministic_modes for setting in args.fusion]
+    first = replace(configs[runs_of[0][0]], deterministic=runs_of[0][1])
     settings = replace(runner_settings(server), context_length=args.input_len + decode_tokens,
                        max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
-                       fusion=configs[args.fusion[0]])
+                       fusion=first)
     runner = ModelRunner(settings, group)
     results = []
     try:
-        for setting in args.fusion:
-            if configs[setting] != runner.fusion.config:
-                runner.reconfigure_fusion(configs[setting])
+        for setting, deterministic in runs_of:
+            config = replace(configs[setting], deterministic=deterministic)
+            if config != runner.fusion.config:
+                runner.reconfigure_fusion(config)
             status = runner.fusion.status()
             for bs in args.batch_size:
                 # untimed: the caching allocator's blocks for this size, Triton compiles, first replays
@@ -136,7 +146,7 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
                 runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, server.seed + r,
                                 overlap) for r in range(args.repeats)]
                 results.append({
-                    "fusion": setting, "fusion_active": status["active"],
+                    "fusion": setting, "deterministic": deterministic, "fusion_active": status["active"],
                     "strategy_table": status["measured_strategy_table"],
                     "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs, "overlap": overlap,
                     "shared_gpu": group.shared_gpu_note,
@@ -150,7 +160,7 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str)
                                                 overlap=overlap)
                     results[-1]["profile"] = prof
                     if rank == 0:
-                        print(format_profile(prof, "fusion " + setting), flush=True)
+                        print(format_profile(prof, _label(setting, deterministic)), flush=True)
     finally:
         runner.destroy()
         destroy_tensor_parallel()
@@ -170,28 +180,44 @@ def report(server: Any, args: argparse.Namespace, results: list[dict[str, Any]])
             f.write(json.dumps({"args": {**server.model_dump(), **vars(args)}, "results": results}) + "\n")
 
 
+def _label(setting: str, deterministic: bool) -> str:
+    """A column's name: the fusion setting, with " det" in batch-invariant mode."""
+    return setting + (" det" if deterministic else "")
+
+
 def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
-    """Prefill ms and TPOT ms per batch size and setting; TPOT and prefill gains against ``off``."""
-    by = {(r["fusion"], r["batch_size"]): r for r in results}
-    measured = [s for s in args.fusion]
-    compared = [s for s in measured if s != "off"] if "off" in measured else []
+    """Prefill ms and TPOT ms per batch size and (setting, mode); TPOT and prefill gains against
+    ``off`` in the same mode; with both modes, the cost of batch-invariant mode per setting
+    (TPOT and prefill of mode on / mode off)."""
+    by = {(_label(r["fusion"], r.get("deterministic", False)), r["batch_size"]): r for r in results}
+    modes = [m == "on" for m in args.deterministic_modes]
+    measured = [_label(s, d) for d in modes for s in args.fusion]
+    compared = [(_label(s, d), _label("off", d)) for d in modes for s in args.fusion if s != "off"] \
+        if "off" in args.fusion else []
+    costs = [(_label(s, True), _label(s, False)) for s in args.fusion] if len(set(modes)) == 2 else []
     head = ([f"prefill {s}" for s in measured] + [f"TPOT {s}" for s in measured]
-            + [f"TPOT gain {s}" for s in compared] + [f"prefill gain {s}" for s in compared])
+            + [f"TPOT gain {s}" for s, _ in compared] + [f"prefill gain {s}" for s, _ in compared]
+            + [f"TPOT det/default {s}" for _, s in costs] + [f"prefill det/default {s}" for _, s in costs])
     schedule = "no overlap" if server.disable_overlap_schedule else "overlap"
     lines = [f"model={server.model_path} tp={server.tp_size} input_len={args.input_len} output_len={args.output_len} "
-             f"{schedule} (ms; gain = 1 - setting / off)",
+             f"{schedule} (ms; gain = 1 - setting / off; det/default = batch-invariant mode / default mode)",
              f"{'batch':>5} " + " ".join(f"{h:>17}" for h in head)]
     for bs in args.batch_size:
-        def cell(setting: str, key: str) -> str:
-            r = by.get((setting, bs))
+        def cell(label: str, key: str) -> str:
+            r = by.get((label, bs))
             return f"{r[key]:.3f}" if r else "-"
 
-        def gain(setting: str, key: str) -> str:
-            off, r = by.get(("off", bs)), by.get((setting, bs))
+        def gain(label: str, base: str, key: str) -> str:
+            off, r = by.get((base, bs)), by.get((label, bs))
             return f"{(1 - r[key] / off[key]) * 100:+.1f}%" if off and r else "-"
 
+        def ratio(label: str, base: str, key: str) -> str:
+            default, r = by.get((base, bs)), by.get((label, bs))
+            return f"{r[key] / default[key]:.3f}x" if default and r else "-"
+
         cells = ([cell(s, "prefill_ms") for s in measured] + [cell(s, "tpot_ms") for s in measured]
-                 + [gain(s, "tpot_ms") for s in compared] + [gain(s, "prefill_ms") for s in compared])
+                 + [gain(s, b, "tpot_ms") for s, b in compared] + [gain(s, b, "prefill_ms") for s, b in compared]
+                 + [ratio(s, b, "tpot_ms") for s, b in costs] + [ratio(s, b, "prefill_ms") for s, b in costs])
         shared = any(r.get("shared_gpu") for (_, b), r in by.items() if b == bs)
         lines.append(f"{bs:>5} " + " ".join(f"{c:>17}" for c in cells) + ("  shared GPU" if shared else ""))
     return "\n".join(lines)

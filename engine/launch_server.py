@@ -130,6 +130,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
         body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 
         def info() -> dict[str, Any]:
+            fusion = runner.fusion.status()
             return {
                 "server_args": args.model_dump(),
                 "model": {"name": model_name, "context_length": runner.context_len,
@@ -138,7 +139,10 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
                 "tp_spans_nodes": group.spans_nodes, "tp_shared_gpu": group.shared_gpu_note,
                 "kv_cache_slots": runner.num_kv_slots,
                 "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs else [],
-                "fusion": runner.fusion.status(), "load": scheduler.load(), "max_request_bytes": body_limit,
+                "fusion": fusion, "load": scheduler.load(), "max_request_bytes": body_limit,
+                # batch-invariant mode, and the fused strategies the dispatch may pick in it
+                "deterministic": runner.deterministic,
+                "deterministic_strategies": fusion.get("deterministic_strategies", []) if runner.deterministic else [],
             }
 
         engine = Engine(scheduler, tokenizer, model_name, info, supervisor.workers.alive,
@@ -154,7 +158,9 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
 
         def serving() -> None:
             logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
-                        group.world_size, fusion_summary(runner.fusion.status()), startup_summary(runner.startup_s))
+                        group.world_size, fusion_summary(runner.fusion.status())
+                        + ("; deterministic (batch-invariant)" if runner.deterministic else ""),
+                        startup_summary(runner.startup_s))
 
         DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown), serving).run([sock])
     finally:

@@ -16,6 +16,15 @@ On GPU (fp16/bf16, power-of-two head dim, triton) both modes run Triton kernels:
 (layers/kernels/triton_extend_attention.py). The torch paths, the references: decode batched with
 static shapes (all sequences' keys gathered to ``[B, max_context, ...]`` and masked by
 ``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask.
+
+Batch-invariant mode (`layers.batch_invariant`): on GPU, decode takes a fixed number of splits
+(`DETERMINISTIC_DECODE_SPLITS`, so a sequence's key chunks depend on its length only, not on
+the batch) and extend takes every key block through its masked step (``mask_all``: one program
+per block of a sequence's tokens, over keys in blocks of a size fixed by dtype and head dim,
+aligned at key 0, each block by one instruction sequence: a row's blocks and their order depend
+on its position only, and blocks past it leave its running sums exactly as they were). On CPU
+both run `layers.batch_invariant_attention.attend_sequence`, whose rows depend on nothing else
+(a prompt row and the same position decoded give the same bits).
 """
 from __future__ import annotations
 
@@ -25,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers import batch_invariant
+from layers.batch_invariant_attention import attend_sequence
 from layers.kernels.triton_support import triton_available
+
+# Batch-invariant mode on GPU: decode splits every sequence's keys into this many chunks (their
+# size a function of the sequence's length alone), whatever the batch
+DETERMINISTIC_DECODE_SPLITS = 16
 
 
 class AttentionBatch(Protocol):
@@ -95,8 +110,11 @@ class Attention(nn.Module):
         if self._uses_triton(q):
             from layers.kernels.triton_decode_attention import decode_attention
 
+            splits = DETERMINISTIC_DECODE_SPLITS if batch_invariant.enabled() else None
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
-                                    row_ids=batch.row_ids)
+                                    num_splits=splits, row_ids=batch.row_ids)
+        if batch_invariant.enabled():
+            return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._decode_torch(q, k_cache, v_cache, batch)
 
     def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,8 +144,32 @@ class Attention(nn.Module):
             from layers.kernels.triton_extend_attention import extend_attention
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
-                                    self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len)
+                                    self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len,
+                                    mask_all=batch_invariant.enabled())
+        if batch_invariant.enabled():
+            return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._extend_torch(q, k_cache, v_cache, batch)
+
+    def _attend_per_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             batch: AttentionBatch) -> torch.Tensor:
+        """Batch-invariant mode off the Triton path, by `attend_sequence`: a decode batch in one
+        call (each row over its own keys, padded to the longest sequence, or on a GPU to the
+        table's width), an extend batch one sequence at a time (its new queries, the last
+        ``extend_lens[i]`` of ``seq_lens[i]``)."""
+        seq_slots = _sequence_slots(batch)
+        if batch.is_decode:  # on a GPU the whole width: no host sync, so a CUDA graph can capture it
+            longest = seq_slots.shape[1] if q.is_cuda else int(batch.seq_lens.max())
+            slots = seq_slots[:, :longest]
+            return attend_sequence(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1, self.scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
+            slots = seq_slots[i, :seq_len]
+            positions = torch.arange(seq_len - new, seq_len, device=q.device)
+            out[start:start + new] = attend_sequence(q[start:start + new], k_cache[slots], v_cache[slots], positions,
+                                                     self.scale)
+            start += new
+        return out
 
     def _extend_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:

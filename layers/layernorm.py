@@ -8,6 +8,11 @@ On GPU with flashinfer the residual form runs flashinfer's ``fused_add_rmsnorm``
 (``residual`` receives the sum, ``x`` the normed output), as in vLLM and SGLang
 (`fusion.norm`). Fused with a TP all-reduce, the same norm runs through the model's fusion op
 (`layers.communicator.LayerCommunicator`).
+
+Batch-invariant mode (`layers.batch_invariant`) keeps flashinfer's kernels where they run (one
+CTA per row, launched from the hidden size alone: row-invariant); elsewhere the sum of squares
+is `layers.batch_invariant.tree_sum` (`rms_norm_reference`), so that no reduction kernel can
+split a row by the number of rows.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from fusion import norm
+from layers import batch_invariant
 
 NormOutput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -30,6 +36,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOutput:
+        if batch_invariant.enabled() and not norm.uses_flashinfer(x):
+            summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+            normed = batch_invariant.rms_norm_reference(summed, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
         if residual is None:
             return norm.rms_norm(x, self.weight, self.eps)
         return norm.add_rms_norm(x, residual, self.weight, self.eps)

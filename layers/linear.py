@@ -14,15 +14,16 @@
 Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it checks the full
 (unsharded) checkpoint tensor's shape, takes this rank's shard and copies it into ``param``
 (casting to the parameter's dtype). A shape mismatch raises ValueError with both shapes.
+The matmuls are `layers.batch_invariant.linear` (``F.linear`` unless batch-invariant mode is on).
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from layers import batch_invariant
 from layers.parallel_state import get_tp_group
 
 ShardId = Optional[Union[int, str]]
@@ -78,7 +79,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return batch_invariant.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -185,7 +186,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = batch_invariant.linear(x, self.weight, bias)
         if self.reduce_results:
             get_tp_group().all_reduce(out)
         return out

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers import batch_invariant
 from layers.linear import ShardId, check_shape, divide
 from layers.parallel_state import get_tp_group
 from layers.sharded_logits import ShardedLogits, sharded_logits
@@ -78,4 +79,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] ->`` this rank's slice ``h @ E_r^T [N, V/tp]`` alone (no collective)."""
-        return F.linear(hidden_states, self.weight)
+        return batch_invariant.linear(hidden_states, self.weight)

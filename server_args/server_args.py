@@ -61,7 +61,7 @@ class ServerArgs(BaseModel):
     allreduce_fusion_disable_pdl: bool = Field(False, description="Launch the flashinfer fused kernel without programmatic dependent launch")
     disable_allreduce_fusion_tuning: bool = Field(False, description="Do not measure the fusion strategies at start-up when no strategy table holds this GPU, TP size, hidden size and dtype (the built-in rule decides)")
     allreduce_fusion_tuning_cache_dir: Optional[str] = Field(None, description="Where start-up tuning caches its measured tables (default: ~/.cache/arfusion)")
-    deterministic: bool = Field(False, description="Keep NCCL's summation order: disables all-reduce fusion")
+    deterministic: bool = Field(False, description="Batch-invariant inference: a request's output (tokens, logprobs, prompt scores) has the same bits whatever else is batched with it and however its prompt is chunked; all-reduce fusion stays on (every fused strategy follows one numeric recipe)")
 
     # Memory and scheduling
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="Fraction of GPU memory for weights and KV cache")

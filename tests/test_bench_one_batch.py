@@ -28,6 +28,23 @@ def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
     assert not rows[("builtin", 1)]["strategy_table"]
 
 
+def test_bench_one_batch_measures_both_deterministic_modes_side_by_side(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
+         "--input-len", "6", "--output-len", "3", "--repeats", "1", "--fusion", "off", "on",
+         "--deterministic", "off", "on", "--json-file", str(out)],
+        capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for column in ("TPOT det/default on", "prefill det/default off", "TPOT gain on det", "prefill on det"):
+        assert column in proc.stdout, (column, proc.stdout)
+    record = json.loads(out.read_text().splitlines()[-1])
+    rows = {(r["fusion"], r["deterministic"], r["batch_size"]): r for r in record["results"]}
+    assert set(rows) == {(s, d, b) for s in ("off", "on") for d in (False, True) for b in (1, 3)}
+    assert all(r["tpot_ms"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
+    assert rows[("on", True, 1)]["fusion_active"], "batch-invariant mode keeps fusion on"
+
+
 def test_bench_one_batch_rejects_an_unknown_setting():
     proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--fusion", "fast"],
                           capture_output=True, text=True, timeout=300)
@@ -59,7 +76,7 @@ def test_help_lists_only_the_flags_it_uses(capsys):
     flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", proc.stdout))
     assert not flags & set(SERVER_ONLY), flags & set(SERVER_ONLY)
     assert {"--model-path", "--tp-size", "--allreduce-fusion-backend", "--disable-overlap-schedule", "--batch-size",
-            "--fusion"} <= flags
+            "--fusion", "--deterministic"} <= flags
     for flag in SERVER_ONLY:
         with pytest.raises(SystemExit) as exited:
             bench_one_batch.parse_args([flag, "1"])

@@ -115,6 +115,9 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
             again = extend_attention(q, k_cache, v_cache, req_to_token, seq_lens, extend_lens, scale,
                                      max_extend_len=bound, **blocks)
             check((case.name, "max_extend_len", bound == q.shape[0]), again, out, 0, 0)
+        masked = extend_attention(q, k_cache, v_cache, req_to_token, seq_lens, extend_lens, scale, mask_all=True,
+                                  **blocks)
+        check((case.name, "mask_all"), masked.float(), expected, *TOLERANCES[case.dtype])
 
     for seed, case in enumerate(ROW_ID_CASES, start=len(CASES)):
         q, k_cache, v_cache, req_to_token, seq_lens, extend_lens = make_case(case, seed)
@@ -136,10 +139,11 @@ def interpreted():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_matches_fp32_reference(interpreted, case):
-    """Against the reference; q ``[T, H, D]`` and a grid sized from ``max_extend_len`` (tight or
-    T) give the same bits as q ``[T, H*D]`` with the bound read from the device."""
+    """Against the reference (also with every key block masked, as in batch-invariant mode); q
+    ``[T, H, D]`` and a grid sized from ``max_extend_len`` (tight or T) give the same bits as q
+    ``[T, H*D]`` with the bound read from the device."""
     keys = [case.name, (case.name, "q [T, H, D]"), (case.name, "max_extend_len", False),
-            (case.name, "max_extend_len", True)]
+            (case.name, "max_extend_len", True), (case.name, "mask_all")]
     for key in keys:
         assert interpreted[key] is None, f"{key}: {interpreted[key]}"
 

@@ -12,7 +12,8 @@ scores the next chunk's first token, or is the row that samples the first output
 chunk ends the prompt. `prompt_logprobs` computes them from the chunk's hidden states in pieces
 of at most ``MAX_GATHERED`` logits (each piece: the LM head, a gather of the vocabulary shards at
 TP > 1, the log-softmax), so an echoed prompt of thousands of tokens never holds its ``[T, V]``
-logits at once.
+logits at once. In batch-invariant mode the log-softmax is `layers.batch_invariant.log_softmax`
+(its sum a fixed tree: a row's bits never depend on the other rows).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from layers import batch_invariant
 from layers.sharded_logits import gather_vocab
 
 MAX_GATHERED = 1 << 24  # fp32 logits gathered at once for prompt log-probabilities (64 MiB)
@@ -52,7 +54,10 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> TokenLogprobs:
     """``logits`` fp32 ``[N, V]``, ``tokens`` int64 ``[N]`` (the chosen ones) -> their
     log-probabilities and each row's ``top_k`` most likely tokens (the module docstring)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    if batch_invariant.enabled():
+        logp = batch_invariant.log_softmax(logits)
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     top_logprobs, top_ids = torch.topk(logp, top_k, dim=-1)
     return TokenLogprobs(chosen, top_ids, top_logprobs)

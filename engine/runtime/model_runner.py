@@ -6,6 +6,9 @@ weights (on every rank, or refused on every rank: `engine.runtime.load_agreement
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
 of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
+With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
+in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
+else is in its batch, and the fusion op keeps to its deterministic strategies.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.runtime.step_progress import StepProgress
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
+from layers.batch_invariant import batch_invariant_mode, set_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ class ModelRunner:
         self.settings = settings
         self.group = group
         self.device = group.device
+        self.deterministic = settings.fusion.deterministic
+        set_enabled(self.deterministic)
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         start = time.perf_counter()
@@ -126,6 +132,9 @@ class ModelRunner:
         self.context_len = requested
         self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
         self.model = build_model(config, self.fusion, self.dtype, self.device)
+        if self.deterministic and config.num_experts and self.group.rank == 0:
+            logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
+                           "outputs may still depend on the batch")
         self.model.load_weights(weights)
         self.model.eval()
 
@@ -146,7 +155,8 @@ class ModelRunner:
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
         self.fusion.reserve(capture_sizes(max_bs)[-1])
-        return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
+        with batch_invariant_mode(self.deterministic):
+            return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
 
     @property
     def num_kv_slots(self) -> int:
@@ -181,9 +191,12 @@ class ModelRunner:
 
     def reconfigure_fusion(self, config: FusionConfig) -> None:
         """Collective: give the model's fusion op a new config (e.g. off -> on in one benchmark
-        run) and recapture the decode graphs, which baked the old decisions in."""
+        run) and recapture the decode graphs, which baked the old decisions in. Batch-invariant
+        mode follows ``config.deterministic``."""
         if self.graphs is not None:
             self.graphs.destroy()
+        self.deterministic = config.deterministic
+        set_enabled(self.deterministic)
         self.fusion.reconfigure(config)
         if self.graphs is not None:
             self.graphs = self._capture_graphs(self.graphs.sizes[-1])
@@ -198,6 +211,10 @@ class ModelRunner:
         `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
         of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
         self.progress.begin()
+        with batch_invariant_mode(self.deterministic):
+            return self._forward(plan)
+
+    def _forward(self, plan: StepPlan) -> StepLogits:
         prompt: tuple[TokenLogprobs, ...] = ()
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)

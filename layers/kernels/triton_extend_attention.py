@@ -33,6 +33,11 @@ positions c_i + t0 ... c_i + t0 + BLOCK_T - 1, so
     keys [E, n_i)           past the causal limit of every row: never loaded
 
 Each row's first masked block holds its own position, so no row ever has only -inf scores.
+``mask_all`` (batch-invariant mode) takes every block through the masked step (F = 0): then a
+row's blocks run one instruction sequence whatever its token block's start t0 (which depends on
+how the prompt was chunked), where otherwise the compiler may contract the unmasked step's
+scale-and-subtract into one fused multiply-add that the masked step rounds in two; blocks past a
+row's position leave its running sums exactly as they were (p = 0, alpha = 1).
 Online softmax in base 2 (x = scale * log2(e) * q.k, exp2 for exp): running max m, running sum
 l = sum_j 2^(x_j - m), acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max
 grows; out = acc / l.
@@ -107,7 +112,7 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, Extend
                    stride_rb,
                    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr, UNMASKED_STEP: tl.constexpr):
     t0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_T  # the last blocks first
     kvh = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -130,7 +135,7 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, Extend
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        full_end = (prefix + t0) // BLOCK_N * BLOCK_N
+        full_end = (prefix + t0) // BLOCK_N * BLOCK_N * UNMASKED_STEP  # 0: every block masked
         for n0 in range(0, full_end, BLOCK_N):
             acc, l, m = _attend_block(acc, l, m, q, K, V, slot_row, n0, full_end, q_pos, kvh, qk_scale_log2,
                                       stride_ks, stride_kh, stride_vs, stride_vh,
@@ -219,7 +224,8 @@ def _read_max_extend_len(seq_lens: torch.Tensor, extend_lens: torch.Tensor, toke
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
                      row_ids: Optional[torch.Tensor] = None, max_extend_len: Optional[int] = None,
-                     block_m: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+                     block_m: Optional[int] = None, block_n: Optional[int] = None,
+                     mask_all: bool = False) -> torch.Tensor:
     """``out [T, H, D]``: causal attention of the T packed new tokens (``q [T, H*D]`` or
     ``[T, H, D]``, last dim contiguous, any token/head strides) over ``k_cache``/``v_cache``
     ``[num_slots, KVH, D]`` through ``req_to_token [B, C]`` (or ``[R, C]`` read at ``row_ids [B]``),
@@ -228,7 +234,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Reads only; returns a new tensor of q's dtype. ``max_extend_len``: a host int >=
     max(extend_lens) that sizes the grid without a host sync (its lengths are then not checked);
     None reads it from the device, once. ``block_m``/``block_n`` (powers of two >= 16) override
-    `choose_block_config` (tests, tuning). Requires 0 <= row_ids[i] < R and slots < num_slots
+    `choose_block_config` (tests, tuning). ``mask_all``: every key block through the masked step
+    (batch-invariant mode; the module docstring). Requires 0 <= row_ids[i] < R and slots < num_slots
     (not checked: that would read the tables)."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, extend_lens, row_ids)
     tokens = q.shape[0]
@@ -260,7 +267,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, HEADS=heads_per_program, HEAD_CHUNKS=head_chunks, HEAD_DIM=dim,
         BLOCK_M=config.block_m, BLOCK_T=block_t, BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_ROW_IDS=row_ids is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        UNMASKED_STEP=0 if mask_all else 1, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

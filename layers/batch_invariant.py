@@ -1,0 +1,116 @@
+"""Batch-invariant mode: the ops of a forward whose row results must not depend on the batch.
+
+Under ``--deterministic`` every op of the forward is row-independent: the bits of a row's output
+depend on that row's inputs only, never on how many other rows are in the call or what they
+hold. Off (the default) the engine runs its usual kernels, unchanged. The mode is a per-process
+switch: the model runner sets it when it starts (`set_enabled`: the sampler's log-probabilities
+follow it too) and around each forward and each CUDA-graph capture (`batch_invariant_mode`, so
+that runners of either mode can share a process); the ops ask `enabled()` when they run.
+
+    linear(x, W, b)     GPU: the Triton matmul of layers/kernels/triton_bi_matmul.py (tiling and
+                        split-K from (N, K) only). CPU: torch's matmul on x padded to a multiple
+                        of ROW_TILE rows. Measured with torch 2.13 (MKL, AVX-512, 1 and 2
+                        threads, fp32 and bf16): a row's bits differ between M = 1, 2, 3 (and
+                        5-7, 9-11 with 2 threads) and larger M, and agree for every multiple of 4
+                        from 4 to 256; so padding to 16 rows gives every row the same kernel.
+    tree_sum(x)         sum over the last dim by a fixed pairwise tree of elementwise adds
+                        (the length zero-padded to a power of two): exactly row-independent on
+                        every device, whatever the reduction kernels would choose
+    log_softmax(x)      x - m - log(tree_sum(exp(x - m))), m = the row max (exact in any order)
+    rms_norm_reference  x * rsqrt(tree_sum(x^2) / H + eps) * w in fp32: the plain norm layers
+                        off flashinfer's path (layers/layernorm.py; flashinfer's kernel is
+                        row-invariant: one CTA per row, launched from the hidden size only)
+
+Attention keeps its split sizes fixed in this mode (layers/attention.py), rotary embedding and
+the activations are elementwise, and greedy sampling is an exact argmax.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from layers.kernels.triton_support import triton_available
+
+ROW_TILE = 16  # CPU: rows are computed in a call whose row count is a multiple of this
+_ENABLED = [False]
+
+
+def enabled() -> bool:
+    """Whether batch-invariant mode is on in this process."""
+    return _ENABLED[0]
+
+
+def set_enabled(on: bool) -> None:
+    """Batch-invariant mode on or off for this process from now on."""
+    _ENABLED[0] = on
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool) -> Iterator[None]:
+    """Batch-invariant mode on (or off) inside the block; the previous setting is restored."""
+    previous = _ENABLED[0]
+    _ENABLED[0] = on
+    try:
+        yield
+    finally:
+        _ENABLED[0] = previous
+
+
+def uses_triton_matmul(x: torch.Tensor) -> bool:
+    """The GPU path of `linear`: a CUDA tensor of a float dtype, triton importable."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available()
+
+
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` on ``x [M, K]`` zero-padded to a multiple of `ROW_TILE` rows, then cut back
+    to M (the CPU path of `linear`); a new tensor."""
+    pad = -x.shape[0] % ROW_TILE
+    padded = F.pad(x, (0, 0, 0, pad)) if pad else x
+    return F.linear(padded, weight, bias)[:x.shape[0]]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` over the last dim of ``x``: ``F.linear`` when the mode is off,
+    else row-invariant (the module docstring). Returns a new tensor."""
+    if not enabled():
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    if uses_triton_matmul(flat):
+        from layers.kernels.triton_bi_matmul import matmul
+
+        out = matmul(flat.contiguous(), weight, bias)
+    else:
+        out = row_tiled_linear(flat, weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1)`` by a fixed pairwise tree: the last dim zero-padded to a power of two, then
+    halved by elementwise adds (``x[..., :h] + x[..., h:]``) until one element is left. Each
+    output element's additions and their order depend on the length of the last dim only."""
+    width = x.shape[-1]
+    size = 1 << max(0, (width - 1).bit_length())
+    if size != width:
+        x = F.pad(x, (0, size - width))
+    while size > 1:
+        size //= 2
+        x = x[..., :size] + x[..., size:]
+    return x[..., 0]
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-invariant ``log_softmax(x, -1)`` in fp32: ``x - m - log(tree_sum(exp(x - m)))``."""
+    x = x.float()
+    m = x.amax(dim=-1, keepdim=True)
+    shifted = x - m
+    return shifted - torch.log(tree_sum(torch.exp(shifted))).unsqueeze(-1)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(tree_sum(x^2) / H + eps) * weight`` in fp32, rounded to x's dtype; a new tensor."""
+    xf = x.float()
+    inv = torch.rsqrt(tree_sum(xf * xf) / x.shape[-1] + eps)
+    return (xf * inv.unsqueeze(-1) * weight.float()).to(x.dtype)

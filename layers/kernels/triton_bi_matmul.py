@@ -1,0 +1,142 @@
+"""A batch-invariant ``y = x @ W^T (+ b)`` in Triton: row m of ``y`` has the same bits whatever
+the number of rows M in the call and whatever the other rows hold.
+
+    y[m, n] = sum_{s < S} P_s[m, n] (+ b[n]),   P_s[m, n] = sum over K blocks k of split s, in order,
+                                                           of x[m, k] . W[n, k]   (fp32 accumulation)
+
+S splits of K (split s takes K columns [s*Ks, (s+1)*Ks), Ks = round_up(ceil(K / S), BLOCK_K)),
+each a ``tl.dot`` loop over BLOCK_K-wide blocks in increasing k; the partial sums P_s (fp32) are
+added in the fixed order s = 0, 1, ..., S-1 by a second kernel, which adds the bias in fp32 and
+rounds once to the output dtype (S = 1: the first kernel does that itself).
+
+Why it is row-invariant: the tile (BLOCK_M, BLOCK_N, BLOCK_K), the warps and stages and S are
+functions of (N, K) only (`choose_config`), never of M. A row is one row of a BLOCK_M tile;
+tensor-core products accumulate each output element over k inside the instruction, with no
+exchange between rows; rows past M load zeros and are not stored. So the sequence of operations
+that yields y[m, n] is the same for every M. cuBLAS instead picks its kernel, its tile and its
+split-K by M (a decode batch of 1 and of 32 round differently), which is why the default mode's
+GEMMs are not batch-invariant.
+
+Why our own kernel: torch (2.11-2.13) has no batch-invariant matmul mode (its deterministic
+algorithms are deterministic run to run, not invariant in M), triton ships only tutorials, and
+flashinfer has no dense bf16 GEMM with a fixed tiling; vLLM's and SGLang's batch-invariant
+GEMMs live inside those engines, not in a library we could depend on.
+
+Why split-K: a decode GEMM (M = 1 ... 128) with tiles over N alone has too few programs for an
+H200's 132 SMs at N = 4096 (64 tiles of 64 columns), so it cannot reach the memory-bandwidth
+floor; a fixed S reduced in a fixed order keeps the result a function of (N, K) alone.
+
+Effects: reads x, W and b; returns a new ``[M, N]`` tensor of x's dtype; with S > 1 uses an fp32
+scratch ``[S, M, N]``. Launch and buffers depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+TARGET_PROGRAMS = 256  # about two programs per SM of an H200 at M <= BLOCK_M
+MAX_SPLITS = 8
+MIN_SPLIT_K = 512  # a split keeps at least this many K columns
+
+
+class MatmulConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int  # S: K splits, reduced in order
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(n: int, k: int) -> MatmulConfig:
+    """The tiling for an ``[M, k] x [k, n]`` product, from (n, k) only: 64 x 64 x 128 tiles and
+    the fewest K splits (a power of two, at most MAX_SPLITS, each at least MIN_SPLIT_K columns)
+    that give TARGET_PROGRAMS programs per BLOCK_M rows."""
+    block_m, block_n, block_k = 64, 64, 128
+    tiles = triton.cdiv(n, block_n)
+    splits = 1
+    while tiles * splits < TARGET_PROGRAMS and splits < MAX_SPLITS and k // (2 * splits) >= MIN_SPLIT_K:
+        splits *= 2
+    return MatmulConfig(block_m, block_n, block_k, splits, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _matmul_kernel(X, W, Bias, Out, Part, M, N, K, split_k, stride_xm, stride_wn, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_end = tl.minimum((split + 1) * split_k, K)
+    for k0 in range(split * split_k, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_end
+        x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(Out.dtype.element_ty), mask=mask)
+    else:
+        rows = (split * M + offs_m).to(tl.int64)
+        tl.store(Part + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(Part, Bias, Out, M, N, stride_om, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = offs_n < N
+    acc = tl.load(Part + m.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(Part + (s * M + m).to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(Out + m.to(tl.int64) * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=n_mask)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           config: Optional[MatmulConfig] = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias [N])`` -> new ``[M, N]`` of x's dtype (module
+    docstring). ``x`` and ``weight`` need a contiguous last dimension and one dtype; ``config``
+    overrides `choose_config` (tests)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
+        raise ValueError(f"x, weight and bias must share one dtype and bias must be [N]; got {x.dtype}, "
+                         f"{weight.dtype}, {None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("x and weight need a contiguous last dimension, bias must be contiguous")
+    (m, k), n = x.shape, weight.shape[0]
+    cfg = config or choose_config(n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    split_k = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
+    part = out if cfg.splits == 1 else torch.empty(cfg.splits, m, n, dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
+    _matmul_kernel[grid](x, weight, bias_arg, out, part, m, n, k, split_k, x.stride(0), weight.stride(0),
+                         out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         SPLITS=cfg.splits, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+    if cfg.splits > 1:
+        block = 1024
+        _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, out, m, n, out.stride(0), SPLITS=cfg.splits,
+                                                   BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out

@@ -1,0 +1,48 @@
+"""Batch invariance of the whole engine under ``deterministic`` on the GPU: the tiny model in
+bf16 with CUDA graphs (TP1), and at TP2 (two GPUs, or two ranks sharing one) with flashinfer's
+all-reduce fusion on; the scenarios of tests/deterministic_scenarios.py. The target request's
+tokens and logprob bits must be the same alone, in batches of 2, 8 and 32 and among concurrent
+requests of other lengths; its prompt score's bits the same alone, under load, and in chunks of
+64 or whole. At TP2 every reduction must have run by a fused strategy, none by NCCL."""
+import functools
+
+import pytest
+
+from tests.deterministic_scenarios import BATCHES, NEW_TOKENS, TARGET, serve_scenarios
+from tests.dist_utils import gpu_world_size, run_distributed
+
+pytestmark = pytest.mark.timeout(900)
+WORLDS = [pytest.param(1, marks=pytest.mark.gpus(1)),
+          pytest.param(gpu_world_size(), marks=pytest.mark.tp_ranks(gpu_world_size()))]
+
+
+@functools.lru_cache(maxsize=None)
+def results(world_size: int) -> dict:
+    return run_distributed(serve_scenarios, world_size=world_size, args=("flashinfer", "bfloat16"),
+                           device_kind="cuda", timeout_s=800)[0]
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("scenario", ["alone_again", *(f"batch_{n}" for n in BATCHES), "concurrent"])
+def test_greedy_logprobs_are_bit_identical_whatever_the_batch(world_size: int, scenario: str):
+    r = results(world_size)
+    alone, other = r["alone"], r[scenario]
+    assert len(alone["tokens"]) == NEW_TOKENS and len(alone["logprobs"]) == NEW_TOKENS
+    assert other["tokens"] == alone["tokens"]
+    assert other["logprobs"] == alone["logprobs"], "bit-identical logprobs"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("scenario", ["score_loaded", "score_whole"])
+def test_the_prompt_score_is_bit_identical_under_load_and_in_chunks(world_size: int, scenario: str):
+    r = results(world_size)
+    alone = r["score_alone"]["prompt_logprobs"]
+    assert len(alone) == len(TARGET) - 1 and all(v <= 0 for v in alone)
+    assert r[scenario]["prompt_logprobs"] == alone
+
+
+@pytest.mark.tp_ranks(gpu_world_size())
+def test_tp_reductions_ran_fused():
+    r = results(gpu_world_size())
+    assert r["status"]["active"], r["status"]["reason_inactive"]
+    assert r["counts"].get("nccl", 0) == 0 and sum(r["counts"].values()) > 0, r["counts"]

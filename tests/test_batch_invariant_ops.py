@@ -1,0 +1,174 @@
+"""The batch-invariant ops (layers/batch_invariant.py, layers/batch_invariant_attention.py and the
+Triton matmul of layers/kernels/triton_bi_matmul.py under Triton's CPU interpreter): each against
+its torch reference within the stated tolerances, and each row's bits the same whatever the
+number of rows in the call and whatever the other rows hold. With the mode off, the layers'
+matmul is ``F.linear`` itself (same bits), so the default engine's numbers are unchanged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers import batch_invariant as bi
+from layers.batch_invariant_attention import attend_sequence
+from tests.dist_utils import run_under_triton_interpreter
+from tests.tolerances import TOLERANCES
+
+ROWS = (1, 2, 3, 5, 7, 11, 16, 33, 64, 129, 256)
+
+
+def _seeded(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _rows_invariant(fn, x: torch.Tensor, rows=ROWS) -> list[int]:
+    """The row counts M at which the first rows of ``fn(x[:M])`` differ in any bit from the same
+    rows computed one at a time, and from ``fn`` on those rows followed by other random rows."""
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(8)])
+    bad = []
+    for m in rows:
+        k = min(m, 8)
+        mixed = torch.cat([x[:k], _seeded(m - k, *x.shape[1:], seed=m, dtype=x.dtype)]) if m > k else x[:m]
+        if not (torch.equal(fn(x[:m])[:k], alone[:k]) and torch.equal(fn(mixed)[:k], alone[:k])):
+            bad.append(m)
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(64, 64), (192, 64), (512, 512), (1000, 300)])
+def test_cpu_linear_matches_torch_and_is_row_invariant(dtype, n, k):
+    w, b = _seeded(n, k, seed=1, dtype=dtype), _seeded(n, seed=2, dtype=dtype)
+    x = _seeded(256, k, seed=3, dtype=dtype)
+    with bi.batch_invariant_mode(True):
+        out = bi.linear(x, w, b)
+        assert _rows_invariant(lambda t: bi.linear(t, w, b), x) == []
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=rtol, atol=atol * 10)
+
+
+def test_torch_cpu_matmul_alone_is_not_row_invariant():
+    """Why the CPU path pads: torch's own matmul gives row 0 other bits at M = 1 than at M = 16
+    (measured with torch 2.13, MKL); if a torch release makes it row-invariant, this fails and
+    the padding can go."""
+    w, x = _seeded(512, 512, seed=4), _seeded(16, 512, seed=5)
+    assert not torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1])
+
+
+def test_mode_off_is_f_linear_and_the_mode_is_restored():
+    w, x = _seeded(96, 64, seed=6), _seeded(5, 3, 64, seed=7)
+    assert not bi.enabled()
+    assert torch.equal(bi.linear(x, w), F.linear(x, w))
+    with bi.batch_invariant_mode(True):
+        assert bi.enabled() and bi.linear(x, w).shape == (5, 3, 96)
+        with bi.batch_invariant_mode(False):
+            assert not bi.enabled()
+        assert bi.enabled()
+    assert not bi.enabled()
+
+
+@pytest.mark.parametrize("width", [1, 5, 64, 100, 264])
+def test_tree_sum_and_log_softmax(width):
+    x = _seeded(40, width, seed=width)
+    torch.testing.assert_close(bi.tree_sum(x), x.sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bi.log_softmax(x), torch.log_softmax(x, -1), rtol=1e-5, atol=1e-5)
+    assert _rows_invariant(bi.log_softmax, x, rows=(1, 2, 7, 40)) == []
+
+
+def test_tree_sum_ignores_trailing_zeros():
+    """The property attention relies on: zeros appended past the last value change no bit."""
+    x = _seeded(6, 37, seed=9)
+    for extra in (1, 27, 91, 300):
+        assert torch.equal(bi.tree_sum(F.pad(x, (0, extra))), bi.tree_sum(x))
+
+
+def test_rms_norm_reference():
+    x, w = _seeded(30, 96, seed=10), _seeded(96, seed=11)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(bi.rms_norm_reference(x, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
+    assert _rows_invariant(lambda t: bi.rms_norm_reference(t, w, 1e-6), x, rows=(1, 3, 30)) == []
+
+
+def _attention_reference(q, keys, values, q_pos, scale):
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, 1)
+    v = values.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,nhd->htn", q, k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= q_pos[:, None]
+    return torch.einsum("htn,nhd->thd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
+
+
+def test_attention_matches_torch_and_rows_depend_on_their_prefix_only():
+    heads, kv_heads, dim, n = 8, 4, 16, 150
+    q = _seeded(n, heads, dim, seed=12)
+    keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
+    pos = torch.arange(n)
+    out = attend_sequence(q, keys, values, pos, 0.25)
+    torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)
+    # a prefill chunk, a single decode row, and more keys past the rows' positions: the same bits
+    for start, end, keys_seen in ((0, 64, 64), (64, 128, 128), (100, 101, 101), (149, 150, 150), (10, 20, 150)):
+        part = attend_sequence(q[start:end], keys[:keys_seen], values[:keys_seen], pos[start:end], 0.25)
+        assert torch.equal(part, out[start:end]), (start, end, keys_seen)
+
+
+def test_a_decode_batch_of_padded_sequences_gives_each_row_its_own_bits():
+    heads, kv_heads, dim = 8, 4, 16
+    lens = [1, 40, 129, 7, 64]
+    longest = max(lens)
+    keys = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=20 + n), (0, 0, 0, 0, 0, longest - n), value=float("nan"))
+                        for n in lens])  # [B, longest, KVH, D], NaN past each sequence's length
+    values = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=40 + n), (0, 0, 0, 0, 0, longest - n), value=1e30)
+                          for n in lens])
+    q = _seeded(len(lens), heads, dim, seed=15)
+    batched = attend_sequence(q, keys, values, torch.tensor(lens) - 1, 0.25)
+    for i, n in enumerate(lens):
+        alone = attend_sequence(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)
+        assert torch.equal(batched[i:i + 1], alone), n
+        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys[i, :n], values[i, :n],
+                                                               torch.tensor([n - 1]), 0.25), rtol=1e-5, atol=1e-5)
+
+
+MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
+
+
+def _interpreted_matmul(rank: int, world_size: int) -> dict:
+    """In the TRITON_INTERPRET=1 child: per (n, k) and config, the max error against torch and
+    the row counts whose row 0 changes bits."""
+    from layers.kernels.triton_bi_matmul import MatmulConfig, choose_config, matmul
+
+    results = {}
+    for n, k in MATMUL_SHAPES:
+        w, b, x = _seeded(n, k, seed=n), _seeded(n, seed=k), _seeded(70, k, seed=n + k)
+        for splits in (1, 4):
+            cfg = MatmulConfig(16, 32, 32, splits, 4, 1)
+            out = matmul(x, w, b, cfg)
+            error = (out - F.linear(x, w, b)).abs().max().item()
+            row0 = matmul(x[:1], w, b, cfg)
+            bad = [m for m in (2, 5, 17, 70) if not torch.equal(matmul(x[:m], w, b, cfg)[:1], row0)]
+            results[(n, k, splits)] = (error, bad)
+        results[(n, k, "chosen")] = tuple(choose_config(n, k))
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted_matmul():
+    pytest.importorskip("triton")
+    return run_under_triton_interpreter(_interpreted_matmul)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n, k", MATMUL_SHAPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_matmul_matches_torch_and_is_row_invariant(interpreted_matmul, n, k, splits):
+    error, bad = interpreted_matmul[(n, k, splits)]
+    assert error < 1e-4 and bad == []
+
+
+def test_the_matmul_config_depends_on_n_and_k_only():
+    pytest.importorskip("triton")
+    from layers.kernels.triton_bi_matmul import MAX_SPLITS, choose_config
+
+    decode = choose_config(4096, 4096)
+    assert decode.splits > 1 and decode.splits <= MAX_SPLITS  # 64 column tiles: split K for the SMs
+    assert choose_config(128256, 4096).splits == 1  # the LM head has tiles enough
+    assert choose_config(4096, 256).splits == 1  # a short K is never split below MIN_SPLIT_K
