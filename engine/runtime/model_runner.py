@@ -5,17 +5,20 @@ Start-up order matters: the model's fusion op (no collective yet), the model bui
 weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
-of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
+of each phase; rank 0 logs the progress of the long ones (`engine.common.progress`: tensors and
+bytes loaded, graphs captured); `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from engine.common.progress import Progress, track
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.forward_batch import KVCache
@@ -119,7 +122,10 @@ class ModelRunner:
         self.context_len = requested
         self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
         self.model = build_model(config, self.fusion, self.dtype, self.device)
-        self.model.load_weights(weights)
+        expected = type(self.model).hf_weight_shapes(config)
+        total_bytes = sum(math.prod(shape) for shape in expected.values()) * self.dtype.itemsize
+        progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=self.group.rank == 0)
+        self.model.load_weights(track(weights, progress, lambda item: item[1].numel() * item[1].element_size()))
         self.model.eval()
 
     def _phase_done(self, phase: str, start: float) -> float:
@@ -133,7 +139,8 @@ class ModelRunner:
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
         self.fusion.reserve(capture_sizes(max_bs)[-1])
-        return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
+        return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
+                               log_progress=self.group.rank == 0)
 
     @property
     def num_kv_slots(self) -> int:
