@@ -121,12 +121,12 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
                               step_time_target_s=args.step_time_target_ms / 1000)
         if not args.skip_server_warmup:
             warm_up(runner, scheduler.policy.max_extend_tokens)  # before the scheduler's first plan and before /health
-            budget = scheduler.policy.budget
-            if budget is not None and budget.target_s:
-                budget.start_from(measure_step_cost(runner, budget.max_tokens, budget.target_s))
-                logger.info("step cost: %.1f ms + %.3f ms per token: prompt tokens per step %d (target %g ms)",
-                            budget.cost.fixed_s * 1e3, budget.cost.per_token_s * 1e3, budget.prompt_tokens(0),
-                            args.step_time_target_ms)
+        budget = scheduler.policy.budget
+        if budget is not None and budget.target_s:  # the step cost, measured once warm
+            cost = measure_step_cost(runner, budget.max_tokens, budget.target_s)
+            budget.start_from(cost)
+            logger.info("step cost %.1f ms + %.3f ms per token: %d prompt tokens per step (target %g ms)",
+                        cost.fixed_s * 1e3, cost.per_token_s * 1e3, budget.prompt_tokens(0), args.step_time_target_ms)
         model_name = args.served_model_name or args.model_path
         body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 

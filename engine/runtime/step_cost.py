@@ -25,13 +25,17 @@ from engine.runtime.model_runner import ModelRunner
 from engine.runtime.step_plan import StepPlan
 from engine.runtime.warm_up import SCRATCH_SLOT, run_plans
 
+MIN_MEASURED_TOKENS = 16  # the start-up measurement goes at least this far
+
 
 @dataclass(frozen=True)
 class StepCost:
-    """``seconds(T) = fixed_s + per_token_s * T`` (module docstring); both >= 0, per_token_s > 0."""
+    """``seconds(T) = fixed_s + per_token_s * T`` (module docstring); both >= 0, per_token_s > 0.
+    ``largest_step``: the most tokens of a step it was measured on (0: not measured)."""
 
     fixed_s: float
     per_token_s: float
+    largest_step: int = 0
 
     def seconds(self, tokens: int) -> float:
         return self.fixed_s + self.per_token_s * tokens
@@ -48,7 +52,7 @@ class StepCost:
         slope = sum((t - mean_t) * (s - mean_s) for t, s in zip(tokens, seconds)) / var
         per_token = max(slope, 1e-9)
         fixed = min(max(mean_s - per_token * mean_t, 0.0), min(seconds))
-        return StepCost(fixed, per_token)
+        return StepCost(fixed, per_token, max(tokens))
 
 
 class StepTiming:
@@ -87,22 +91,26 @@ class StepTimer:
         return StepTiming(self.device)
 
 
-def measure_step_cost(runner: ModelRunner, max_tokens: int, target_s: float) -> StepCost:
-    """Collective, on TP rank 0 after the warm-up, while the other ranks wait in their plan loop:
+def measure_step_cost(runner: ModelRunner, max_tokens: int, target_s: float, repeats: int = 2) -> StepCost:
+    """Collective, on TP rank 0 before serving, while the other ranks wait in their plan loop:
     time prefill steps of 1, 2, 4, ... tokens (one fresh prompt each, on the scratch slot like the
-    warm-up), up to ``max_tokens`` or the first step that lasts ``target_s`` or more, and fit a
-    `StepCost` to them. Leaves the request table and every KV slot but the scratch slot as they were."""
-    sizes, times = [], []
+    warm-up; each size ``repeats`` times, its fastest kept), up to ``max_tokens`` tokens or the
+    first size of at least `MIN_MEASURED_TOKENS` that lasts ``target_s`` and twice as long as one
+    token (so that the per-token cost shows above the noise), and fit a `StepCost` to them.
+    Leaves the request table and every KV slot but the scratch slot as they were."""
+    sizes: list[int] = []
+    times: list[float] = []
+    limit = min(max_tokens, runner.context_len)
     tokens = 1
     while True:
+        ids = [(7 * i + 3) % runner.config.vocab_size for i in range(tokens)]
+        plan = StepPlan("extend", rows=[runner.table.pad_row], new_tokens=[ids], new_slots=[[SCRATCH_SLOT] * tokens],
+                        seq_lens=[tokens])
         sizes.append(tokens)
-        plan = StepPlan("extend", rows=[runner.table.pad_row], new_tokens=[[(7 * i + 3) % runner.config.vocab_size
-                                                                            for i in range(tokens)]],
-                        new_slots=[[SCRATCH_SLOT] * tokens], seq_lens=[tokens])
-        times.append(run_plans(runner, [plan])[0])
-        if tokens >= max_tokens or times[-1] >= target_s or tokens >= runner.context_len:
+        times.append(min(run_plans(runner, [plan] * repeats)))
+        if tokens >= limit or (tokens >= MIN_MEASURED_TOKENS and times[-1] >= max(target_s, 2 * times[0])):
             break
-        tokens = min(2 * tokens, max_tokens, runner.context_len)
-    if len(sizes) == 1:  # one token is already the most a step can take
-        return StepCost(0.0, times[0])
+        tokens = min(2 * tokens, limit)
+    if len(sizes) == 1:  # one token is the most a step can take
+        return StepCost(0.0, times[0], 1)
     return StepCost.fit(sizes, times)
