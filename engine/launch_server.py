@@ -12,9 +12,12 @@ misses its heartbeat (`engine.runtime.heartbeat`), and 200 again once it beats.
 Shutdown: SIGTERM or SIGINT drains the server (`engine.server.http_server`): new requests get
 503, the ones in flight get ``--shutdown-timeout`` seconds, the rest then end with an error;
 the scheduler then tells the workers to shut down and every rank exits with 0.
-Failure: a worker that exits or stops, or a scheduler step that fails, brings the whole server
-down (`engine.server.supervisor`): the log names the rank and its exit code, every client in
-flight gets a 500 error, no rank waits forever on a dead peer, and the exit code is 1.
+Failure: a worker that exits, a scheduler step that fails, a worker whose heartbeat has been
+missing for ``--dist-timeout`` (a stopped one) or a step in flight for longer than that (a
+fused kernel waiting forever on a peer: `engine.runtime.watchdog`, a thread of its own that
+needs neither the scheduler nor the GPU) brings the whole server down
+(`engine.server.supervisor`): the log names the rank, every client in flight gets a 500 error,
+every worker is killed (a stopped one, or one stuck in a kernel, too), and the exit code is 1.
 """
 from __future__ import annotations
 
@@ -96,6 +99,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
     has drained; then every rank shuts down."""
     from engine.common.generation import EngineError
     from engine.runtime.heartbeat import HeartbeatMonitor
+    from engine.runtime.watchdog import DistWatchdog
     from engine.runtime.model_runner import ModelRunner
     from engine.runtime.step_cost import measure_step_cost
     from engine.runtime.warm_up import warm_up
@@ -103,17 +107,20 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
     from engine.server.app import build_app
     from engine.server.engine import Engine
     from engine.server.http_limits import max_request_bytes
-    from engine.server.http_server import DrainingServer, http_config
+    from engine.server.http_server import DrainingServer, HttpLimits, http_config
     from engine.server.lifecycle import Lifecycle
     from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
-    runner = scheduler = scheduler_thread = heartbeats = None
+    runner = scheduler = scheduler_thread = heartbeats = watchdog = None
     try:
         group = init_tensor_parallel(launch.tp_size, 0, launch.init_method, device=launch.device_for(0),
                                      node_rank=args.node_rank, timeout_s=launch.dist_timeout)
-        heartbeats = HeartbeatMonitor(launch.init_method, range(1, launch.tp_size), launch.dist_timeout) \
-            if launch.tp_size > 1 else None
+        if launch.tp_size > 1:
+            heartbeats = HeartbeatMonitor(launch.init_method, range(1, launch.tp_size), launch.dist_timeout)
+            watchdog = DistWatchdog(heartbeats, launch.dist_timeout, supervisor.fail)
         runner = ModelRunner(launch.runner, group)
+        if watchdog is not None:
+            watchdog.watch_steps(runner.progress)
         scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
                               on_failure=lambda why: supervisor.fail(f"the scheduler failed: {why}"),
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
@@ -150,7 +157,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
         scheduler_thread.start()
         shutdown = EngineError(503, f"the server shut down before the request finished "
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
-        config = http_config(build_app(engine, model_name, lifecycle), body_limit, args.log_level)
+        limits = HttpLimits(body_limit, args.request_head_timeout, args.request_body_timeout, args.max_connections)
+        config = http_config(build_app(engine, model_name, lifecycle), limits, args.log_level)
 
         def serving() -> None:
             logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", model_name, args.host, args.port,
@@ -160,6 +168,8 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up below is bounded: let it finish
             signal.signal(sig, signal.SIG_IGN)
+        if watchdog is not None:
+            watchdog.stop()  # a clean shutdown from here on: no step or beat is due any more
         if scheduler is not None:
             scheduler.stop()  # its thread finishes the step in flight, then broadcasts "shutdown"
         if scheduler_thread is not None:

@@ -1,6 +1,7 @@
 """arfusion's fused all-reduce + residual add + RMSNorm for tensor-parallel inference."""
 from fusion.allreduce_fusion import AllReduceFusion
 from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
+from fusion.capturable import disable_capturable_collectives, enable_capturable_collectives
 from fusion.config import FusionConfig
 from fusion.errors import FusionInputError, FusionTimeoutError, FusionUnsupportedError
 from fusion.functional import all_reduce_add_rms_norm
@@ -21,4 +22,6 @@ __all__ = [
     "Strategy",
     "TensorParallelGroup",
     "all_reduce_add_rms_norm",
+    "disable_capturable_collectives",
+    "enable_capturable_collectives",
 ]

@@ -15,6 +15,15 @@ An engine builds one per model before it builds the model (no collective yet), c
 
 so every reduction runs exactly once, by a strategy whose backend fits the batch. The op keeps
 no state between layers; it counts the reductions it runs, by strategy (``counts``).
+
+Deterministic mode (``FusionConfig(deterministic=True)``) keeps fusion on: the op builds only the
+strategies `fusion.backends.deterministic` allows, each following the canonical recipe of
+`fusion.reference` (rank-order fp32 sum, one rounding; the residual added at one point; the
+row's sum of squares by a tree fixed by the hidden size), and its unfused calls (``all_reduce``,
+``add_rms_norm`` of a reduced tensor) follow it too. So the dispatch may still switch strategies
+by batch size: a row's bits never depend on the other rows of the call. flashinfer's kernels are
+left out (`status` says so); the primary backend, which bounds the fusion limit, is then our
+fused two-shot (``symm_mem_fused``).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from typing import Any, Optional, Union
 import torch
 
 from fusion import norm
+from fusion.backends import deterministic
 from fusion.backends import ON_DEMAND, Backend, build_backends
 from fusion.config import NO_TABLE, FusionConfig
 from fusion.dispatch.cost_model import rule_picks
@@ -56,7 +66,8 @@ class AllReduceFusion:
 
     def _take_config(self, config: FusionConfig) -> None:
         self.config = config
-        self.backends: dict[Strategy, Backend] = build_backends(self.group, config.backend, config.launch_with_pdl)
+        self.backends: dict[Strategy, Backend] = build_backends(self.group, config.backend, config.launch_with_pdl,
+                                                                config.deterministic)
         self.dispatcher = FusionDispatcher(config.cache_size)
         self._strategy = self.dispatcher.strategy  # the cached (layer_id, tokens) -> Strategy
 
@@ -157,8 +168,11 @@ class AllReduceFusion:
         return PartialSum(x, layer_id, self._strategy(layer_id, x.shape[0]))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the group now, in place (NCCL); returns ``x``."""
+        """``x`` summed over the group now, in place (NCCL; deterministic mode: the canonical
+        rank-order sum, `fusion.backends.deterministic.ordered_all_reduce`); returns ``x``."""
         self.counts[_NCCL] += 1
+        if self.config.deterministic:
+            return deterministic.ordered_all_reduce(self.group, x)
         return self.group.all_reduce(x)
 
     def add_rms_norm(self, x: Union[torch.Tensor, PartialSum], residual: torch.Tensor, weight: torch.Tensor,
@@ -172,6 +186,8 @@ class AllReduceFusion:
             out = self._run(strategy, partial, residual, weight, eps, None)
             return out.normed, out.residual
         check_fusion_inputs(x, residual, weight)
+        if self.config.deterministic:
+            return deterministic.add_rms_norm(x, residual, weight, eps)
         return norm.add_rms_norm(x, residual, weight, eps)
 
     def run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -196,8 +212,6 @@ class AllReduceFusion:
 
     def _static_off_reason(self) -> Optional[str]:
         """Why fusion never runs with this config on this group (rank-independent)."""
-        if self.config.deterministic:
-            return "deterministic mode keeps NCCL's summation order, so fusion is off"
         if not self.config.enabled:
             return "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
         if self.group.world_size == 1:
@@ -206,8 +220,10 @@ class AllReduceFusion:
 
     def _primary(self) -> Backend:
         """The backend that bounds the fusion limit: flashinfer's workspace (shared by one-shot
-        and two-shot), or the torch backend."""
-        return self.backends[Strategy.TORCH if self.config.backend == "torch" else Strategy.FLASHINFER_ONE_SHOT]
+        and two-shot), our fused two-shot in deterministic mode, or the torch backend."""
+        if self.config.backend == "torch":
+            return self.backends[Strategy.TORCH]
+        return self.backends[Strategy.SYMM_MEM_FUSED if self.config.deterministic else Strategy.FLASHINFER_ONE_SHOT]
 
     def _refresh(self, off_reason: Optional[str]) -> None:
         """Hand the dispatcher the current inputs (the backends themselves answer what fits) and clear its cache."""
@@ -235,7 +251,8 @@ class AllReduceFusion:
         if self.table is not None:
             picked = {min(row, key=row.__getitem__) for row in self.table.timings_us}
         else:
-            picked = rule_picks(self._largest_batch(), self.hidden_size, self.dtype, self.group.world_size)
+            picked = rule_picks(self._largest_batch(), self.hidden_size, self.dtype, self.group.world_size,
+                                self.backends)
         for strategy in ON_DEMAND:
             if strategy in picked and strategy in self.backends:
                 backend = self.backends[strategy]
@@ -254,7 +271,8 @@ class AllReduceFusion:
         return table
 
     def status(self) -> dict[str, Any]:
-        """What /get_server_info shows: whether the fused path is active and why not."""
+        """What /get_server_info shows: whether the fused path is active and why not; in
+        deterministic mode the strategies it allows and why the others are left out."""
         info = self.dispatcher.cache_info()
         return {
             "requested": self.config.enabled,
@@ -266,4 +284,10 @@ class AllReduceFusion:
             "backend_tokens": {s.value: b.capacity for s, b in self.backends.items() if s is not _NCCL},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
             "reductions": {s.value: n for s, n in sorted(self.counts.items())},
+            "deterministic": self.config.deterministic,
+            # the strategies the dispatch may pick, each following the canonical recipe
+            # (fusion.reference); empty when deterministic mode is off (no such guarantee)
+            "deterministic_strategies": [s.value for s in self.backends] if self.config.deterministic else [],
+            "deterministic_excluded": ({s.value: why for s, why in deterministic.excluded(self.group.world_size).items()}
+                                       if self.config.deterministic else {}),
         }

@@ -17,7 +17,9 @@ class FusionConfig:
     backend: str = "flashinfer"  # "flashinfer" (trtllm kernel + symmetric-memory strategies) or "torch" (any device)
     max_tokens: int = 2048  # largest batch (tokens) the flashinfer workspace takes
     cache_size: int = DEFAULT_CACHE_SIZE  # bound of the (layer_id, batch_size) decision cache
-    deterministic: bool = False  # keeps NCCL's summation order: disables fusion
+    # fusion stays on; every strategy the dispatch may pick follows one canonical numeric recipe
+    # (fusion.reference), so switching strategies by batch size changes no bit (fusion.backends.deterministic)
+    deterministic: bool = False
     one_shot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
     table_path: Optional[str] = None  # measured strategy table; None: the packaged one; "none": no table

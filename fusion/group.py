@@ -9,15 +9,30 @@ A `TensorParallelGroup` bundles the two process groups a TP rank needs:
 It also knows which CUDA device each rank runs on (the identities the ranks exchange when the
 group is made). Two ranks on one GPU are supported for correctness (`shared_gpu_note`): the
 device group is then gloo (NCCL refuses two ranks per GPU), and every timing taken there is
-not representative of two GPUs.
+not representative of two GPUs. There `fusion.capturable` can give the group a stand-in for the
+device group's all-reduce and all-gather over torch symmetric memory, which CUDA graphs capture.
 """
 from __future__ import annotations
 
 import socket
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+
+# one all-gather into a flat tensor (concatenated along dim 0): newer torch (2.13) names it
+# all_gather_single and deprecates all_gather_into_tensor; use whichever this torch has
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CapturableCollectives(Protocol):
+    """What the group asks of its capturable stand-in (`fusion.capturable.SymmMemCollectives`)."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class TensorParallelGroup:
@@ -48,6 +63,9 @@ class TensorParallelGroup:
         self.node_ids = list(node_ids) if node_ids is not None else [0] * world_size
         # per rank: (node identity, device identity); the device identity is None off CUDA
         self.device_ids = list(device_ids) if device_ids is not None else [None] * world_size
+        # a graph-capturable stand-in for the device group's all-reduce and all-gather, for ranks
+        # sharing a GPU (whose device group is gloo): `fusion.capturable`; None: the device group
+        self.capturable: Optional[CapturableCollectives] = None
 
     @property
     def spans_nodes(self) -> bool:
@@ -88,11 +106,25 @@ class TensorParallelGroup:
                 "time-shared and not representative of one GPU per rank")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns ``x``."""
+        """Sum ``x`` over the group, in place; returns ``x``. Through the capturable stand-in
+        (`capturable`) when it is set and holds ``x``, else the device group."""
         if self.world_size == 1:
             return x
+        if self.capturable is not None and self.capturable.fits(x):
+            return self.capturable.all_reduce(x)
         dist.all_reduce(x, group=self.device_group)
         return x
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along dim 0 in rank order into ``out``
+        (``[world_size * x.shape[0], *x.shape[1:]]``, contiguous); returns ``out``. Through the
+        capturable stand-in when it is set and holds ``x``, else the device group."""
+        if self.world_size == 1:
+            return out.copy_(x)
+        if self.capturable is not None and self.capturable.fits(x):
+            return self.capturable.all_gather_into(out, x)
+        _all_gather_flat(out, x.contiguous(), group=self.device_group)
+        return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place: ``x`` takes rank ``src``'s values on every rank, over the device group

@@ -14,7 +14,9 @@ every way takes and returns.
     lamport_one_shot      our Triton one-shot Lamport kernel over symmetric memory, norm fused
     torch                 the same math in one function on any device (CPU tests, no flashinfer)
 
-Only ``nccl`` keeps NCCL's summation order (deterministic mode) and runs everywhere.
+``nccl`` runs everywhere. In deterministic mode every strategy the op builds follows one
+canonical recipe (fusion/reference.py), so a row's bits do not depend on which one runs;
+flashinfer's two are left out there (`fusion.backends.deterministic` says why).
 
 An optional ``quant`` asks for quantized normed output: FP8 (static per-tensor e4m3) fuses into
 the flashinfer kernel and is a separate cast elsewhere; FP4 exists only as flashinfer's fused

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fusion import TensorParallelGroup
+from fusion import TensorParallelGroup, disable_capturable_collectives
 
 logger = logging.getLogger(__name__)
 _TP_GROUP: Optional[TensorParallelGroup] = None
@@ -100,6 +100,7 @@ def destroy_tensor_parallel() -> None:
     global _TP_GROUP
     if _TP_GROUP is None:
         return
+    disable_capturable_collectives(_TP_GROUP)  # its symmetric buffer goes before the process groups
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = None

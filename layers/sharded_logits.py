@@ -29,9 +29,6 @@ from layers.parallel_state import get_tp_group
 
 MAX_CHUNKS = 256  # first-level pieces per row of the two-level row maximum
 MAX_VOCAB = 2 ** 24  # token ids travel as fp32: exact below this
-# one all-gather into a flat tensor (concatenated along dim 0): newer torch (2.13) names it
-# all_gather_single and deprecates all_gather_into_tensor; use whichever this torch has
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ def sharded_logits(local: torch.Tensor, vocab_start: int) -> ShardedLogits:
                          f"(at most {MAX_VOCAB})")
     pair = torch.stack([best.float(), (index + vocab_start).float()], dim=-1)  # [B, 2]
     pairs = torch.empty((group.world_size * pair.shape[0], 2), dtype=pair.dtype, device=pair.device)
-    _all_gather_flat(pairs, pair, group=group.device_group)
+    group.all_gather_into(pairs, pair)  # capturable where the group has a stand-in for gloo
     pairs = pairs.view(group.world_size, -1, 2)
     winner = torch.argmax(pairs[:, :, 0], dim=0)  # [B]: the lowest rank holding the max
     tokens = pairs[:, :, 1].gather(0, winner[None, :]).squeeze(0).long()

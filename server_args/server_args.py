@@ -80,6 +80,9 @@ class ServerArgs(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level")
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds that requests in flight may run on after SIGTERM/SIGINT (new ones get 503); the rest are then ended with an error")
     max_request_bytes: Optional[int] = Field(None, ge=1, description="Largest request body in bytes: a larger one is answered 413 before it is read or parsed (default: 64 bytes per token of the context length, at least 1 MiB)")
+    request_head_timeout: float = Field(10.0, gt=0, description="Seconds a client has to send a request's line and headers, counted from the connection (first request) or from the request's first byte (later ones): a head still incomplete then is answered 408 and the connection closed")
+    request_body_timeout: float = Field(60.0, gt=0, description="Seconds a client has to send a request's whole body, counted from the end of its headers (a body shorter than its Content-Length, or sent a few bytes at a time): a body still incomplete then is answered 408 and the connection closed")
+    max_connections: int = Field(1000, ge=1, description="Most open HTTP connections: a connection beyond them is answered 503 and closed at once (keep it below the process's open-file limit, ulimit -n)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "ServerArgs":

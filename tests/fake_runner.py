@@ -1,7 +1,11 @@
 """`FakeRunner`: a `ModelRunner` stand-in for scheduler tests (TP1, CPU, no model): the next
-token of a sequence is (its length mod 200) + 10, so outputs follow from the plans alone."""
+token of a sequence is (its length mod 200) + 10, so outputs follow from the plans alone. Like
+the real runner it keeps a `StepProgress` (a step begins in `forward`, ends in `commit_tokens`);
+``hold_at`` makes that forward step block until ``release`` is set (a step that never finishes,
+for the ``--dist-timeout`` watchdog)."""
 from __future__ import annotations
 
+import threading
 import types
 from typing import Callable
 
@@ -11,6 +15,7 @@ from engine.common.generation import GenerationChunk
 from engine.common.sampling_params import SamplingParams
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.runtime.step_progress import StepProgress
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from fusion import AllReduceFusion, FusionConfig
@@ -23,7 +28,8 @@ class FakeRunner:
     """Logits that always prefer token (position mod 200) + 10; optionally fails at step N.
     Records every step's plan, input tokens, (kind, batch size) and ``gather_logits``."""
 
-    def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64, context_len: int = 32) -> None:
+    def __init__(self, fail_at: int = -1, rows: int = 4, slots: int = 64, context_len: int = 32,
+                 hold_at: int = -1) -> None:
         self.group = TensorParallelGroup(0, 1, torch.device("cpu"))
         self.fusion = AllReduceFusion(self.group, FusionConfig(), 8, torch.float32)  # TP1: off
         self.fusion.setup()
@@ -32,6 +38,8 @@ class FakeRunner:
         self.device = torch.device("cpu")
         self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
         self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
+        self.hold_at, self.release = hold_at, threading.Event()
+        self.progress = StepProgress(self.device)
         self.plans: list[StepPlan] = []
         self.inputs: list[list[int]] = []  # each step's input tokens
         self.gathered: list[bool] = []  # each step's plan.gather_logits
@@ -39,6 +47,9 @@ class FakeRunner:
 
     def forward(self, plan: StepPlan) -> StepLogits:
         self.calls += 1
+        self.progress.begin()
+        if self.calls == self.hold_at:
+            self.release.wait()
         if self.calls == self.fail_at:
             raise RuntimeError("injected forward failure")
         batch, self._rows = self.table.apply(plan)
@@ -53,6 +64,7 @@ class FakeRunner:
 
     def commit_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         self.table.commit_tokens(self._rows, tokens)
+        self.progress.end()
         return tokens
 
 

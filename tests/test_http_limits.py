@@ -10,17 +10,13 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine.server import build_app
 from engine.server.http_limits import BodyLimit, max_request_bytes
 from engine.server.http_protocol import MAX_HEAD_BYTES
-from engine.server.http_server import DrainingServer, bind_http_socket, http_config
-from engine.server.lifecycle import Lifecycle
 from tests.fake_engine import CharTokenizer, FakeEngine
+from tests.in_process_server import LIMIT, InProcessServer
 from tests.raw_http import chunked, exchange, head
-from tests.server_process import free_port
 
 pytestmark = pytest.mark.timeout(60)
-LIMIT = 64 * 1024
 
 
 @pytest.mark.parametrize("given, context_len, expected", [
@@ -54,7 +50,7 @@ async def _through_limit(body: bytes, declared: bool, chunk_bytes: int) -> tuple
         assert (await receive())["type"] == "http.disconnect"  # then the original receive's messages
 
     headers = [(b"content-length", str(len(body)).encode())] if declared else []
-    await BodyLimit(app, LIMIT)({"type": "http", "headers": headers}, receive, send)
+    await BodyLimit(app, LIMIT, timeout_s=60)({"type": "http", "headers": headers}, receive, send)
     return sent, seen, calls
 
 
@@ -95,24 +91,6 @@ class BlockingTokenizer(CharTokenizer):
             self.blocked.set()
             self.release.wait(10)
         return super().encode(text, add_special_tokens)
-
-
-class InProcessServer:
-    """`DrainingServer` with the server's `http_config` on a thread, on a bound socket."""
-
-    def __init__(self, fake: FakeEngine, limit: int = LIMIT) -> None:
-        self.port = free_port()
-        sock = bind_http_socket("127.0.0.1", self.port)
-        serving, lifecycle = threading.Event(), Lifecycle()
-        config = http_config(build_app(fake, "m", lifecycle), limit, "warning")
-        self.server = DrainingServer(config, lifecycle, 1.0, lambda: 0, serving.set)
-        self.thread = threading.Thread(target=self.server.run, args=([sock],), daemon=True)
-        self.thread.start()
-        assert serving.wait(20), "the server did not start"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture

@@ -138,8 +138,10 @@ def test_a_log_likelihood_request_scores_every_echoed_token(world_size: int, nam
     assert all(isinstance(d, dict) and 1 <= len(d) <= 2 for d in lp["top_logprobs"][1:])
     for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
         assert top[token] == value, "the chosen token is among its alternatives"
+    assert all(choice["text"][o:o + len(t)] == t for t, o in zip(lp["tokens"], lp["text_offset"]) if "bytes:" not in t)
     if name == "text":
-        assert choice["text"].startswith(PROMPT_TEXT) and lp["tokens"][0] == "<|begin_of_text|>"
+        assert choice["text"].startswith(PROMPT_TEXT)
+        assert (lp["tokens"][0], lp["text_offset"][0]) == ("", 0), "the BOS is not in the text"
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -124,3 +124,12 @@ def test_values_are_not_rewritten():
     assert args.enable_flashinfer_allreduce_fusion and args.deterministic
     with pytest.raises(Exception):
         args.tp_size = 4  # frozen: one validated config
+
+
+@pytest.mark.parametrize("flag, value, bad", [("--request-head-timeout", "1.5", "0"), ("--request-body-timeout", "2", "-1"),
+                                              ("--max-connections", "8", "0")])
+def test_http_client_limits(flag: str, value: str, bad: str):
+    field = flag[2:].replace("-", "_")
+    assert getattr(ServerArgs.from_cli([flag, value]), field) == type(getattr(ServerArgs(), field))(value)
+    with pytest.raises(ServerArgsError, match=flag):
+        ServerArgs.from_cli([flag, bad])

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.common.generation import EngineError
+from engine.common.sampling_params import MAX_STOP_TOKEN_IDS
 from engine.server import build_app
 from engine.server.lifecycle import Lifecycle
 from tests.fake_engine import FakeEngine
@@ -100,6 +101,33 @@ def test_values_the_engine_cannot_hold_are_400(client: TestClient, fake: FakeEng
     assert_error(client.post(url, content=raw.encode(), headers={"content-type": "application/json"}), 400, *fields)
     assert fake.requests == [], "the engine never sees the value"
     assert_still_serving(client)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("url, body, fragment", [
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [-1, 10**12]},
+     "stop_token_ids: token ids out of range [0, 258): [-1, 1000000000000]"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [97, 258]}, "stop_token_ids: token ids out of range [0, 258): [258]"),
+    (CHAT, {"messages": HI, "stop_token_ids": [-5]}, "stop_token_ids: token ids out of range [0, 258): [-5]"),
+    (GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": [300]}}, "stop_token_ids: token ids out of range"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [97] * (MAX_STOP_TOKEN_IDS + 1)},
+     f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {MAX_STOP_TOKEN_IDS + 1}"),
+])
+def test_stop_token_ids_are_checked_like_logit_bias_ids(client: TestClient, fake: FakeEngine, url: str, body: dict,
+                                                         fragment: str) -> None:
+    assert_error(client.post(url, json=body), 400, fragment)
+    assert fake.requests == [], "the engine never sees them"
+    body = {"prompt": "hello", "stop_token_ids": [ord("l")] * (MAX_STOP_TOKEN_IDS - 2) + [0, 257]}
+    assert client.post(COMPLETIONS, json=body).json()["choices"][0]["text"] == "o", "the most ids, at the range's ends"
+
+
+@pytest.mark.parametrize("url, body", [(COMPLETIONS, {"prompt": "hi", "n": 2}), (CHAT, {"messages": HI, "n": 2})])
+def test_n_is_named_once(client: TestClient, url: str, body: dict) -> None:
+    resp = client.post(url, json=body)
+    assert_error(resp, 400, "n (only n=1 is supported)")
+    assert resp.json()["error"]["message"].count("n (") == 1, resp.json()
 
 
 def test_int64_limits_themselves_are_accepted(client: TestClient, fake: FakeEngine) -> None:

@@ -1,36 +1,39 @@
 """Faults of the real server under load (tiny model, TP2 over gloo on the CPU): SIGTERM drains it,
-a killed worker and a stopped worker bring it down, and in every case each client gets a
-complete answer or an OpenAI error object, and no process is left behind.
+a killed worker and a worker stopped for ``--dist-timeout`` bring it down, a worker stopped for
+less does not (its greedy output is the same as without the stop), and in every case each
+client gets a complete answer or an OpenAI error object, and no process is left behind.
 
-Each test keeps 6 requests in flight at once: 2 short ones (SHORT_TOKENS) and 4 long ones
-(LONG_TOKENS, near the tiny model's context: about 13 s on an idle 2-core machine), half of them
-streamed; one long stream goes to /generate, whose events count the tokens so far. No bound
-assumes the machine's speed: the SIGTERM test measures the server's tokens per second under this
-load and sends the signal when the short requests need a third of the grace period to finish at
-that speed; the other bounds are generous limits on waits for something that does happen. The
-timings are printed (``pytest -s``) for the record.
+Each load test keeps the 6 requests of `tests.fault_load.Load` in flight (the long ones take
+about 13 s on an idle 2-core machine). No bound assumes the machine's speed: the SIGTERM test
+measures the server's tokens per second under this load and sends the signal when the short
+requests need a third of the grace period to finish at that speed; the stopped worker's exit
+bound is the timeout plus what the watchdog and the supervisor add by design (EXIT_BOUND_S);
+the other bounds are generous limits on waits for something that does happen. The timings are
+printed (``pytest -s``) for the record.
 """
-import asyncio
 import os
 import signal
 import threading
 import time
-from typing import Any
 
-import aiohttp
 import pytest
 
-from tests.load_client import Outcome, in_background, post
-from tests.server_process import ServerProcess, pid_alive
+from engine.runtime.heartbeat import miss_after_s
+from engine.runtime.watchdog import detection_bound_s
+from engine.server.supervisor import SHUTDOWN_BOUND_S
+from tests.fault_load import (KINDS, LONG_TOKENS, SHORT_TOKENS, START_S, WAIT_S, Load, assert_error,
+                              assert_failed_together, assert_no_orphans, stop_then_continue, wait_exit)
+from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 TP2 = ("--tp-size", "2", "--device", "cpu")
 GRACE_S = 5.0
-DIST_TIMEOUT_S = 6.0  # the steady state's bound; the rendezvous at start-up waits longer (RENDEZVOUS_TIMEOUT_S)
-SHORT_TOKENS, LONG_TOKENS = 100, 1900
-KINDS = ("short", "short", "long", "long", "long stream", "long generate")
-START_S = 240.0  # a TP2 server's start-up on a loaded machine, generously
-WAIT_S = 120.0  # any other wait for something that happens (a first token, an exit, an answer)
+DIST_TIMEOUT_S = 10.0  # the steady state's bound; the rendezvous at start-up waits longer (RENDEZVOUS_TIMEOUT_S)
+# a stop that /health reports (after miss_after_s) and that ends well before --dist-timeout
+STOP_S = (miss_after_s(DIST_TIMEOUT_S) + DIST_TIMEOUT_S) / 2
+# from a worker's stop to the server's exit: the timeout, the watchdog's detection (a few reads
+# of the heartbeats, each a fraction of the beat interval) and the supervisor's bounded waits
+EXIT_BOUND_S = DIST_TIMEOUT_S + detection_bound_s(DIST_TIMEOUT_S) + SHUTDOWN_BOUND_S
 
 
 class IdlingServer:
@@ -60,86 +63,6 @@ def idling() -> IdlingServer:
     idling = IdlingServer()
     yield idling
     idling.server.kill()
-
-
-class Load:
-    """The 6 requests (module docstring), sent at once; ``outcomes`` fill as the answers arrive."""
-
-    def __init__(self, url: str) -> None:
-        self.outcomes = [Outcome() for _ in KINDS]
-
-        async def clients() -> list[Outcome]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=START_S + WAIT_S)) as session:
-                return await asyncio.gather(*(post(session, url + self._path(kind), self._body(i, kind), outcome=outcome)
-                                              for i, (kind, outcome) in enumerate(zip(KINDS, self.outcomes))))
-
-        self.result = in_background(clients)
-        self.wait_for_tokens(1, WAIT_S)
-
-    @staticmethod
-    def _path(kind: str) -> str:
-        return "/generate" if kind == "long generate" else "/v1/completions"
-
-    @staticmethod
-    def _body(i: int, kind: str) -> dict[str, Any]:
-        max_tokens = SHORT_TOKENS if kind == "short" else LONG_TOKENS
-        if kind == "long generate":
-            return {"text": f"client {i}", "stream": True,
-                    "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": max_tokens}}
-        return {"prompt": f"client {i}", "temperature": 0, "ignore_eos": True, "max_tokens": max_tokens,
-                "stream": kind.endswith("stream")}
-
-    @property
-    def probe(self) -> Outcome:
-        return self.outcomes[KINDS.index("long generate")]
-
-    def tokens(self) -> int:
-        """Tokens the probe stream (/generate) has received: every request's count, give or take
-        the step or two between their admissions, since they run in one batch."""
-        events = [e for e in self.probe.events if isinstance(e, dict) and "meta_info" in e]
-        return events[-1]["meta_info"]["completion_tokens"] if events else 0
-
-    def wait_for_tokens(self, count: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.tokens() < count:
-            assert time.monotonic() < deadline and self.probe.finished_at is None, \
-                f"the probe stream has {self.tokens()} of the {count} tokens waited for: {self.probe}"
-            time.sleep(0.005)
-
-    def tokens_per_s(self, min_tokens: int = 10, min_s: float = 0.2) -> float:
-        """Each request's decode speed under this load, over the probe's events from its first
-        until at least ``min_tokens`` more and ``min_s`` seconds later."""
-        first, since = self.tokens(), time.monotonic()
-        self.wait_for_tokens(first + min_tokens, WAIT_S)
-        while time.monotonic() - since < min_s:
-            time.sleep(0.005)
-        return (self.tokens() - first) / (time.monotonic() - since)
-
-
-def assert_no_orphans(workers: list[int]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in workers if pid_alive(p)], "orphaned worker processes"
-
-
-def assert_error(outcome: Outcome, status: int, fragment: str) -> None:
-    """A non-streaming answer with ``status`` and an error object, or a stream whose last two
-    events are an error event with that code, then [DONE]."""
-    error = outcome.error_object()
-    assert error is not None and error["code"] == status and fragment in error["message"], outcome
-    if outcome.events:
-        assert outcome.status == 200 and outcome.events[-1] == "[DONE]" and "error" in outcome.events[-2], outcome
-    else:
-        assert outcome.status == status, outcome
-
-
-def wait_exit(server: ServerProcess, since: float, timeout_s: float) -> float:
-    try:
-        server.proc.wait(timeout=timeout_s)
-    finally:
-        server.kill()
-    return time.monotonic() - since
 
 
 def wait_draining(server: ServerProcess) -> None:
@@ -181,19 +104,6 @@ def test_sigterm_under_load_drains_then_exits_0_on_every_rank(idling: IdlingServ
     assert_no_orphans(workers)
 
 
-def assert_failed_together(server, outcomes, workers, reason: str) -> None:
-    """The server exited 1 naming ``reason`` in its log; every client got a 500 saying it, or
-    (a short request that finished first) its whole answer; no worker is left."""
-    assert server.proc.returncode == 1
-    assert reason in server.log_text()
-    for outcome in outcomes:
-        if outcome.body is not None and "error" not in outcome.body:
-            assert outcome.body["usage"]["completion_tokens"] == SHORT_TOKENS, "only a short one may have finished first"
-        else:
-            assert_error(outcome, 500, reason)
-    assert_no_orphans(workers)
-
-
 def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     server = ServerProcess(*TP2, timeout_s=START_S)
     workers = server.worker_pids()
@@ -207,9 +117,27 @@ def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 exited (code -9)")
 
 
-def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survives_it(idling: IdlingServer):
+def test_a_worker_stopped_for_less_than_dist_timeout_recovers_with_the_same_greedy_output(idling: IdlingServer):
     """The server has idled for longer than its --dist-timeout (rank 0's heartbeats keep the
-    worker's wait for the next plan from timing out); it serves, then its worker is stopped."""
+    worker's wait for the next plan from timing out); it serves, then its worker is stopped for
+    STOP_S while a greedy request runs: /health names the rank meanwhile, the request finishes
+    with the tokens it has when run alone, and /health is 200 again."""
+    server = idling.idled_past_dist_timeout()
+    (worker,) = server.worker_pids()
+    run = stop_then_continue(server, worker, STOP_S)
+    unhealthy = [body for status, body in run.health if status == 503]
+    print(f"\nSIGSTOP of rank 1 for {STOP_S:g} s (--dist-timeout {DIST_TIMEOUT_S:g} s) at token {run.at_stop} of "
+          f"{LONG_TOKENS}: /health {[status for status, _ in run.health]}, then {run.health_after}")
+    assert server.proc.poll() is None, server.log_tail()
+    assert 0 < run.at_stop < LONG_TOKENS, "the request was not in flight at the stop"
+    assert unhealthy and unhealthy[-1]["reason"].startswith("TP worker rank 1 missed its heartbeat"), run.health
+    assert run.recovered == run.reference and len(run.reference) == LONG_TOKENS
+    assert run.health_after == (200, {"status": "ok"})
+
+
+def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survives_it(idling: IdlingServer):
+    """The same server (it has idled past its --dist-timeout and recovered from a shorter stop)
+    serves, then its worker is stopped for good under load."""
     server = idling.idled_past_dist_timeout()
     workers = server.worker_pids()
     status, body = server.request("/v1/completions", {"prompt": "after idling", "max_tokens": 4})
@@ -220,5 +148,22 @@ def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survive
     elapsed = wait_exit(server, stopped, DIST_TIMEOUT_S + WAIT_S)
     outcomes = load.result(WAIT_S)
     print(f"\nSIGSTOP of rank 1 under load, --dist-timeout {DIST_TIMEOUT_S:g}: exit code {server.proc.returncode} after "
-          f"{elapsed:.2f} s; clients: {[(o.status, o.error_object()) for o in outcomes]}")
+          f"{elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s); clients: {[(o.status, o.error_object()) for o in outcomes]}")
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 is stopped")
+    assert elapsed <= EXIT_BOUND_S, server.log_tail()
+
+
+def test_an_idle_server_whose_worker_stops_is_ended_by_the_watchdog():
+    """No request runs, so no collective of rank 0 waits on the stopped worker (its idle plans go
+    out unanswered): only the watchdog's heartbeat rule ends the server, within EXIT_BOUND_S."""
+    server = ServerProcess(*TP2, "--dist-timeout", str(DIST_TIMEOUT_S), timeout_s=START_S)
+    workers = server.worker_pids()
+    stopped = time.monotonic()
+    os.kill(workers[0], signal.SIGSTOP)
+    elapsed = wait_exit(server, stopped, DIST_TIMEOUT_S + WAIT_S)
+    log = server.log_text()
+    print(f"\nSIGSTOP of rank 1 of an idle server, --dist-timeout {DIST_TIMEOUT_S:g}: exit code {server.proc.returncode} "
+          f"after {elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s)")
+    assert server.proc.returncode == 1 and elapsed <= EXIT_BOUND_S, log
+    assert "TP worker rank 1 is stopped" in log and "TP worker rank 1 sent no heartbeat for " in log, log
+    assert_no_orphans(workers)

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from engine.common.generation import TokenLogprob
 from engine.server import build_app
-from engine.server.logprobs_format import LOGPROB_FLOOR, TokenTexts, chat_logprobs, completion_logprobs
+from engine.server.logprobs_format import LOGPROB_FLOOR, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_engine import BOS, EOS, FakeEngine, fake_logprob
 
@@ -45,10 +45,11 @@ def test_completion_logprobs_whole_and_streamed(client: TestClient, echo: bool, 
     expected = [None] * echo + [fake_logprob(t, logprobs) for t in (prompt[1:] if echo else []) + output]
     lp = whole["logprobs"]
     assert whole["text"] == ("abc" if echo else "") + bytes(output).decode()
-    assert lp["tokens"] == ["<s>" if t == BOS else chr(t) for t in ids]
+    assert lp["tokens"] == ["" if t == BOS else chr(t) for t in ids], "BOS: not in the text"
     assert lp["token_logprobs"] == [e and e.logprob for e in expected]
     assert lp["top_logprobs"] == [e and {chr(t): v for t, v in (*e.top, (e.token_id, e.logprob))} for e in expected]
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert all(whole["text"][o:o + len(t)] == t for t, o in zip(lp["tokens"], lp["text_offset"]))
     streamed = events(client.post("/v1/completions", json={**body, "stream": True}).text)
     if echo:
         assert streamed[0]["choices"][0]["text"] == "abc", "the echo comes first"
@@ -56,8 +57,11 @@ def test_completion_logprobs_whole_and_streamed(client: TestClient, echo: bool, 
 
 
 def test_a_stop_token_has_its_log_probability(client: TestClient):
-    lp = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 1}).json()["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["b", "a", "</s>"] and lp["token_logprobs"][-1] == fake_logprob(EOS, 1).logprob
+    choice = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 1}).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == "ba" and lp["tokens"] == ["b", "a", ""], "the stop token is not in the text"
+    assert lp["token_logprobs"][-1] == fake_logprob(EOS, 1).logprob == lp["top_logprobs"][-1][""]
+    assert lp["text_offset"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("top", [None, 0, 3])
@@ -82,10 +86,12 @@ def test_token_texts_of_partial_characters_and_unbounded_logprobs():
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("é!", add_special_tokens=False)
     entries = [TokenLogprob(ids[0], -math.inf, ((ids[1], -0.5),)), TokenLogprob(ids[1], -0.5), TokenLogprob(ids[2], -1.0)]
-    legacy, end = completion_logprobs(texts, ids, entries, first_offset=4)
+    offsets = TextOffsets()
+    offsets.begin_text(4)  # as after a 4-character echo: "abcdé!"
+    legacy = completion_logprobs(texts, offsets, ids, entries, text_end=6)
     assert legacy.tokens == ["bytes:\\xc3", "bytes:\\xa9", "!"]
     assert legacy.token_logprobs == [LOGPROB_FLOOR, -0.5, -1.0]
     assert legacy.top_logprobs[0] == {"bytes:\\xa9": -0.5, "bytes:\\xc3": LOGPROB_FLOOR}
-    assert legacy.text_offset == [4, 14, 24] and end == 25
+    assert legacy.text_offset == [4, 4, 5] and offsets.chars == 6, "both pieces of é at its offset"
     chat = chat_logprobs(texts, entries).content
     assert [t.bytes for t in chat] == [[0xC3], [0xA9], [ord("!")]] and chat[0].top_logprobs[0].token == "bytes:\\xa9"

@@ -8,7 +8,7 @@ flags (each call runs twice on the same buffers: the flags must be back at 0 aft
 Checked per case (random inputs, several world sizes, shards that are short or empty):
 - every rank returns the same output and residual, bit for bit, on both calls;
 - every flag is 0 after each call;
-- the residual equals the kernels' math in torch (owner's fp32 sum in sender order, one cast,
+- the residual equals the kernels' math in torch (fp32 sum in rank order from +0, one cast,
   fp32 add, one cast; the interpreter casts fp32 -> bf16 by truncation) bit for bit, and the
   output within two ulps of it (the interpreter's fp32 sum of squares runs in numpy's order);
 - the residual within two ulps and the output within three of the reference (fusion/reference.py,
@@ -100,10 +100,10 @@ def kernel_math(xs, residual, weight, max_tokens):
         chunk = row_chunks(tokens, max_tokens)[row // max_tokens]
         shard = -(-(chunk.stop - chunk.start) // world)
         owner = (row - chunk.start) // shard
-        total = xs[owner][row].float()
-        for sender in range(world):
-            if sender != owner:
-                total = total + xs[sender][row].float()
+        assert 0 <= owner < world
+        total = torch.zeros_like(xs[0][row], dtype=torch.float32)
+        for sender in range(world):  # rank order from +0, whichever rank owns the row
+            total = total + xs[sender][row].float()
         acc[row] = total
     y = interpreter_cast(acc, xs[0].dtype)
     res = y if residual is None else interpreter_cast(y.float() + residual.float(), y.dtype)

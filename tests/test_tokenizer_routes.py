@@ -56,6 +56,9 @@ def test_token_strs_are_the_tokens_texts():
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, ["`other`"]),
     ("/tokenize", {"messages": [{"role": "tool", "content": "1"}]}, 400, ["messages[0].role 'tool'"]),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, ["continue_final_message"]),
+    ("/tokenize", {"messages": []}, 400, ["messages must not be empty"]),
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, ["either prompt or messages, not both"]),
+    ("/tokenize", {"messages": MESSAGES, "prompt": ""}, 400, ["either prompt or messages, not both"]),
     ("/detokenize", {"tokens": [5, 258, -1]}, 400, ["out of range [0, 258)", "258, -1"]),
     ("/detokenize", {"tokens": "abc"}, 400, ["tokens"]),
 ])

@@ -10,7 +10,11 @@
 #   tests          python -m pytest tests/gpu. ARFUSION_GPU_WORLD is the collective tests' world
 #                  (default 2): with fewer GPUs its ranks share them (correctness only), and only
 #                  tests whose subject is two physical GPUs skip. TESTS picks files (default
-#                  tests/gpu).
+#                  tests/gpu). The server fault tests (FAULT_TESTS, or some of its test ids in
+#                  TESTS) kill ranks, after which an MPS daemon can refuse the next client: they
+#                  run after the others, each test in its own pytest (results in
+#                  $OUT/fault_tests_N.xml), with a fresh MPS daemon before each and after the
+#                  last (when the part started one).
 #
 # With fewer GPUs than ranks (tests, kernels, engine, accuracy), the part starts the CUDA MPS daemon (its
 # pipe and log folders under /tmp) so that the ranks sharing a GPU run concurrently instead of
@@ -45,6 +49,7 @@ BUDGET_S=${BUDGET_S:-570}
 TP=${TP:-2}
 read -ra EXTRA <<< "${EXTRA_ARGS:-}"
 TABLE_HIDDEN="896 1024 1536 2048 2560 2880 3584 4096 5120 7168 8192"
+FAULT_TESTS=tests/gpu/test_server_faults_gpu.py
 # The model of ../shared/models/qwen2.5-coder-0.5b.sh: its 60 MiB pieces and its checksum.
 PIECE_BYTES=62914560
 MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
@@ -90,11 +95,22 @@ share_gpus_if_needed() {  # share_gpus_if_needed RANKS: MPS for ranks sharing GP
   # can then never occupy the SMs its peer's kernel needs to arrive (a deadlock otherwise)
   export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 * $(gpu_count) / $1))
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && echo "MPS daemon started" && trap stop_mps EXIT
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" && MPS_STARTED=1 && trap stop_mps EXIT
 }
 
 stop_mps() {
   echo quit | nvidia-cuda-mps-control && echo "MPS daemon stopped"
+}
+
+restart_mps() {  # a fresh MPS daemon (only one this part started): quit, wait until it is gone, start
+  local i
+  [ "${MPS_STARTED:-0}" = 1 ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  for ((i = 0; i < 40; i++)); do
+    pgrep -f '^nvidia-cuda-mps-(control|server)' > /dev/null || break
+    sleep 0.5
+  done
+  nvidia-cuda-mps-control -d && echo "MPS daemon restarted"
 }
 
 need_gpus() {  # need_gpus N: fails when fewer than N GPUs are visible
@@ -118,11 +134,42 @@ start_part() {  # the environment, and which GPUs this machine has
 # ---- parts ------------------------------------------------------------------------------------
 
 part_tests() {
-  local tests
+  local tests others=() faults=() t rc=0
   read -ra tests <<< "${TESTS:-tests/gpu}"
+  for t in "${tests[@]}"; do  # the fault file, a folder holding it, or one of its tests
+    if [[ $t == "$FAULT_TESTS::"* ]]; then
+      faults+=("$t")
+      continue
+    fi
+    if [[ $FAULT_TESTS == "${t%/}" || $FAULT_TESTS == "${t%/}"/* ]]; then
+      faults+=("$FAULT_TESTS")
+      [ "${t%/}" = "$FAULT_TESTS" ] && continue
+    fi
+    others+=("$t")
+  done
   echo "ARFUSION_GPU_WORLD=${ARFUSION_GPU_WORLD:-2}"
   share_gpus_if_needed "${ARFUSION_GPU_WORLD:-2}"
-  run_timed 560 python -m pytest "${tests[@]}" -q -s -p no:cacheprovider --junitxml="$OUT/tests.xml"
+  if ((${#others[@]})); then
+    run_timed 560 python -m pytest "${others[@]}" --ignore="$FAULT_TESTS" -q -s -p no:cacheprovider \
+      --junitxml="$OUT/tests.xml" || rc=$?
+  fi
+  if ((${#faults[@]})); then
+    run_fault_tests "${faults[@]}" || { ((rc)) || rc=1; }
+  fi
+  return "$rc"
+}
+
+run_fault_tests() {  # run_fault_tests FILE-OR-ID...: each test in its own pytest, a fresh MPS daemon before each
+  local ids id n=0 rc=0
+  mapfile -t ids < <(python -m pytest "$@" --collect-only -q -p no:cacheprovider | grep "^$FAULT_TESTS::")
+  ((${#ids[@]})) || { echo "!! no test collected from $*"; return 2; }
+  for id in "${ids[@]}"; do
+    restart_mps
+    n=$((n + 1))
+    run_timed 400 python -m pytest "$id" -q -s -p no:cacheprovider --junitxml="$OUT/fault_tests_$n.xml" || rc=1
+  done
+  restart_mps
+  return "$rc"
 }
 
 part_kernels() {

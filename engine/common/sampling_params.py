@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -23,6 +24,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures up to this decode greedily (dividing b
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| of one token, as OpenAI bounds it
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
+MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids per request (a min_tokens ban covers each one, every step)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class SamplingParams:
     top_k: int = -1  # -1: all tokens
     seed: Optional[int] = None  # per-request generator; None: the engine's seeded default stream
     stop: tuple[str, ...] = ()  # stop strings: generation ends before the first match
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # at most MAX_STOP_TOKEN_IDS, each >= 0
     ignore_eos: bool = False
     min_tokens: int = 0  # no stop token or stop string ends the output before this many tokens
     presence_penalty: float = 0.0
@@ -55,8 +57,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
-        if any(not INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must fit in int64")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -74,6 +78,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: a generated token is checked against it in O(1)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

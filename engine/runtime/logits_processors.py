@@ -90,7 +90,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], state
     ban_rows, ban_ids, bias_rows, bias_ids, bias = [], [], [], [], []
     for i, (p, s) in enumerate(zip(params, states)):
         if s.generated < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            stops = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(eos_ids)
             ids = sorted(t for t in stops if 0 <= t < vocab)
             ban_rows += [i] * len(ids)
             ban_ids += ids

@@ -28,8 +28,9 @@ from engine.runtime.load_agreement import load_together
 from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
+from engine.runtime.step_progress import StepProgress
 from engine.weights.dummy import dummy_weights
-from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
+from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.group = group
         self.device = group.device
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
         load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
@@ -102,13 +104,18 @@ class ModelRunner:
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
         if self.device.type == "cuda" and not settings.disable_cuda_graph:
-            if group.shares_gpu:
-                # gloo's collectives (the unfused reductions, the embedding's all-reduce, the
-                # greedy tokens' all-gather) copy through the host and cannot be captured
-                logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU and their gloo "
-                               "collectives cannot be captured")
+            max_bs = min(settings.cuda_graph_max_bs, self.max_rows)
+            # ranks sharing a GPU reduce over gloo, which copies through the host and cannot be
+            # captured: decode graphs take a symmetric-memory stand-in for the group's
+            # collectives (the unfused reductions, the embedding's all-reduce, the greedy
+            # tokens' all-gather), sized for the largest captured batch
+            reason = (enable_capturable_collectives(group, self._capturable_bytes(max_bs)) if group.shares_gpu
+                      else None)
+            if reason is None:
+                self.graphs = self._capture_graphs(max_bs)
             else:
-                self.graphs = self._capture_graphs(min(settings.cuda_graph_max_bs, self.max_rows))
+                logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU, their gloo collectives "
+                               "cannot be captured and the symmetric-memory stand-in is unavailable (%s)", reason)
         self._phase_done("graphs", start)
 
     def _load_model(self) -> None:
@@ -135,6 +142,12 @@ class ModelRunner:
         now = time.perf_counter()
         self.startup_s[phase] = now - start
         return now
+
+    def _capturable_bytes(self, max_bs: int) -> int:
+        """Bytes per rank of the largest collective a decode graph of ``max_bs`` runs: a
+        ``[batch, hidden]`` activation all-reduce (the greedy tokens' pairs are smaller); at
+        least 1 MiB, so that a small model's buffer has room to spare."""
+        return max(capture_sizes(max_bs)[-1] * max(self.config.hidden_size * self.dtype.itemsize, 8), 1 << 20)
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
@@ -189,7 +202,9 @@ class ModelRunner:
         ``prompt_logprobs`` sequences score (a collective either way; records the plan's KV slots). A decode
         step replayed from a CUDA graph returns the graph's static output buffers: the values
         are valid until the next forward (copy them to keep them). Follow it with
-        `commit_tokens` when the plan's next tokens are to come from the device."""
+        `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
+        of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
+        self.progress.begin()
         prompt: tuple[TokenLogprobs, ...] = ()
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
@@ -252,6 +267,7 @@ class ModelRunner:
         if greedy is None:
             self.group.broadcast(tokens, src=0)
         self.table.commit_tokens(rows, tokens)
+        self.progress.end()
         return tokens
 
     def destroy(self) -> None:

@@ -1,6 +1,7 @@
 """TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown" ("idle"
 plans only keep the wait for the next plan within ``--dist-timeout``). Each beats its heartbeat
-(`engine.runtime.heartbeat`) from the moment it joined the group."""
+(`engine.runtime.heartbeat`) from the moment it joined the group, and publishes beside it the
+last step it finished on its device, once its runner exists."""
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,7 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
                                      node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
         heartbeat = Heartbeat(launch.init_method, rank, launch.dist_timeout)
         runner = ModelRunner(launch.runner, group)
+        heartbeat.publish_steps(runner.progress)  # rank 0's watchdog names the ranks behind a stalled step
         while True:
             plan = group.broadcast_object(None, src=0)
             if plan.kind == "shutdown":

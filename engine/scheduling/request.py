@@ -78,7 +78,7 @@ class Request:
         """Set ``finish_reason`` after a new token: stop token ("stop", from ``min_tokens`` on),
         max_tokens or a full context ("length"). Stop strings are found in `release`."""
         last = self.output_ids[-1]
-        stops = last in self.params.stop_token_ids or (not self.params.ignore_eos and last in eos_ids)
+        stops = last in self.params.stop_token_set or (not self.params.ignore_eos and last in eos_ids)
         if stops and len(self.output_ids) > self.params.min_tokens:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= context_len:
@@ -86,7 +86,7 @@ class Request:
 
     def _visible_ids(self, eos_ids: tuple[int, ...]) -> list[int]:
         ids = self.output_ids
-        if self.finish_reason == "stop" and ids and (ids[-1] in self.params.stop_token_ids or ids[-1] in eos_ids):
+        if self.finish_reason == "stop" and ids and (ids[-1] in self.params.stop_token_set or ids[-1] in eos_ids):
             return ids[:-1]
         return ids
 

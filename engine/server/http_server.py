@@ -10,17 +10,19 @@ no traceback. A second signal ends the grace period at once.
 Readiness: the launcher binds the port with `bind_http_socket` before the model loads (a taken
 port fails at once), but listens only when uvicorn starts serving it: until then a client's
 connection is refused, not queued. ``on_serving`` is called once the socket accepts requests.
-`http_config` is uvicorn's configuration for the app: the request limits of
+`http_config` is uvicorn's configuration for the app: the request limits (`HttpLimits`) of
 `engine.server.http_limits` and `engine.server.http_protocol`.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Callable, Optional
 
@@ -34,6 +36,7 @@ from engine.server.lifecycle import Lifecycle
 logger = logging.getLogger("engine.launch_server")
 ANSWER_WAIT_S = 3.0  # after the grace period: time for the ended requests' errors to be sent
 POLL_S = 0.05
+GRACEFUL_SHUTDOWN_S = 3.0  # uvicorn's wait for the connections to close once the server stops
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
@@ -67,11 +70,26 @@ def _bound(host: str, port: int, reuse: bool) -> socket.socket:
     return sock
 
 
-def http_config(app: ASGIApp, max_request_bytes: int, log_level: str) -> uvicorn.Config:
-    """uvicorn's configuration for ``app`` behind the request limits: bodies over
-    ``max_request_bytes`` get 413 (`BodyLimit`), heads over ``MAX_HEAD_BYTES`` 431."""
-    return uvicorn.Config(BodyLimit(app, max_request_bytes), log_level=log_level, timeout_graceful_shutdown=3,
-                          http=LimitedH11Protocol, h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may take of the HTTP server (`http_config`): a request body of at most
+    ``max_request_bytes``, sent within ``body_timeout_s`` of its head (else 413 / 408,
+    `BodyLimit`); a head within ``head_timeout_s`` (else 408) and one of at most
+    ``max_connections`` open connections (else 503), `LimitedH11Protocol`."""
+
+    max_request_bytes: int
+    head_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
+
+def http_config(app: ASGIApp, limits: HttpLimits, log_level: str) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` behind ``limits``; heads over ``MAX_HEAD_BYTES`` get 431."""
+    protocol = functools.partial(LimitedH11Protocol, head_timeout_s=limits.head_timeout_s,
+                                 max_connections=limits.max_connections)
+    return uvicorn.Config(BodyLimit(app, limits.max_request_bytes, limits.body_timeout_s), log_level=log_level,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http=protocol,  # type: ignore[arg-type]
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES)
 
 
 def _unavailable(host: str, port: int, exc: OSError) -> ValueError:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
 from engine.server.logprobs_format import (
-    ChatLogprobs, CompletionLogprobs, TokenTexts, chat_logprobs, completion_logprobs,
+    ChatLogprobs, CompletionLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs,
 )
 from engine.server.protocol import CompletionChoice
 
@@ -56,7 +56,9 @@ class CompletionOutput:
         self.echo = echo
         self.wants_logprobs = logprobs is not None
         self.echo_text = prompt_text(prompt, prompt_ids, tokenizer) if echo else ""
-        self.offset = 0  # where the next streamed token's text starts
+        self.offsets = TextOffsets()  # where the next token's text begins
+        self.text_len = 0  # characters of the choice's text sent so far (a stream)
+        self.output_begun = False
 
     @property
     def extra(self) -> bool:
@@ -66,36 +68,50 @@ class CompletionOutput:
     def whole(self, out: Collected) -> CompletionChoice:
         """The choice of a non-streaming request."""
         assert out.last is not None
-        ids, logprobs = list(out.token_ids), list(out.logprobs)
-        if self.echo:
-            ids, logprobs = self.prompt_ids + ids, self._prompt_entries(out.prompt_logprobs) + logprobs
-        return CompletionChoice(text=self.echo_text + out.text, finish_reason=out.last.finish_reason,
-                                logprobs=self._legacy(ids, logprobs))
+        text = self.echo_text + out.text
+        legacy = self._echo_legacy(out.prompt_logprobs, len(self.echo_text))
+        output = self._output_legacy(out.token_ids, list(out.logprobs), len(text))
+        if legacy is not None and output is not None:
+            legacy = CompletionLogprobs(**{key: getattr(legacy, key) + getattr(output, key)
+                                           for key in CompletionLogprobs.model_fields})
+        return CompletionChoice(text=text, finish_reason=out.last.finish_reason,
+                                logprobs=legacy if self.echo else output)
 
     def echoed(self, first: GenerationChunk) -> Optional[CompletionChoice]:
         """A stream's first event with ``echo``: the prompt (None without echo)."""
         if not self.echo:
             return None
+        self.text_len = len(self.echo_text)
         return CompletionChoice(text=self.echo_text, finish_reason=None,
-                                logprobs=self._legacy(self.prompt_ids, self._prompt_entries(first.prompt_logprobs)))
+                                logprobs=self._echo_legacy(first.prompt_logprobs, self.text_len))
 
     def chunk(self, chunk: GenerationChunk) -> Optional[CompletionChoice]:
         """A stream's event for ``chunk``; None when it has nothing to send."""
         if not (chunk.text or chunk.finish_reason or (self.wants_logprobs and chunk.token_ids)):
             return None
+        self.text_len += len(chunk.text)
         return CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason,
-                                logprobs=self._legacy(chunk.token_ids, chunk.logprobs or []))
+                                logprobs=self._output_legacy(chunk.token_ids, chunk.logprobs or [], self.text_len))
 
-    def _prompt_entries(self, prompt_logprobs: Optional[list[TokenLogprob]]) -> list[Optional[TokenLogprob]]:
-        """One entry per prompt token: None for the first (no context), then the engine's."""
-        return [None, *(prompt_logprobs or [])] if self.wants_logprobs else []
+    def _echo_legacy(self, prompt_logprobs: Optional[list[TokenLogprob]], text_end: int) -> Optional[CompletionLogprobs]:
+        """The prompt's tokens (with echo and logprobs): None for the first (no context), then
+        the engine's entries; the echoed text begins at 0."""
+        if not (self.echo and self.wants_logprobs):
+            return None
+        self.offsets.begin_text(0, known=self.echo_text)
+        entries = [None, *(prompt_logprobs or [])]
+        return completion_logprobs(self.texts, self.offsets, self.prompt_ids, entries, text_end)
 
-    def _legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]]) -> Optional[CompletionLogprobs]:
-        """The legacy object for these tokens, continuing the text offsets (None without logprobs)."""
+    def _output_legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]],
+                       text_end: int) -> Optional[CompletionLogprobs]:
+        """Output tokens, continuing the offsets (None without logprobs). The engine decodes the
+        output on its own: its text begins after the echo."""
         if not self.wants_logprobs:
             return None
-        legacy, self.offset = completion_logprobs(self.texts, ids, logprobs, self.offset)
-        return legacy
+        if not self.output_begun:
+            self.offsets.begin_text(len(self.echo_text))
+            self.output_begun = True
+        return completion_logprobs(self.texts, self.offsets, ids, logprobs, text_end)
 
 
 def chat_logprobs_of(texts: TokenTexts, logprobs: Optional[list[TokenLogprob]]) -> Optional[ChatLogprobs]:

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.common.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.common.sampling_params import (
+    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams,
+)
 from engine.server.logprobs_format import ChatLogprobs, CompletionLogprobs
 from engine.server.openai_fields import (
     CHAT_LIMITED, COMMON_LIMITED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, NO_TOOLS, refused,
@@ -103,7 +105,7 @@ class SamplingFields(RequestBody):
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """`SamplingParams` for this request; raises ValueError (naming the field) on bad values,
-        among them a logit_bias id outside ``[0, vocab_size)``."""
+        among them a logit_bias or stop_token_ids id outside ``[0, vocab_size)``."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if "" in stop:
             raise ValueError("stop strings must not be empty")
@@ -115,7 +117,7 @@ class SamplingFields(RequestBody):
             top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed,
             stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop_token_ids=stop_token_ids(self.stop_token_ids or [], vocab_size),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0,
@@ -146,6 +148,17 @@ def logit_bias_pairs(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int
     if len({t for t, _ in pairs}) != len(pairs):
         raise ValueError("logit_bias names a token id twice")
     return tuple(sorted(pairs))
+
+
+def stop_token_ids(ids: list[int], vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids`` as a tuple; ValueError naming stop_token_ids for more than
+    ``MAX_STOP_TOKEN_IDS`` ids or one that is not a token id of the vocabulary."""
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: token ids out of range [0, {vocab_size}): {bad[:8]}")
+    return tuple(ids)
 
 
 class CompletionRequest(SamplingFields):
@@ -235,8 +248,8 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def unsupported_fields(self) -> list[str]:
-        fields = {name: getattr(self, name) for name in CHAT_LIMITED}
-        bad = super().unsupported_fields() + refused(fields, CHAT_LIMITED)
+        own = {name: rule for name, rule in CHAT_LIMITED.items() if name not in COMMON_LIMITED}  # those: super's
+        bad = super().unsupported_fields() + refused({name: getattr(self, name) for name in own}, own)
         return bad + [p for i, m in enumerate(self.messages) for p in m.problems(i)]
 
 

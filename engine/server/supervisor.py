@@ -1,11 +1,12 @@
 """`Supervisor`: brings the server down, once, when a TP worker or the scheduler fails.
 
-The first failure reported (from the worker monitor or the scheduler thread) wins; the others
-block. It names the culprit in the log (the worker that died or stopped, with the scheduler's
-error beside it when both are known), answers every request in flight with a 500 error naming
-the culprit (else the scheduler's error) through
-`Engine.fail_all` (a stream gets an error event, then ``[DONE]``), waits a moment for those
-answers to leave, kills the workers and exits the process with 1.
+The first failure reported (from the worker monitor, the ``--dist-timeout`` watchdog or the
+scheduler thread) wins; the others block. It names the culprit in the log (the worker that died
+or stopped, with the reported error beside it when both are known), answers every request in
+flight with a 500 error naming the culprit (else the reported error) through `Engine.fail_all`
+(a stream gets an error event, then ``[DONE]``), waits a moment for those answers to leave,
+kills the workers and exits the process with 1. It needs nothing from the scheduler thread,
+which may be blocked for good (in a CUDA sync behind a kernel that waits on a stopped peer).
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from typing import NoReturn, Optional
 from engine.common.generation import EngineError
 from engine.server.engine import Engine
 from engine.server.lifecycle import Lifecycle
-from engine.server.workers import WorkerSet
+from engine.server.workers import KILL_WAIT_S, WorkerSet
 
 logger = logging.getLogger("engine.launch_server")
 CULPRIT_WAIT_S = 1.0  # how long a scheduler error waits for a worker's death to show
 ANSWER_WAIT_S = 3.0  # how long the errors sent to the clients in flight get to leave
+SHUTDOWN_BOUND_S = CULPRIT_WAIT_S + ANSWER_WAIT_S + KILL_WAIT_S  # most seconds `fail` waits before the exit
 
 
 class Supervisor:

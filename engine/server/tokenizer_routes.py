@@ -10,8 +10,8 @@ harnesses, context budgeting) count tokens with the server's own tokenizer:
 
 Messages are rendered with the chat template exactly as /v1/chat/completions renders them. Work
 proportional to the text runs in a worker thread, off the event loop. Errors: 400 naming the
-problem (a token id outside the vocabulary, a message this server cannot render), 404 for
-another model's name.
+problem (a token id outside the vocabulary, a message this server cannot render, no messages,
+both ``prompt`` and ``messages``), 404 for another model's name.
 """
 from __future__ import annotations
 
@@ -79,6 +79,11 @@ def add_tokenizer_routes(app: FastAPI, engine: EngineClient, served_model_name: 
     @app.post("/tokenize")
     async def tokenize(req: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> dict[str, Any]:
         check_model(req.model)
+        other = "prompt" if isinstance(req, TokenizeChatRequest) else "messages"
+        if (req.model_extra or {}).get(other) is not None:
+            raise APIError(400, "give either prompt or messages, not both")
+        if isinstance(req, TokenizeChatRequest) and not req.messages:
+            raise APIError(400, "messages must not be empty")  # as /v1/chat/completions
         if isinstance(req, TokenizeChatRequest) and req.problems():
             raise APIError(400, f"not supported: {', '.join(req.problems())}")
         ids = await asyncio.to_thread(tokenize_text, req)

@@ -1,8 +1,9 @@
 """`WorkerSet`: the TP worker processes a launcher spawns on its node, and what became of them.
 
 A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure. A
-worker that is alive but stopped (SIGSTOP, a debugger) is reported too: a collective waiting on
-it fails after ``--dist-timeout``, and the log should then name the rank, not only the timeout.
+worker that is alive but stopped (SIGSTOP, a debugger) is reported too: after ``--dist-timeout``
+a collective waiting on it fails, or rank 0's watchdog (`engine.runtime.watchdog`) gives up on
+its heartbeat, and the log should then name the rank, not only the timeout.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE
 
 POLL_S = 0.1
+KILL_WAIT_S = 2.0  # how long `kill` waits for the killed workers to be reaped
 
 
 class WorkerSet:
@@ -78,13 +80,15 @@ class WorkerSet:
         return {rank: p.exitcode for rank, p in self.procs.items()}
 
     def kill(self) -> None:
-        """SIGKILL every worker still alive (a stopped one too) and reap it."""
+        """SIGKILL every worker still alive (a stopped one, or one stuck in a GPU kernel, too) and
+        reap them, waiting up to ``KILL_WAIT_S`` in all."""
         self.stopping = True
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
         for p in self.procs.values():
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _process_state(pid: Optional[int]) -> str:

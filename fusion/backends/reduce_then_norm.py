@@ -9,6 +9,10 @@ the torch reference of the fused semantics (any device).
 
 Neither owns a resource. NCCL runs every batch; the torch backend takes up to the token limit
 it was ensured for (the engine's fusion limit), as a fused backend would.
+
+With ``deterministic`` both follow the canonical recipe instead (`fusion.backends.deterministic.reduce_then_norm`:
+the rank-order sum, then on the GPU the fused kernels' own row step, elsewhere the recipe in
+torch), so each gives a row the bits every other allowed strategy gives it.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Optional
 import torch
 
 from fusion import norm, reference
+from fusion.backends import deterministic
 from fusion.backends.base import Backend, quantized
 from fusion.group import TensorParallelGroup
 from fusion.strategy import FusedOutput, Quant, Strategy
@@ -24,6 +29,10 @@ from fusion.strategy import FusedOutput, Quant, Strategy
 
 class NcclBackend(Backend):
     strategy = Strategy.NCCL
+
+    def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
+        super().__init__(group)
+        self.deterministic = deterministic
 
     def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         return True
@@ -39,6 +48,8 @@ class NcclBackend(Backend):
             quant: Optional[Quant] = None) -> FusedOutput:
         """In place where `fusion.norm.add_rms_norm` is: ``x`` ends as the normed output and
         ``residual`` as the sum."""
+        if self.deterministic:
+            return quantized(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps), quant)
         self.group.all_reduce(x)
         return quantized(*norm.add_rms_norm(x, residual, weight, eps), quant)
 
@@ -46,8 +57,9 @@ class NcclBackend(Backend):
 class TorchBackend(Backend):
     strategy = Strategy.TORCH
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
         super().__init__(group)
+        self.deterministic = deterministic
         self.max_tokens = 0
 
     def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
@@ -66,6 +78,9 @@ class TorchBackend(Backend):
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:
-        """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written)."""
+        """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written
+        off the GPU)."""
+        if self.deterministic:
+            return quantized(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps), quant)
         self.group.all_reduce(x)
         return quantized(*reference.add_rms_norm(x, residual, weight, eps), quant)

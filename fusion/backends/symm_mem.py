@@ -8,6 +8,10 @@ copies this rank's partial sum into the buffer, runs ``torch.ops.symm_mem.two_sh
 ~311 GB/s per direction at 4096 x 4096 bf16 on H200) and copies the sum back to ``x``. Residual
 add + RMSNorm then run as in the unfused path. Failures on any rank are voted over the CPU
 group (`fusion.backends.symmetric_buffer`), so every rank keeps or drops the strategy together.
+
+With ``deterministic`` (2 ranks only: `fusion.backends.deterministic`) the add + norm is the fused
+kernels' row step (`fusion.backends.deterministic.add_rms_norm`): at 2 ranks torch's kernel adds each
+element once, so the sum is the canonical one and the row's bits are the other strategies'.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Optional
 import torch
 
 from fusion import norm
+from fusion.backends import deterministic
 from fusion.backends.base import Backend, quantized
 from fusion.backends.symmetric_buffer import SymmetricBuffer
 from fusion.errors import FusionInputError
@@ -28,8 +33,9 @@ class SymmMemTwoShotBackend(Backend):
 
     strategy = Strategy.SYMM_MEM_TWO_SHOT
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
         super().__init__(group)
+        self.deterministic = deterministic
         self.symmetric = SymmetricBuffer(group, "symmetric-memory all-reduce")
         self.max_tokens = 0
 
@@ -60,7 +66,8 @@ class SymmMemTwoShotBackend(Backend):
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group.device_group.group_name)
         x.view(-1).copy_(staged)
-        return quantized(*norm.add_rms_norm(x, residual, weight, eps), quant)
+        finish = deterministic.add_rms_norm if self.deterministic else norm.add_rms_norm
+        return quantized(*finish(x, residual, weight, eps), quant)
 
     def destroy(self) -> None:
         self.symmetric.destroy()

@@ -87,14 +87,14 @@ def fused_unavailable_reason(hidden: int) -> Optional[str]:
 
 def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
     """Launch 1: this rank's rows of every other shard into their owners' slot ``rank``."""
-    from fusion.backends.kernels.two_shot_norm import num_warps_for, push_shards_kernel
-    import triton
+    from fusion.backends.kernels.row_norm import row_block, row_num_warps
+    from fusion.backends.kernels.two_shot_norm import push_shards_kernel
 
     hidden = x.shape[1]
     if layout.peer_rows:
         push_shards_kernel[(layout.peer_rows,)](
             x, peer_ptrs, layout.rank, hidden, layout.shard_rows, layout.own_start, layout.own_rows,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+            BLOCK=row_block(hidden), num_warps=row_num_warps(hidden))
 
 
 def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
@@ -102,14 +102,14 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
                       layout: ShardLayout, gather_at: int, flags_at: int) -> None:
     """Launch 2: sum this rank's shard, push it with its flags to every peer and add + norm it
     here; add + norm each peer row once its owner's flag is up."""
-    from fusion.backends.kernels.two_shot_norm import num_warps_for, reduce_and_finish_kernel
-    import triton
+    from fusion.backends.kernels.row_norm import row_block, row_num_warps
+    from fusion.backends.kernels.two_shot_norm import reduce_and_finish_kernel
 
     hidden = x.shape[1]
     reduce_and_finish_kernel[(layout.tokens,)](
         x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, layout.rank, hidden,
         layout.shard_rows, layout.own_start, layout.own_rows, gather_at, flags_at, eps, WORLD=layout.world,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden))
+        HAS_RESIDUAL=residual is not None, BLOCK=row_block(hidden), num_warps=row_num_warps(hidden))
 
 
 def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

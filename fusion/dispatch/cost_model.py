@@ -58,11 +58,16 @@ def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype:
     return min(priced, key=lambda s: predicted_us(s, num_tokens, hidden, dtype, world_size))
 
 
-def rule_picks(max_tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> set[Strategy]:
+def rule_picks(max_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,
+               among: Optional[Iterable[Strategy]] = None) -> set[Strategy]:
     """The strategies the model picks at some power-of-two token count up to ``max_tokens``
-    when all can run (whose buffers an op must create); empty without a model."""
+    when all of ``among`` (default: every modelled one) can run (whose buffers an op must
+    create); empty without a model."""
     model = COEFFICIENTS.get(world_size)
     if model is None:
         return set()
+    priced = [s for s in model if among is None or s in set(among)]
+    if not priced:
+        return set()
     counts = [1 << i for i in range(max(1, max_tokens).bit_length())] + [max_tokens]
-    return {min(model, key=lambda s: predicted_us(s, t, hidden, dtype, world_size)) for t in counts}
+    return {min(priced, key=lambda s: predicted_us(s, t, hidden, dtype, world_size)) for t in counts}

@@ -4,7 +4,8 @@ The cost model (`fusion.dispatch.cost_model`) prices every strategy it was fitte
 world size and picks the cheapest available one; a configured one-shot input-size limit takes
 flashinfer one-shot out above it. A world size with no fitted model takes flashinfer's kernel,
 one-shot or two-shot by message size (`fusion.dispatch.one_shot`; the other one where the
-preferred cannot run the batch), when the workspace holds the batch, else NCCL.
+preferred cannot run the batch), when the workspace holds the batch, else our fused two-shot
+(`symm_mem_fused`) where its buffer exists, else NCCL.
 """
 from __future__ import annotations
 
@@ -27,4 +28,6 @@ def rule_choice(available: Sequence[Strategy], num_tokens: int, hidden: int, dty
         return modelled
     one_shot = choose_one_shot(num_tokens, hidden, dtype, world_size, one_shot_max_input_bytes)
     order = (Strategy.FLASHINFER_ONE_SHOT, Strategy.FLASHINFER_TWO_SHOT)
-    return next((s for s in (order if one_shot else order[::-1]) if s in available), Strategy.NCCL)
+    # then our fused two-shot (deterministic mode, which has no flashinfer strategy)
+    preference = (order if one_shot else order[::-1]) + (Strategy.SYMM_MEM_FUSED,)
+    return next((s for s in preference if s in available), Strategy.NCCL)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from layers.linear import check_shape, divide
+from layers.moe.align import ExpertBlocks
 from layers.moe.torch_experts import moe_experts_torch
 from layers.parallel_state import get_tp_group
 from layers.kernels.triton_support import triton_available
@@ -72,9 +73,20 @@ class MoEExperts(nn.Module):
             check_shape(loaded, (full, hidden))
             param.data[expert].narrow(0, 0 if part == "gate" else local, local).copy_(loaded.narrow(0, start, local))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def block_m(self, tokens: int, top_k: int) -> Optional[int]:
+        """The rows per block that the fused MoE groups ``tokens * top_k`` slots into (for a
+        routing that groups them itself), or None where the torch reference runs."""
+        if not (self.w13_weight.is_cuda and triton_available()):
+            return None
+        from layers.moe.kernels.triton_fused_moe import default_block_config
+
+        return default_block_config(tokens * top_k, self.num_experts).block_m
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
+        """``blocks``: the slots already grouped by expert in `block_m` rows (or None)."""
         if x.is_cuda and triton_available():
             from layers.moe.kernels.triton_fused_moe import fused_moe
 
-            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine)
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine, blocks=blocks)
         return moe_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

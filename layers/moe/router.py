@@ -1,12 +1,20 @@
 """The MoE router: which ``top_k`` of ``E`` experts each token goes to, and with what weight.
 
-    logits  = h @ W_gate^T                       fp32 (h cast to fp32, W_gate kept in fp32)
+    logits  = h @ W_gate^T                       fp32 accumulation of the products of h and W_gate
+                                                 (both in the model's dtype), kept in fp32
     probs   = softmax(logits)                    fp32, over all E experts
-    w, ids  = top_k(probs)                       ids: int32 [T, k], distinct per token
+    ids     = the top_k largest logits           descending; equal logits: the lower expert first
+    w       = probs[ids]                         ids: int32 [T, k], distinct per token
     w      /= sum(w)            (renormalize)    Mixtral always; Qwen3-MoE with norm_topk_prob
+
+The tie rule is ours: ``torch.topk`` (as Hugging Face's routers call it) states none, and on the
+CPU it returns tied experts in no index order. Softmax is monotone, so choosing by logits is
+choosing by probabilities, without the ties that fp32 rounding of the probabilities can add.
 
 The gate weight is replicated on every TP rank (``[E, hidden]``, small) and so is the routing:
 every rank computes it from the same all-reduced ``h``, so all ranks pick the same experts.
+On the GPU the routing runs in Triton (layers/moe/kernels/triton_router.py); this module's torch
+code is its reference and the CPU path.
 """
 from __future__ import annotations
 
@@ -16,37 +24,70 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers.kernels.triton_support import triton_available
 from layers.linear import default_weight_loader
+from layers.moe.align import ExpertBlocks
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` by the module
-    docstring's math; the softmax and the top-k run in fp32 whatever ``logits``' dtype."""
+    docstring's math (a stable descending sort gives the tie rule); the softmax and the
+    selection run in fp32 whatever ``logits``' dtype."""
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"top_k must be in 1..{logits.shape[-1]} (the number of experts), got {top_k}")
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
 
 
+def router_logits_torch(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``h [T, hidden]``, ``weight [E, hidden]`` -> fp32 ``[T, E]``: products and sums in fp32
+    (the products of two bf16 / fp16 numbers are exact in fp32)."""
+    return F.linear(hidden_states.float(), weight.float())
+
+
 class TopKRouter(nn.Module):
     """``forward(h [T, hidden]) -> (weights fp32 [T, top_k], ids int32 [T, top_k])``; the gate
-    weight ``[num_experts, hidden]`` is an fp32 parameter loaded whole on every rank."""
+    weight ``[num_experts, hidden]`` (in ``dtype``) is loaded whole on every rank.
+
+    On a CUDA ``h`` with triton the routing is one Triton launch (`route` also groups the slots
+    by expert for the grouped GEMM in it up to `triton_router.FUSED_MAX_SLOTS` slots); ``_counter``
+    is that launch's arrival counter (int32, zero between calls: the launch resets it)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 device: Optional[torch.device] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device),
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.register_buffer("_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+
+    def _triton(self, hidden_states: torch.Tensor) -> bool:
+        return hidden_states.is_cuda and triton_available()
+
+    def route(self, hidden_states: torch.Tensor, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
+        """``forward``'s ``(weights, ids)`` and, where one Triton launch does both, the slots
+        grouped by expert in blocks of ``block_m`` rows (layers/moe/align.py); else None."""
+        if self._triton(hidden_states):
+            from layers.moe.kernels.triton_router import route_triton
+
+            return route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter, block_m)
+        return (*self.forward(hidden_states), None)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden_states.float(), self.weight)
-        return select_experts(logits, self.top_k, self.renormalize)
+        if self._triton(hidden_states):
+            from layers.moe.kernels.triton_router import route_triton
+
+            weights, ids, _ = route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter)
+            return weights, ids
+        return select_experts(router_logits_torch(hidden_states, self.weight), self.top_k, self.renormalize)

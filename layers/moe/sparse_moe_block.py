@@ -4,6 +4,9 @@
     w, ids    = gate(h)                               fp32 routing, identical on every rank
     h_partial = experts(h, w, ids)                    this rank's partial sum, not reduced
 
+On the GPU the routing launch also groups the slots by expert for the experts' grouped GEMM
+(`TopKRouter.route`), so a decode step's MoE is three launches: routing, gate/up, down.
+
 The caller owes the all-reduce of ``h_partial`` (``LayerCommunicator.postprocess_layer``), as for
 a dense MLP's down projection with ``reduce_results=False``.
 """
@@ -22,10 +25,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, device)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, dtype, device)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, dtype, device)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed) -> this rank's partial MoE output ``[T, hidden]``."""
-        topk_weights, topk_ids = self.gate(hidden_states)
-        return self.experts(hidden_states, topk_weights, topk_ids)
+        block_m = self.experts.block_m(hidden_states.shape[0], self.gate.top_k)
+        if block_m is None:
+            return self.experts(hidden_states, *self.gate(hidden_states))
+        return self.experts(hidden_states, *self.gate.route(hidden_states, block_m))

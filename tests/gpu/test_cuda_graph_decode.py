@@ -11,11 +11,15 @@ relative L2 error of the eager ones (1e-4 in fp32; 2e-2 in bf16, where a differe
 the decode attention or a padded GEMM rounds differently), and both runners' request tables
 must be equal, the padding row untouched. Every step's greedy tokens (taken over the
 vocabulary shards inside the graph) must be the argmax of its gathered logits.
+
+The same at TP2 (``tp_ranks``), fusion off and on: on one GPU the ranks share it, their device
+group is gloo, and the decode graphs capture the group's symmetric-memory stand-in for its
+collectives (`fusion.capturable`) instead: graphs must be on, and the logits as close to eager.
 """
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.gpus(1)  # one rank, TP1
 
@@ -24,7 +28,7 @@ ROWS = [5, 2, 7, 0]  # of 8: sequence b does not sit in row b
 MAX_REL_ERR = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
-def _run(rank: int, world_size: int, dtype: str) -> dict:
+def _run(rank: int, world_size: int, dtype: str, fusion: bool = False) -> dict:
     from dataclasses import replace
 
     from engine.scheduling.kv_pool import SlotAllocator
@@ -35,7 +39,7 @@ def _run(rank: int, world_size: int, dtype: str) -> dict:
     from layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny", dtype=dtype, context_length=CONTEXT, max_running_requests=8,
-                              cuda_graph_max_bs=4, fusion=FusionConfig(enabled=False), kv_slots=2048)
+                              cuda_graph_max_bs=4, fusion=FusionConfig(enabled=fusion), kv_slots=2048)
     graphed = ModelRunner(settings, get_tp_group())
     eager = ModelRunner(replace(settings, disable_cuda_graph=True), get_tp_group())
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4] and eager.graphs is None
@@ -82,3 +86,16 @@ def test_graph_decode_matches_eager_decode(dtype):
     for bs, r in result.items():
         assert r["tables_equal"] and r["pad_row_zero"] and r["greedy_is_argmax"], (bs, r)
         assert r["max_rel_err"] <= MAX_REL_ERR[dtype], (bs, r)
+
+
+@pytest.mark.tp_ranks(gpu_world_size())
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fusion", [False, True], ids=["fusion-off", "fusion-on"])
+def test_tp_graph_decode_matches_eager_decode_also_with_ranks_sharing_a_gpu(fusion):
+    per_rank = run_distributed(_run, world_size=gpu_world_size(), args=("bfloat16", fusion), device_kind="cuda",
+                               timeout_s=500)
+    print(f"\nTP{gpu_world_size()} fusion {fusion}: {per_rank[0]}")
+    for result in per_rank:
+        for bs, r in result.items():
+            assert r["tables_equal"] and r["pad_row_zero"] and r["greedy_is_argmax"], (bs, r)
+            assert r["max_rel_err"] <= MAX_REL_ERR["bfloat16"], (bs, r)

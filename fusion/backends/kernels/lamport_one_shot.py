@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion.backends.kernels.row_norm import add_rms_norm_row
+from fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
 
 MAX_HIDDEN = 16384  # one row of fp32 per program, as in two_shot_norm
 WARMUP_TIMEOUT_NS = 1_000_000_000  # any value: timeout_ns is not specialised on
@@ -191,11 +191,6 @@ def use_pdl(device: torch.device) -> bool:
     return _pdl_launch_supported() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def num_warps_for(hidden: int) -> int:
-    """Warps per row program: ~16 elements per thread, 4..16 warps."""
-    return max(4, min(16, triton.next_power_of_2(hidden) // 512))
-
-
 def _launch(grid: tuple[int], x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
             residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
             control: torch.Tensor, host_error: torch.Tensor, rank: int, world: int, max_tokens: int, timeout_ns: int,
@@ -207,7 +202,7 @@ def _launch(grid: tuple[int], x: torch.Tensor, residual: Optional[torch.Tensor],
     kernel(x, residual if residual is not None else x, out, residual_out, weight, peer_ptrs, control, host_error,
            tokens, hidden, max_tokens * hidden, eps, timeout_ns, RANK=rank, WORLD=world,
            HAS_RESIDUAL=residual is not None, USE_PDL=pdl, BITS=bits_ty, SENTINEL=sentinel,
-           BLOCK=triton.next_power_of_2(hidden), num_warps=num_warps_for(hidden),
+           BLOCK=row_block(hidden), num_warps=row_num_warps(hidden),
            **({"launch_pdl": True} if pdl else {}), **kwargs)
 
 

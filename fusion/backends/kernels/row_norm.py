@@ -1,9 +1,34 @@
 """The last step of every fused kernel here: one reduced row's residual add and RMSNorm, in one
-program (the reference math of fusion/reference.py, the same roundings)."""
+program, and the launch shape every kernel that calls it uses.
+
+    res = round(fp32(y) + fp32(residual[row]))      (res = y without a residual)
+    ssq = tl.sum(fp32(res) ** 2)                     over BLOCK = next_power_of_2(H) lanes
+    out = round(fp32(res) * (1 / sqrt(ssq / H + eps)) * fp32(weight))
+
+the reference math of fusion/reference.py, the same roundings. The order in which ``tl.sum``
+adds the squares is Triton's reduction tree for the row's layout: each thread's elements, then
+the lanes of a warp, then the warps. That layout is fixed by BLOCK (`row_block`), num_warps
+(`row_num_warps`), both functions of the hidden size alone, and the 16-byte accesses of a
+contiguous row whose size is a multiple of 16 bytes (the aligned rows every fused strategy
+requires). It does not depend on the number of rows, the grid, or which rank's data arrived
+first, so every kernel that finishes with this step (the fused two-shot, the Lamport one-shot,
+the deterministic add + norm after a reduction) gives a row the same bits: the deterministic
+mode's norm on the GPU (tests/gpu/test_deterministic_fusion.py checks it bit for bit).
+"""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def row_block(hidden: int) -> int:
+    """Lanes of a row program: the row's H elements in one block."""
+    return triton.next_power_of_2(hidden)
+
+
+def row_num_warps(hidden: int) -> int:
+    """Warps per row program: ~16 elements per thread, 4..16 warps."""
+    return max(4, min(16, triton.next_power_of_2(hidden) // 512))
 
 
 @triton.jit

@@ -11,7 +11,8 @@ never multicast). One call is two launches with one barrier between them:
     1. push_shards:        for every row i of a shard s != r:  slot_r of rank s  <- x[i]   (remote store)
        barrier
     2. reduce_and_finish:  programs 0 .. own_rows-1, row i of my shard:
-                               y_i = round(x[i] + sum_{s != r} slot_s[i])     (fp32 sum, one rounding)
+                               y_i = round(0 + row_0 + row_1 + ... + row_{W-1})   (fp32, rank
+                                     order, one rounding; row_r = x[i], row_s = slot_s[i])
                                gather of every rank q != r [i] <- y_i              (remote store)
                                flag of every rank q != r [i] <- 1                  (release, system scope)
                                residual_out[i], out[i] = add_rms_norm(y_i, residual[i])
@@ -36,8 +37,8 @@ raising the flags, have run.
 with add_rms_norm the reference math (fusion/reference.py): ``res = round(y + residual)`` (fp32
 add, one rounding; ``res = y`` without a residual), ``out = round(res / RMS(res) * weight)`` in
 fp32. Each row is summed once, by its owner, and the same bf16/fp16 ``y_i`` reaches every rank,
-so all ranks return identical outputs; ``y_i`` is what an NCCL all-reduce in the input dtype
-returns, so the result equals the unfused path's up to the norm's own rounding.
+so all ranks return identical outputs. ``y_i`` is the canonical sum of fusion/reference.py (rank
+order, whichever rank owns the row), which at W = 2 is also what an NCCL all-reduce returns.
 
 Traffic per rank: (W-1)/W of x out in launch 1 and (W-1)/W of the reduced rows out in launch 2
 (each over NVLink, as in any two-shot all-reduce), and no copy of x into the symmetric buffer:
@@ -104,9 +105,11 @@ def reduce_and_finish_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, wei
     elem_ty = x_ptr.dtype.element_ty
     if pid < own_rows:
         row = own_start + pid
-        acc = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-        for sender in tl.static_range(WORLD):
-            if sender != rank:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for sender in tl.static_range(WORLD):  # rank order from +0.0: the canonical sum (fusion.reference)
+            if sender == rank:
+                acc += tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
                 slot = _peer_row(peer_ptrs, rank, (sender * shard_rows + pid) * hidden, elem_ty)
                 acc += tl.load(slot + cols, mask=mask, other=0.0).to(tl.float32)
         y = acc.to(elem_ty)
@@ -127,8 +130,3 @@ def reduce_and_finish_kernel(x_ptr, residual_ptr, out_ptr, residual_out_ptr, wei
         y = tl.load(gathered + cols, mask=mask, other=0.0, cache_modifier=".cv")
     add_rms_norm_row(y, row, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, cols, mask, hidden, eps,
                       HAS_RESIDUAL)
-
-
-def num_warps_for(hidden: int) -> int:
-    """Warps per row program: ~16 elements per thread, 4..16 warps."""
-    return max(4, min(16, triton.next_power_of_2(hidden) // 512))

@@ -1,8 +1,9 @@
 """The experts of a MoE layer in two Triton grouped-GEMM launches (the GPU path of
 layers/moe/experts.py; the math and its roundings are those of layers/moe/torch_experts.py).
 
-Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py; one Triton
-launch of layers/moe/kernels/triton_align.py up to its MAX_SLOTS slots); a program owns one block of rows
+Rows are token slots grouped by expert in blocks of BLOCK_M (layers/moe/align.py: done by the
+routing launch of layers/moe/kernels/triton_router.py at decode sizes, else here, by one launch of
+layers/moe/kernels/triton_align.py up to its MAX_SLOTS slots); a program owns one block of rows
 (one expert) and BLOCK_N output columns:
 
     launch 1  act[r] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)    r: a sorted row of
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from layers.moe.align import ExpertBlocks, align_by_expert
+from layers.moe.align import ExpertBlocks, align_by_expert, max_padded_rows
 from layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from layers.moe.kernels.triton_align import align_by_expert_triton
 from layers.moe.torch_experts import combine_topk
@@ -202,12 +203,15 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, combine: str = "folded", config: Optional[MoEBlockConfig] = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, combine: str = "folded", config: Optional[MoEBlockConfig] = None,
+              blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
     """``x [T, H]`` with routing ``topk_weights`` (fp32) / ``topk_ids`` (int) ``[T, k]`` -> a new
     ``[T, H]`` of x's dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with this rank's
     shards ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (module docstring). ``combine``: "folded" (in
     launch 2's epilogue) or "unfused" (the torch combine after it). ``config``: tile sizes,
-    `default_block_config` by default. Nothing is written in place; no host synchronisation."""
+    `default_block_config` by default. ``blocks``: the slots of ``topk_ids`` already grouped by
+    expert in blocks of the config's ``block_m`` (the routing kernel's, layers/moe/kernels/triton_router.py);
+    grouped here when None. Nothing is written in place; no host synchronisation."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -218,8 +222,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
     cfg = config or default_block_config(num_slots, num_experts)
-    align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
-    blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
+    if blocks is None:
+        align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
+        blocks = align(topk_ids, num_experts, cfg.block_m)
+    elif blocks.block_m != cfg.block_m or blocks.sorted_slots.numel() != max_padded_rows(num_slots, num_experts,
+                                                                                          cfg.block_m):
+        raise ValueError(f"blocks of {blocks.block_m} rows ({blocks.sorted_slots.numel()} in all) do not fit "
+                         f"{num_slots} slots at the config's block_m {cfg.block_m}")
     folded = combine == "folded"
     # fp32 operands: IEEE fp32 products, not TF32. Under the interpreter every dot runs in fp32: its
     # dot multiplies bf16 bit patterns (it stores bf16 as uint16); bf16/fp16 products are exact in

@@ -1,0 +1,101 @@
+"""`DistWatchdog`: TP rank 0 enforces ``--dist-timeout`` itself, whether or not any collective
+or kernel ever returns.
+
+A collective over gloo or NCCL gives up after ``--dist-timeout``, but a fused kernel that waits
+on a peer's flags in GPU memory (flashinfer's one-shot / two-shot, the symmetric-memory
+strategies) spins until the peer arrives: a stopped peer hangs it, and rank 0's scheduler
+thread with it (blocked in a CUDA sync). The watchdog is a thread of its own that needs neither
+the scheduler nor the device. It calls ``on_timeout(reason)`` (the launcher's
+`Supervisor.fail`: every client gets a 500 naming the rank, every worker is killed, exit 1)
+once, on the first of:
+
+- **a silent worker**: rank R's heartbeat (`engine.runtime.heartbeat`) has been missing for
+  ``dist_timeout``: "TP worker rank R sent no heartbeat for S s (--dist-timeout T s)";
+- **a stalled step**: rank 0's oldest unfinished forward step (`engine.runtime.step_progress`)
+  began more than ``dist_timeout`` ago while no worker misses its heartbeat (all ranks alive, a
+  kernel or collective waits for something that never comes): "FusionTimeoutError: step N has
+  been in flight for S s (--dist-timeout T s) ...; ranks that did not finish it: 0, 1" (the
+  workers publish their last finished step beside their heartbeat). While a worker misses its
+  heartbeat, the first rule decides: it names the silent rank.
+
+Bounds: it checks every ``poll_s`` (the monitor's read period), so it fires at most
+`detection_bound_s` after the silence or the step passed ``dist_timeout`` (measured from the
+last beat rank 0 saw, and from the step's start on rank 0). It never fires earlier.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from engine.runtime.heartbeat import HeartbeatMonitor, poll_s
+from engine.runtime.step_progress import StepProgress
+from fusion.errors import FusionTimeoutError
+
+logger = logging.getLogger(__name__)
+
+
+def detection_bound_s(dist_timeout: float) -> float:
+    """Most seconds between a worker's last beat + ``dist_timeout`` and ``on_timeout``: the
+    beat is read up to one poll late, the silence is measured at reads, the check runs a poll
+    later (three polls)."""
+    return 3 * poll_s(dist_timeout)
+
+
+class DistWatchdog:
+    def __init__(self, monitor: HeartbeatMonitor, dist_timeout: float, on_timeout: Callable[[str], None]) -> None:
+        """Watch ``monitor``'s workers from now on (and rank 0's steps from `watch_steps` on)."""
+        self.monitor = monitor
+        self.dist_timeout = dist_timeout
+        self._on_timeout = on_timeout
+        self._progress: Optional[StepProgress] = None
+        self._stopped = threading.Event()
+        self._checker = threading.Thread(target=self._run, name="dist-watchdog", daemon=True)
+        self._poller: Optional[threading.Thread] = None
+        self._checker.start()
+
+    def watch_steps(self, progress: StepProgress) -> None:
+        """Also bound rank 0's forward steps: a thread of its own polls ``progress`` (CUDA event
+        queries may block; the checks never wait for them)."""
+        self._progress = progress
+        self._poller = threading.Thread(target=self._poll_steps, name="step-poller", daemon=True)
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for thread in (self._checker, self._poller):
+            if thread is not None:
+                thread.join(timeout=2 * poll_s(self.dist_timeout) + 1)
+
+    def _poll_steps(self) -> None:
+        while not self._stopped.wait(poll_s(self.dist_timeout)):
+            self._progress.poll()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(poll_s(self.dist_timeout)):
+            reason = self.timeout_reason()
+            if reason is not None:
+                logger.error("--dist-timeout %g s passed: %s", self.dist_timeout, reason)
+                self._on_timeout(reason)
+                return
+
+    def timeout_reason(self) -> Optional[str]:
+        """Why the server must go down now (see the module docstring), or None."""
+        silent = [(rank, s) for rank, s in self.monitor.silences().items() if s >= self.dist_timeout]
+        if silent:
+            return "; ".join(f"TP worker rank {rank} sent no heartbeat for {s:.1f} s (--dist-timeout "
+                             f"{self.dist_timeout:g} s)" for rank, s in silent)
+        oldest = self._progress.oldest_unfinished() if self._progress is not None else None
+        if oldest is None or self.monitor.missed() is not None:
+            return None
+        step, began_at = oldest
+        in_flight = time.monotonic() - began_at
+        if in_flight < self.dist_timeout:
+            return None
+        behind = [0] + [rank for rank, done in self.monitor.finished_steps().items() if done < step]
+        error = FusionTimeoutError(
+            f"step {step} has been in flight for {in_flight:.1f} s (--dist-timeout {self.dist_timeout:g} s) while "
+            f"every TP worker's heartbeat beats (a fused kernel or a collective waits for a peer that never "
+            f"arrives); ranks that did not finish it: {', '.join(map(str, behind))}")
+        return f"{type(error).__name__}: {error}"

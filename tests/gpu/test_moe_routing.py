@@ -1,0 +1,126 @@
+"""The Triton routing (layers/moe/kernels/triton_router.py) on one GPU, bf16, at the routers of
+Qwen3-30B-A3B (128 experts, hidden 2048, top-8, renormalised) and Mixtral-8x7B (8 experts, hidden
+4096, top-2), against the torch reference (layers/moe/router.py, layers/moe/align.py).
+
+Token counts 1, 8, 32, 256 (one launch) and 300, 4096 (two launches), and ties (experts 2, 5, 6
+share one gate row that wins every token):
+- logits within (1e-4, 1e-4) of `router_logits_torch` (fp32 products and sums of the same bf16
+  inputs; logits of magnitude ~3: only the order of the fp32 sums differs);
+- ids equal to `select_experts` of the kernel's own logits, weights within (1e-5, 1e-5); tied
+  experts lowest index first;
+- the grouping equal to `align_by_expert` of the ids, tensor for tensor, on the one-launch path;
+- the arrival counter zero after each call; a second call bit-identical to the first;
+- batch invariance: a token's logits, weights and ids are the same bits alone and in a batch of 32.
+Then the routing captured in a CUDA graph and replayed with new inputs (against eager calls), and,
+printed with ``-s``, µs per call (CUDA graphs) of the routing before this kernel (fp32 F.linear,
+torch softmax + topk, the one-launch grouping) and of the one-launch routing.
+"""
+import pytest
+import torch
+
+from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
+
+pytest.importorskip("triton")
+
+from layers.moe.align import align_by_expert  # noqa: E402
+from layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
+from layers.moe.kernels.triton_router import (FUSED_MAX_TOKENS, route_triton,  # noqa: E402
+                                              route_triton_with_logits)
+from layers.moe.router import router_logits_torch, select_experts  # noqa: E402
+
+pytestmark = pytest.mark.gpus(1)
+
+DEVICE = torch.device("cuda", 0)
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 8), "mixtral-8x7b": (8, 4096, 2)}  # (E, hidden, top_k)
+TOKENS = (1, 8, 32, 256, 300, 4096)
+TIED = (2, 5, 6)
+BLOCK_M = 16
+
+
+def inputs(shape: str, tokens: int, seed: int, ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    experts, hidden, _ = SHAPES[shape]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, device=DEVICE)
+    weight = torch.randn(experts, hidden, generator=g, device=DEVICE) / hidden ** 0.5
+    if ties:
+        h += 1.0
+        weight[list(TIED)] = 4.0 * torch.rand(hidden, generator=g, device=DEVICE) / hidden ** 0.5
+    return h.bfloat16(), weight.bfloat16()
+
+
+CASES = [(s, t, False) for s in SHAPES for t in TOKENS] + [(s, 32, True) for s in SHAPES]
+
+
+@pytest.mark.parametrize("shape,tokens,ties", CASES)
+def test_against_torch_reference(shape, tokens, ties):
+    experts, _, top_k = SHAPES[shape]
+    h, weight = inputs(shape, tokens, seed=tokens, ties=ties)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    assert int(counter) == 0
+    torch.testing.assert_close(logits, router_logits_torch(h, weight), rtol=1e-4, atol=1e-4)
+    expected_weights, expected_ids = select_experts(logits, top_k, True)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-5)
+    if ties:
+        first = min(top_k, len(TIED))
+        assert bool((ids[:, :first] == torch.tensor(TIED[:first], dtype=torch.int32, device=DEVICE)).all())
+    if tokens > FUSED_MAX_TOKENS:
+        assert blocks is None
+    else:
+        expected = align_by_expert(ids, experts, BLOCK_M)
+        for field in ("sorted_slots", "block_expert", "num_rows"):
+            assert torch.equal(getattr(blocks, field), getattr(expected, field)), field
+    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    assert torch.equal(again[0], weights) and torch.equal(again[1], ids) and torch.equal(again[3], logits)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_batch_invariant(shape):
+    _, _, top_k = SHAPES[shape]
+    h, weight = inputs(shape, 32, seed=7)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    batch = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    for t in (0, 13, 31):
+        alone = route_triton_with_logits(h[t:t + 1], weight, top_k, True, counter, BLOCK_M)
+        for i in (0, 1, 3):
+            assert torch.equal(alone[i][0], batch[i][t]), (t, i)
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_in_a_cuda_graph(tokens):
+    experts, _, top_k = SHAPES["qwen3-30b-a3b"]
+    static_h, weight = inputs("qwen3-30b-a3b", tokens, seed=1)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    graph, (weights, ids, blocks) = capture_cuda_graph(
+        lambda: route_triton(static_h, weight, top_k, True, counter, BLOCK_M))
+    for seed in (2, 3):
+        h, _ = inputs("qwen3-30b-a3b", tokens, seed=seed)
+        static_h.copy_(h)
+        graph.replay()
+        eager_weights, eager_ids, eager_blocks = route_triton(h, weight, top_k, True, counter, BLOCK_M)
+        assert torch.equal(weights, eager_weights) and torch.equal(ids, eager_ids)
+        assert torch.equal(blocks.sorted_slots, eager_blocks.sorted_slots)
+        assert torch.equal(blocks.block_expert, eager_blocks.block_expert)
+    assert int(counter) == 0
+
+
+def _routing_before(h: torch.Tensor, weight32: torch.Tensor, top_k: int) -> None:
+    probs = torch.softmax(torch.nn.functional.linear(h.float(), weight32), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    align_by_expert_triton(ids.to(torch.int32), weight32.shape[0], BLOCK_M)
+
+
+def test_timing_table():
+    rows = []
+    for shape in SHAPES:
+        _, _, top_k = SHAPES[shape]
+        for tokens in (1, 8, 32, 256):
+            h, weight = inputs(shape, tokens, seed=tokens)
+            weight32 = weight.float()
+            counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+            before = median_us_per_call(lambda: _routing_before(h, weight32, top_k), 1)
+            after = median_us_per_call(lambda: route_triton(h, weight, top_k, True, counter, BLOCK_M), 1)
+            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  one launch {after:7.1f} us")
+    print("\n" + "\n".join(rows))

@@ -1,0 +1,33 @@
+"""`InProcessServer`: the HTTP server as `engine.launch_server` runs it (`DrainingServer` with
+`http_config`'s limits and protocol, on a bound socket), on a thread, with an `EngineClient`
+such as the `FakeEngine` behind it."""
+from __future__ import annotations
+
+import threading
+
+from engine.server import build_app
+from engine.server.engine_client import EngineClient
+from engine.server.http_server import DrainingServer, HttpLimits, bind_http_socket, http_config
+from engine.server.lifecycle import Lifecycle
+from tests.server_process import free_port
+
+LIMIT = 64 * 1024
+LIMITS = HttpLimits(LIMIT, head_timeout_s=60, body_timeout_s=60, max_connections=1000)
+
+
+class InProcessServer:
+    """`DrainingServer` with the server's `http_config` on a thread, on a bound socket."""
+
+    def __init__(self, engine: EngineClient, limits: HttpLimits = LIMITS, grace_s: float = 1.0) -> None:
+        self.port = free_port()
+        sock = bind_http_socket("127.0.0.1", self.port)
+        serving, lifecycle = threading.Event(), Lifecycle()
+        config = http_config(build_app(engine, "m", lifecycle), limits, "warning")
+        self.server = DrainingServer(config, lifecycle, grace_s, lambda: 0, serving.set)
+        self.thread = threading.Thread(target=self.server.run, args=([sock],), daemon=True)
+        self.thread.start()
+        assert serving.wait(20), "the server did not start"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
