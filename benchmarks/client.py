@@ -12,8 +12,8 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Iterable, Optional, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Iterable, Optional, TypeVar, Union
 
 import aiohttp
 from tqdm import tqdm
@@ -57,10 +57,12 @@ class Completion:
 @dataclass
 class StreamedCompletion(Completion):
     """A streamed request: ``ttft_s`` is the time to the first chunk with non-empty text
-    (None when no text arrived) and ``text_chunks`` the number of chunks that carried text."""
+    (None when no text arrived), ``text_chunks`` the number of chunks that carried text and
+    ``text_times`` the ``time.perf_counter()`` at which each of them arrived."""
 
     ttft_s: Optional[float]
     text_chunks: int
+    text_times: list[float] = field(default_factory=list)
 
 
 class CompletionClient:
@@ -125,14 +127,14 @@ class CompletionClient:
         length = (info.get("model") or {}).get("context_length") if isinstance(info, dict) else None
         return length if isinstance(length, int) else None
 
-    def _payload(self, prompt: str, stream: bool, params: dict[str, Any]) -> dict[str, Any]:
+    def _payload(self, prompt: Union[str, list[int]], stream: bool, params: dict[str, Any]) -> dict[str, Any]:
         payload = {"model": self.model, "prompt": prompt, "stream": stream}
         payload.update({k: v for k, v in params.items() if v is not None})
         if stream:
             payload["stream_options"] = {"include_usage": True}
         return payload
 
-    async def complete(self, prompt: str, **params: Any) -> Completion:
+    async def complete(self, prompt: Union[str, list[int]], **params: Any) -> Completion:
         """``POST /v1/completions`` without streaming; ``params`` (max_tokens, temperature,
         stop, seed, ...) go into the body as given, None values left out."""
         async with self._semaphore:
@@ -148,13 +150,16 @@ class CompletionClient:
         usage = body.get("usage") or {}
         return Completion(text, choice.get("finish_reason"), usage.get("prompt_tokens"), usage.get("completion_tokens"), latency)
 
-    async def stream(self, prompt: str, **params: Any) -> StreamedCompletion:
+    async def stream(self, prompt: Union[str, list[int]], text_times: Optional[list[float]] = None,
+                     **params: Any) -> StreamedCompletion:
         """``POST /v1/completions`` with ``stream: true`` and ``include_usage``; reads the SSE
-        stream to ``data: [DONE]`` (or to the end of the body)."""
+        stream to ``data: [DONE]`` (or to the end of the body). ``text_times``: a list to which
+        each text chunk's arrival time is appended as it arrives (default: a new one)."""
         async with self._semaphore:
             start = time.perf_counter()
             ttft: Optional[float] = None
             pieces: list[str] = []
+            times = text_times if text_times is not None else []
             finish_reason: Optional[str] = None
             usage: dict[str, Any] = {}
             async with self.session.post(f"{self.url}/v1/completions", json=self._payload(prompt, True, params)) as resp:
@@ -173,14 +178,15 @@ class CompletionClient:
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:
                         if choice.get("text"):
+                            times.append(time.perf_counter())
                             if ttft is None:
-                                ttft = time.perf_counter() - start
+                                ttft = times[-1] - start
                             pieces.append(choice["text"])
                         finish_reason = choice.get("finish_reason") or finish_reason
             latency = time.perf_counter() - start
         return StreamedCompletion(
             "".join(pieces), finish_reason, usage.get("prompt_tokens"), usage.get("completion_tokens"),
-            latency, ttft, len(pieces),
+            latency, ttft, len(pieces), times,
         )
 
 

@@ -101,6 +101,7 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
     from engine.runtime.heartbeat import HeartbeatMonitor
     from engine.runtime.watchdog import DistWatchdog
     from engine.runtime.model_runner import ModelRunner
+    from engine.runtime.step_cost import measure_step_cost
     from engine.runtime.warm_up import warm_up
     from engine.scheduling.scheduler import Scheduler
     from engine.server.app import build_app
@@ -123,9 +124,16 @@ def _serve_rank0(args: ServerArgs, launch: Any, tokenizer: Any, supervisor: Any,
         scheduler = Scheduler(runner, tokenizer, args.max_prefill_tokens, args.seed,
                               on_failure=lambda why: supervisor.fail(f"the scheduler failed: {why}"),
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
-                              chunked_prefill_size=args.chunked_prefill_size)
+                              chunked_prefill_size=args.chunked_prefill_size,
+                              step_time_target_s=args.step_time_target_ms / 1000)
         if not args.skip_server_warmup:
             warm_up(runner, scheduler.policy.max_extend_tokens)  # before the scheduler's first plan and before /health
+        budget = scheduler.policy.budget
+        if budget is not None and budget.target_s:  # the step cost, measured once warm
+            cost = measure_step_cost(runner, budget.max_tokens, budget.target_s)
+            budget.start_from(cost)
+            logger.info("step cost %.1f ms + %.3f ms per token: %d prompt tokens per step (target %g ms)",
+                        cost.fixed_s * 1e3, cost.per_token_s * 1e3, budget.prompt_tokens(0), args.step_time_target_ms)
         model_name = args.served_model_name or args.model_path
         body_limit = max_request_bytes(args.max_request_bytes, runner.context_len)
 

@@ -14,8 +14,10 @@ has already written them (the fused rotary kernel does) calls `attend` alone.
 On GPU (fp16/bf16, power-of-two head dim, triton) both modes run Triton kernels: split-K decode
 (layers/kernels/triton_decode_attention.py) and one flash-attention launch for a whole extend batch
 (layers/kernels/triton_extend_attention.py). The torch paths, the references: decode batched with
-static shapes (all sequences' keys gathered to ``[B, max_context, ...]`` and masked by
-``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask.
+static shapes (the sequences' keys gathered to ``[B, max_context, ...]`` and masked by
+``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask;
+both in pieces of bounded size (`MAX_SCORES`), so a long prompt's attention takes bounded memory
+on a CPU as the Triton kernels do on a GPU.
 
 Batch-invariant mode (`layers.batch_invariant`): on GPU, decode takes a fixed number of splits
 (`DETERMINISTIC_DECODE_SPLITS`, so a sequence's key chunks depend on its length only, not on
@@ -41,6 +43,11 @@ from layers.kernels.triton_support import triton_available
 # Batch-invariant mode on GPU: decode splits every sequence's keys into this many chunks (their
 # size a function of the sequence's length alone), whatever the batch
 DETERMINISTIC_DECODE_SPLITS = 16
+# The torch paths compute attention in pieces whose largest intermediate (extend: the scores of
+# a chunk of queries, [num_heads, queries, keys]; decode: a chunk of rows' keys expanded to every
+# query head, [rows, num_heads, context, head_dim]) holds at most this many elements: 64 MiB in
+# fp32, whatever the prompt's length (an 8k prompt's whole [heads, T, T] scores would be GBs).
+MAX_SCORES = 1 << 24
 
 
 class AttentionBatch(Protocol):
@@ -82,6 +89,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.max_scores = MAX_SCORES  # the torch paths' largest intermediate, in elements (see MAX_SCORES)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -119,16 +127,23 @@ class Attention(nn.Module):
 
     def _decode_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
-        """Keys ``[B, kv_heads, max_context, head_dim]`` gathered for every row and masked to ``seq_lens``."""
+        """Keys ``[b, kv_heads, max_context, head_dim]`` gathered for b rows at a time (as many as
+        keep ``b * num_heads * max_context * head_dim`` within ``max_scores``, at least one) and
+        masked to ``seq_lens``."""
         slots = _sequence_slots(batch)
         context = slots.shape[1]
-        keys = k_cache[slots].transpose(1, 2)
-        values = v_cache[slots].transpose(1, 2)
-        valid = torch.arange(context, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, C]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale, enable_gqa=True
-        )  # [B, heads, 1, head_dim]
-        return out.squeeze(2)
+        rows = max(1, self.max_scores // (self.num_heads * context * self.head_dim))
+        out = torch.empty_like(q)
+        positions = torch.arange(context, device=q.device)
+        for b0 in range(0, q.shape[0], rows):
+            b1 = min(q.shape[0], b0 + rows)
+            keys = k_cache[slots[b0:b1]].transpose(1, 2)
+            values = v_cache[slots[b0:b1]].transpose(1, 2)
+            valid = positions[None, :] < batch.seq_lens[b0:b1, None]  # [b, C]
+            out[b0:b1] = F.scaled_dot_product_attention(
+                q[b0:b1].unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=self.scale,
+                enable_gqa=True).squeeze(2)  # [b, heads, 1, head_dim] -> [b, heads, head_dim]
+        return out
 
     def _uses_triton(self, q: torch.Tensor) -> bool:
         """GPU, fp16/bf16, power-of-two head dim >= 16, triton importable: the Triton kernels run."""
@@ -173,21 +188,30 @@ class Attention(nn.Module):
 
     def _extend_torch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor:
-        """Per sequence: its new queries against all its keys, causal with the cached prefix visible."""
+        """Per sequence: its new queries against all its keys, causal with the cached prefix
+        visible, in chunks of queries whose scores ``[num_heads, queries, keys]`` hold at most
+        ``max_scores`` elements (at least one query; each chunk reads only the keys up to its
+        last query)."""
         out = torch.empty_like(q)
         seq_slots = _sequence_slots(batch)
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
             slots = seq_slots[i, :seq_len]
-            qi = q[start:start + new].transpose(0, 1)  # [heads, new, head_dim]
             ki = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             vi = v_cache[slots].transpose(0, 1)
-            if new == seq_len:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                query_pos = torch.arange(seq_len - new, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [new, seq_len]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start:start + new] = oi.transpose(0, 1)
+            prefix = seq_len - new
+            rows = max(1, self.max_scores // (self.num_heads * seq_len))
+            for j0 in range(0, new, rows):
+                j1 = min(new, j0 + rows)
+                qc = q[start + j0:start + j1].transpose(0, 1)  # [heads, j1 - j0, head_dim]
+                keys = prefix + j1  # the chunk's last query sees keys [0, keys)
+                if j0 == 0 and j1 == new == seq_len:  # a whole prompt: the square causal mask
+                    oc = F.scaled_dot_product_attention(qc, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+                else:
+                    query_pos = torch.arange(prefix + j0, keys, device=q.device)
+                    mask = torch.arange(keys, device=q.device)[None, :] <= query_pos[:, None]  # [j1 - j0, keys]
+                    oc = F.scaled_dot_product_attention(qc, ki[:, :keys], vi[:, :keys], attn_mask=mask,
+                                                        scale=self.scale, enable_gqa=True)
+                out[start + j0:start + j1] = oc.transpose(0, 1)
             start += new
         return out

@@ -68,6 +68,7 @@ class ServerArgs(BaseModel):
     max_running_requests: int = Field(256, ge=1, description="Most requests decoded together")
     max_prefill_tokens: int = Field(8192, ge=16, description="Most tokens one prefill step takes")
     chunked_prefill_size: int = Field(8192, ge=-1, description="Most tokens one forward step prefills: a longer prompt is prefilled in chunks over several steps, and the running requests' decode tokens ride along in the same forward (one token each, counted in this size); -1 or 0 disables chunking (whole prompts, in steps without decodes)")
+    step_time_target_ms: float = Field(200.0, ge=0, description="Target duration of a forward step that prefills prompt chunks (with chunked prefill): each step takes as many prompt tokens as fit this time by the step cost measured at start-up and after every step, so that no long prompt holds the running streams or a new short request for longer; at most --chunked-prefill-size tokens. Where one step's fixed cost (a large model on a few CPU cores) exceeds it, a step's prompt tokens still cost as much as that fixed cost; 0: no target, every step takes up to --chunked-prefill-size tokens")
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
     skip_server_warmup: bool = Field(False, description="Skip the start-up warm-up (forwards of every shape class the server runs: Triton kernels, eager decode sizes, sampling), so the first requests pay those first-use costs")

@@ -58,3 +58,28 @@ def test_a_request_that_can_never_fit_is_refused_with_its_numbers():
         policy.check_fits(Request(list(range(1, 20)), SamplingParams(max_tokens=3), emit=lambda _: None))
     with pytest.raises(ValueError, match="exceeds the context length 64"):
         policy.check_fits(Request(list(range(1, 63)), SamplingParams(max_tokens=3), emit=lambda _: None))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_short_prompts_join_ahead_of_a_prompt_in_progress_which_keeps_half_of_every_step(seed: int):
+    policy = SchedulePolicy(num_kv_slots=512, max_rows=8, context_len=256, max_prefill_tokens=256,
+                            chunked_prefill_size=16)
+    long, = _requests([200], seed)
+    policy.waiting.append(long)
+    plan, reqs = policy.next_step()
+    assert reqs == [long] and long.prefilled == 16
+    other_long, short, too_long_to_jump, second_short = _requests([100, 5, 9, 3], seed + 10)
+    policy.waiting.extend([other_long, short, too_long_to_jump, second_short])
+    plan, reqs = policy.next_step()
+    assert reqs == [long, short, second_short], "the short prompts (together within half the step) join"
+    assert plan.new_tokens == [long.prompt_ids[16:24], short.prompt_ids, second_short.prompt_ids]
+    assert list(policy.waiting) == [other_long, too_long_to_jump], "longer prompts wait their turn"
+    for req in (short, second_short):
+        policy.retire(req)
+    while not long.prefill_done:  # a short prompt every step: the prompt in progress still gets half
+        before = long.prefilled
+        policy.waiting.append(_requests([8], seed + long.prefilled)[0])
+        plan, reqs = policy.next_step()
+        assert long.prefilled - before == min(8, len(long.prompt_ids) - before), "half of every step"
+        for req in reqs[1:]:
+            policy.retire(req)

@@ -2,6 +2,8 @@
 only the padding row and the scratch KV slot; run at TP2 (rank 0 drives, rank 1 follows its
 plan loop) it leaves the request table, every other KV slot and the scheduler's outputs as they
 were; the start-up line reports each phase."""
+import logging
+
 import pytest
 import torch
 
@@ -76,9 +78,11 @@ def _serve(runner, scheduler) -> list[list[int]]:
 
 
 def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
-    """Serve, warm up, serve again; rank 1 follows each phase's plans (a "shutdown" plan ends a
-    phase) and compares its own state around the warm-up."""
+    """Serve, warm up and measure the step cost, serve again; rank 1 follows each phase's plans
+    (a "shutdown" plan ends a phase) and compares its own state around the warm-up. Each rank
+    returns the start-up progress lines it logged."""
     from engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from engine.runtime.step_cost import measure_step_cost
     from engine.runtime.step_plan import StepPlan
     from engine.scheduling.scheduler import Scheduler
     from engine.tokenizers.tokenizer import build_tiny_tokenizer
@@ -86,6 +90,9 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
     from layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
+    progress = ListHandler()
+    logging.getLogger("engine.progress").addHandler(progress)
+    logging.getLogger("engine.progress").setLevel(logging.INFO)
     settings = RunnerSettings(model_path="tiny", context_length=128, max_running_requests=3, kv_slots=512,
                               fusion=FusionConfig(enabled=True, backend="torch"))
     runner = ModelRunner(settings, get_tp_group())
@@ -96,18 +103,20 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
             warm_up_steps = follow_plans(runner)
             clean = _unchanged_but_scratch(before, _state(runner))
             follow_plans(runner)
-            return {"clean": clean, "warm_up_steps": warm_up_steps}
+            return {"clean": clean, "warm_up_steps": warm_up_steps, "progress": progress.lines}
         tokenizer = build_tiny_tokenizer()
         scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=64, chunked_prefill_size=16)
         first = _serve(runner, scheduler)
         runner.group.broadcast_object(StepPlan("shutdown"))
         before = _state(runner)
         warm_up(runner, scheduler.policy.max_extend_tokens)
+        cost = measure_step_cost(runner, scheduler.policy.max_extend_tokens, target_s=10.0)
         runner.group.broadcast_object(StepPlan("shutdown"))
         clean = _unchanged_but_scratch(before, _state(runner))
         second = _serve(runner, Scheduler(runner, tokenizer, max_prefill_tokens=64, chunked_prefill_size=16))
         runner.group.broadcast_object(StepPlan("shutdown"))
-        return {"clean": clean, "outputs": (first, second), "phases": list(runner.startup_s)}
+        return {"clean": clean, "outputs": (first, second), "phases": list(runner.startup_s), "cost": cost,
+                "progress": progress.lines}
     finally:
         runner.destroy()
 
@@ -119,3 +128,19 @@ def test_warm_up_at_tp2_leaves_the_state_and_the_outputs_as_they_were():
     assert rank0["clean"] and rank1["clean"], "the table, last tokens and every KV slot but the scratch one"
     assert rank1["warm_up_steps"] > 10, "rank 1 ran rank 0's warm-up plans"
     assert rank0["phases"] == ["weights", "fusion setup", "KV cache", "graphs", "warm-up"]
+    assert rank0["cost"].per_token_s > 0 and rank0["cost"].fixed_s >= 0, "measured on every size up to the chunk"
+    assert rank0["progress"][0].startswith("loading weights: ") and "tensors" in rank0["progress"][0]
+    assert any(line.startswith("loading weights: done, ") and " MB in " in line for line in rank0["progress"])
+    assert any(line.startswith("warming up: done, ") for line in rank0["progress"])
+    assert rank1["progress"] == [], "only rank 0 logs the start-up's progress"
+
+
+class ListHandler(logging.Handler):
+    """Keeps the messages of the records it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

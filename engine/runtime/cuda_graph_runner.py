@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from engine.common.progress import Progress
 from engine.models.forward_batch import ForwardBatch, KVCache
 from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
 from layers.sharded_logits import ShardedLogits
@@ -38,7 +39,9 @@ class CudaGraphRunner:
     """The decode graphs of one model over one KV cache and request table, on ``device``."""
 
     def __init__(self, model: Model, kv_cache: KVCache, table: RequestTable, device: torch.device,
-                 max_bs: int) -> None:
+                 max_bs: int, log_progress: bool = True) -> None:
+        """Captures a graph per size of `capture_sizes`; ``log_progress``: log the capture's
+        progress (`engine.common.progress`; TP rank 0 does)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -46,10 +49,10 @@ class CudaGraphRunner:
         self.inputs = {bs: DecodeBuffers(table, bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ShardedLogits] = {}
-        self._capture_all()
+        self._capture_all(Progress("capturing CUDA graphs", len(self.sizes), "batch sizes", enabled=log_progress))
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
+    def _capture_all(self, progress: Progress) -> None:
         model, kv = self.model, self.kv_cache
         pool = None
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
@@ -65,7 +68,9 @@ class CudaGraphRunner:
                 self.outputs[bs] = model(batch, kv)
             pool = graph.pool()
             self.graphs[bs] = graph
+            progress.advance()
         torch.cuda.synchronize(self.device)
+        progress.finish()
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.sizes[-1]

@@ -5,7 +5,8 @@ Start-up order matters: the model's fusion op (no collective yet), the model bui
 weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
 cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
-of each phase; `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
+of each phase; rank 0 logs the progress of the long ones (`engine.common.progress`: tensors and
+bytes loaded, graphs captured); `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
 in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
 else is in its batch, and the fusion op keeps to its deterministic strategies.
@@ -13,12 +14,14 @@ else is in its batch, and the fusion op keeps to its deterministic strategies.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from engine.common.progress import Progress, track
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.forward_batch import KVCache
@@ -135,7 +138,10 @@ class ModelRunner:
         if self.deterministic and config.num_experts and self.group.rank == 0:
             logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
                            "outputs may still depend on the batch")
-        self.model.load_weights(weights)
+        expected = type(self.model).hf_weight_shapes(config)
+        total_bytes = sum(math.prod(shape) for shape in expected.values()) * self.dtype.itemsize
+        progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=self.group.rank == 0)
+        self.model.load_weights(track(weights, progress, lambda item: item[1].numel() * item[1].element_size()))
         self.model.eval()
 
     def _phase_done(self, phase: str, start: float) -> float:
@@ -156,7 +162,8 @@ class ModelRunner:
         """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
         self.fusion.reserve(capture_sizes(max_bs)[-1])
         with batch_invariant_mode(self.deterministic):
-            return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs)
+            return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
+                                   log_progress=self.group.rank == 0)
 
     @property
     def num_kv_slots(self) -> int:

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from engine.common.progress import Progress
 from engine.common.sampling_params import SamplingParams
 from engine.runtime.cuda_graph_runner import capture_sizes
 from engine.runtime.model_runner import ModelRunner
@@ -75,22 +77,26 @@ def warm_up(runner: ModelRunner, max_extend_tokens: int) -> None:
     run one step of every shape class the server can run with extend steps of up to
     ``max_extend_tokens`` tokens (`warm_up_plans`), so that none compiles or loads anything on
     first use. Writes only the scratch KV slot 0; the request table and every other slot are
-    left as they were. Records ``runner.startup_s["warm-up"]``."""
+    left as they were. Records ``runner.startup_s["warm-up"]``; logs its progress (`Progress`)."""
     start = time.perf_counter()
     graph_max_batch = runner.graphs.sizes[-1] if runner.graphs is not None else 0
     shapes = WarmUpShapes(context_len=runner.context_len, max_extend_tokens=max_extend_tokens,
                           max_decode_batch=runner.max_rows, graph_max_batch=graph_max_batch,
                           ladder=runner.device.type == "cuda", pad_row=runner.table.pad_row,
                           vocab_size=runner.config.vocab_size)
-    _run(runner, warm_up_plans(shapes))
+    plans = warm_up_plans(shapes)
+    progress = Progress("warming up", len(plans), "steps")
+    run_plans(runner, plans, progress)
+    progress.finish()
     runner.startup_s["warm-up"] = time.perf_counter() - start
 
 
-def _run(runner: ModelRunner, plans: list[StepPlan]) -> None:
+def run_plans(runner: ModelRunner, plans: list[StepPlan], progress: Optional[Progress] = None) -> list[float]:
     """Collective, on TP rank 0 while the other ranks wait in their plan loop (they run each
     broadcast plan and commit its tokens, as for the scheduler's steps): broadcast, run and
     commit every plan (sampling with a temperature where it gathers the logits), then restore
-    the padding row's last committed token with one more step. Returns when the device is done."""
+    the padding row's last committed token with one more step. Returns each plan's seconds (the
+    device synchronized after each), when the device is done; advances ``progress`` by one per plan."""
     if runner.group.rank != 0:
         raise RuntimeError("the warm-up is driven by TP rank 0; the other ranks run its plans in their plan loop")
     pad_row = runner.table.pad_row
@@ -98,7 +104,9 @@ def _run(runner: ModelRunner, plans: list[StepPlan]) -> None:
     generator = torch.Generator().manual_seed(0)
     restore = StepPlan("decode", rows=[pad_row], new_slots=[[SCRATCH_SLOT]], seq_lens=[1], tokens_on_device=True,
                        gather_logits=True)
+    seconds = []
     for plan in plans + [restore]:
+        start = time.perf_counter()
         if runner.group.world_size > 1:
             runner.group.broadcast_object(plan)
         logits = runner.forward(plan)
@@ -109,8 +117,12 @@ def _run(runner: ModelRunner, plans: list[StepPlan]) -> None:
         else:
             tokens = logits.greedy_tokens
         runner.commit_tokens(tokens)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        seconds.append(time.perf_counter() - start)
+        if progress is not None and plan is not restore:
+            progress.advance()
+    return seconds[:-1]
 
 
 def _ladder(max_tokens: int) -> list[int]:

@@ -7,11 +7,17 @@ request never runs out). Requests join and leave between steps.
 
 Steps, with chunked prefill (``chunked_prefill_size`` > 0, the server's default): every step
 runs one decode token of every running request and, in the same forward (a mixed extend
-batch), prompt tokens up to ``min(chunked_prefill_size, max_prefill_tokens)`` tokens in all:
-first the rest of a prompt already being prefilled, then new requests; a prompt longer than
-what is left is prefilled in chunks over several steps, so no running request misses a step
-while others are admitted. A chunk that does not end its prompt samples nothing (its row of the
-step's requests is None). A step with no prompt tokens is a plain decode step (a CUDA graph).
+batch), prompt tokens within the step's budget (`StepBudget`: sized so that the step lasts
+about ``step_time_target_s``, and within ``min(chunked_prefill_size, max_prefill_tokens)``
+tokens in all, decodes included). A prompt longer than what is left is prefilled in chunks over
+several steps, so no running request misses a step while others are admitted. Which prompts:
+while a prompt is being prefilled, waiting requests whose whole prompt fits half the step's
+prompt budget join first (in arrival order; a short request's first token comes within a step
+or two, however long the prompt in progress); then the prompts being prefilled continue, then
+waiting requests are admitted while they fit (the first of them chunked). The prompt in progress
+keeps at least half of every step, so no stream of short requests starves it. A chunk that does
+not end its prompt samples nothing (its row of the step's requests is None). A step with no
+prompt tokens is a plain decode step (a CUDA graph).
 Without chunking (``chunked_prefill_size`` <= 0): admit whole prompts as one prefill-only step
 while they fit ``max_prefill_tokens`` (the first one whatever its length); otherwise run one
 decode step over every running request.
@@ -24,17 +30,20 @@ from typing import Optional
 from engine.runtime.step_plan import PromptLogprobs, StepPlan
 from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
 from engine.scheduling.request import Request
+from engine.scheduling.step_budget import StepBudget
 
 
 class SchedulePolicy:
     """The waiting and running requests and the KV slots and request rows they hold."""
 
     def __init__(self, num_kv_slots: int, max_rows: int, context_len: int, max_prefill_tokens: int,
-                 chunked_prefill_size: int = -1) -> None:
+                 chunked_prefill_size: int = -1, step_time_target_s: float = 0.0) -> None:
         self.context_len = context_len
         self.max_prefill_tokens = max_prefill_tokens
-        # tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
+        # most tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
         self.max_step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
+        # prompt tokens of each mixed step (None without chunking)
+        self.budget = StepBudget(self.max_step_tokens, step_time_target_s) if self.max_step_tokens else None
         self.slots = SlotAllocator(num_kv_slots)
         self.rows = RowAllocator(max_rows)
         self.waiting: deque[Request] = deque()
@@ -89,7 +98,7 @@ class SchedulePolicy:
             slots = self.slots.allocate(req.reserved_tokens)
             if slots is None:
                 break
-            self._admit(slots)
+            self._admit(req, slots)
             req.prefilled = prompt
             admitted.append(req)
             budget -= prompt
@@ -114,25 +123,31 @@ class SchedulePolicy:
 
     def _plan_mixed(self) -> tuple[Optional[StepPlan], list[Request]]:
         """One step of chunked prefill: a decode token of every running request that wants one
-        (read on the device, first in the batch), then prompt chunks within ``max_step_tokens`` in
-        all: the rest of the prompts being prefilled, then waiting requests admitted while they
-        fit. Advances each chunk's ``prefilled``; a plain decode plan when there is no chunk."""
+        (read on the device, first in the batch), then prompt chunks within the step's budget
+        (the module docstring says which). Advances each chunk's ``prefilled``; a plain decode
+        plan when there is no chunk."""
+        assert self.budget is not None
         decodes = [r for r in self.running if r.wants_decode_step]
-        budget = self.max_step_tokens - len(decodes)
+        budget = self.budget.prompt_tokens(len(decodes))
         prefilling = [r for r in self.running if not r.prefill_done]
+        jumping = self._admit_short(budget // 2) if prefilling and budget > 0 else []
+        budget -= sum(len(r.prompt_ids) for r in jumping)
         chunks: list[tuple[Request, int]] = []  # (request, its chunk's first prompt position)
         while budget > 0:
             if prefilling:
                 req = prefilling.pop(0)
             elif self.waiting and self.rows.available and (
                     slots := self.slots.allocate(self.waiting[0].reserved_tokens)) is not None:
-                req = self._admit(slots)
+                req = self._admit(self.waiting[0], slots)
             else:
                 break
             start = req.prefilled
             req.prefilled = min(len(req.prompt_ids), start + budget)
             budget -= req.prefilled - start
             chunks.append((req, start))
+        chunks += [(r, 0) for r in jumping]
+        for req in jumping:
+            req.prefilled = len(req.prompt_ids)
         if not chunks:
             return self._plan_decode()
         prefills = [r for r, _ in chunks]
@@ -147,9 +162,23 @@ class SchedulePolicy:
                                                           for i, (r, start) in enumerate(chunks)]))
         return plan, decodes + prefills
 
-    def _admit(self, slots: list[int]) -> Request:
-        """Move the first waiting request to the running ones with these KV slots and a free row."""
-        req = self.waiting.popleft()
+    def _admit_short(self, room: int) -> list[Request]:
+        """Admit the waiting requests whose whole prompt fits ``room`` tokens (together, in
+        arrival order, passing over longer ones), until one lacks a row or its KV slots."""
+        admitted = []
+        for req in list(self.waiting):
+            if len(req.prompt_ids) > room:
+                continue
+            slots = self.slots.allocate(req.reserved_tokens) if self.rows.available else None
+            if slots is None:
+                break
+            admitted.append(self._admit(req, slots))
+            room -= len(req.prompt_ids)
+        return admitted
+
+    def _admit(self, req: Request, slots: list[int]) -> Request:
+        """Move waiting ``req`` to the running ones with these KV slots and a free row."""
+        self.waiting.remove(req)
         req.slots, req.row = slots, self.rows.allocate()
         self.running.append(req)
         return req

@@ -14,6 +14,10 @@ within the reservation, since a request is never launched past ``max_tokens``), 
 token is emitted after the next step's launch. ``overlap=False`` reads each step's tokens
 before planning the next.
 
+Step sizes: every step is timed (`StepTimer`) and its time, when its tokens are taken in,
+updates the policy's `StepBudget`, which sizes the prompt chunks of the next steps so that a
+step lasts about ``step_time_target_s``.
+
 Heartbeat: the other ranks wait for each plan in a collective bounded by ``--dist-timeout``;
 an idle rank 0 broadcasts an "idle" plan every ``heartbeat_s`` so that an idle server's workers
 do not time out.
@@ -43,6 +47,7 @@ import torch
 
 from engine.common.generation import EngineError, TokenizerLike
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.step_cost import StepTimer, StepTiming
 from engine.runtime.step_plan import StepPlan
 from engine.scheduling.pending_tokens import PendingTokens
 from engine.scheduling.policy import SchedulePolicy
@@ -60,18 +65,23 @@ class LaunchedStep:
     tokens: PendingTokens  # with the sampled tokens' log-probabilities (if any), then the prompts' below
     logprob_rows: list[int]  # the rows whose sampled tokens' log-probabilities came along
     prompts: list[tuple[Request, list[int]]]  # requests whose prompt tokens (these) the step scored
+    timing: StepTiming  # how long the step took
+    new_tokens: int  # the step's new tokens (decodes and prompt tokens)
+    prompt_tokens: int  # of which from prompts
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
                  on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True,
-                 heartbeat_s: float = 30.0, chunked_prefill_size: int = -1) -> None:
+                 heartbeat_s: float = 30.0, chunked_prefill_size: int = -1, step_time_target_s: float = 0.0,
+                 timer: Optional[StepTimer] = None) -> None:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
         self.policy = SchedulePolicy(runner.num_kv_slots, runner.max_rows, runner.context_len, max_prefill_tokens,
-                                     chunked_prefill_size)
+                                     chunked_prefill_size, step_time_target_s)
+        self.timer = timer if timer is not None else StepTimer(runner.device)
         self.seed = seed
         self.overlap = overlap
         self.launched: deque[LaunchedStep] = deque()
@@ -190,18 +200,22 @@ class Scheduler:
     def _launch(self, plan: StepPlan, reqs: list[Request]) -> None:
         """Broadcast the plan, run it, sample, commit the tokens on every rank and start their copy
         (and the log-probabilities') to the host; no host sync."""
+        timing = self.timer.begin()
         if self.group.world_size > 1:
             self._broadcast(plan)
         logits = self.runner.forward(plan)
         samplers = [r if r.prefill_done else None for r in reqs]
         sampled = self.sampler.sample(logits, samplers)
         tokens = self.runner.commit_tokens(sampled.tokens)
+        timing.end()
         for req in samplers:
             if req is not None:
                 req.tokens_in_flight += 1
         logprobs = ([sampled.logprobs] if sampled.logprobs is not None else []) + list(logits.prompt)
         prompts = [(reqs[p.seq], p.targets(plan.host_tokens(p.seq))) for p in plan.prompt_logprobs]
-        self.launched.append(LaunchedStep(samplers, PendingTokens(tokens, logprobs), sampled.logprob_rows, prompts))
+        self.launched.append(LaunchedStep(samplers, PendingTokens(tokens, logprobs), sampled.logprob_rows, prompts,
+                                          timing, sum(len(s) for s in plan.new_slots),
+                                          sum(len(t) for t in plan.new_tokens)))
         self.steps += 1
 
     def _take_in(self, step: LaunchedStep) -> None:
@@ -211,6 +225,8 @@ class Scheduler:
         checks) fails alone; a fused reduction that gave up on a peer fails the scheduler."""
         tokens, logprobs = step.tokens.get(), step.tokens.logprobs()
         self.runner.fusion.raise_if_failed()  # a peer that stalled made the step's tokens garbage
+        if self.policy.budget is not None:
+            self.policy.budget.observe(step.new_tokens, step.prompt_tokens, step.timing.seconds())
         sampled = {}
         if step.logprob_rows:
             rows = step.logprob_rows
