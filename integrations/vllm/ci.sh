@@ -13,5 +13,6 @@ start=$(date +%s)
 # torch, and vLLM then fails to import; the tests use none of them
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 echo "vLLM venv ready in $(( $(date +%s) - start )) s"
-"$VENV/bin/python" -m pytest tests/integrations/test_vllm_plugin.py -q -p no:cacheprovider
+"$VENV/bin/python" -m pytest tests/integrations/test_vllm_versions.py tests/integrations/test_vllm_matching.py \
+    tests/integrations/test_vllm_plugin.py -q -p no:cacheprovider
 echo "vLLM plugin tests: $(( $(date +%s) - start )) s in all"

@@ -103,7 +103,7 @@ def _rewrite(graph: fx.Graph, site: Site, index: int) -> set[fx.Node]:
     if site.residual_out is not None:  # the old nodes of the site keep reading it until erased
         site.residual_out.replace_all_uses_with(
             total, delete_user_cb=lambda user: user not in site.dead and user is not site.normed)
-    pending = [n for n in [site.normed, site.residual_out] + site.dead if n is not None]
+    pending = list(dict.fromkeys(n for n in [site.normed, site.residual_out] + site.dead if n is not None))
     erased: set[fx.Node] = set()
     while True:  # readers first; the all-reduce may be read by the norm's nodes until they go
         dead = [n for n in pending if n not in erased and not n.users]
