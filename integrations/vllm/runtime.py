@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -55,11 +55,14 @@ def max_batched_tokens() -> int:
     """vLLM's largest batch (``scheduler_config.max_num_batched_tokens``) when a vLLM config is
     current, else `DEFAULT_MAX_BATCHED_TOKENS`."""
     try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # older releases: only the raising accessor
-        from vllm.config import get_current_vllm_config as get_current_vllm_config_or_none
+        from vllm.config import get_current_vllm_config_or_none as current
+    except ImportError:
+        try:  # older releases: only the accessor that raises when no config is current
+            from vllm.config import get_current_vllm_config as current
+        except ImportError:  # no vLLM: the ops run outside the engine (their own tests)
+            return DEFAULT_MAX_BATCHED_TOKENS
     try:
-        config = get_current_vllm_config_or_none()
+        config = current()
     except AssertionError:
         config = None
     if config is None or config.scheduler_config is None:
@@ -73,6 +76,10 @@ def fusion_config(device: torch.device, max_tokens: int) -> FusionConfig:
         return FusionConfig(enabled=True, backend="torch", max_tokens=max_tokens)
     return FusionConfig(enabled=True, backend="flashinfer", max_tokens=min(FLASHINFER_MAX_TOKENS, max_tokens),
                         symm_max_tokens=max_tokens)
+
+
+# Where the ops' TP group comes from: vLLM's (the ops' own tests hand in the project's group)
+group_source: Callable[[], TensorParallelGroup] = vllm_group
 
 
 def fusion_for(x: torch.Tensor) -> AllReduceFusion:
@@ -91,7 +98,7 @@ def _make(key: tuple[int, torch.dtype, torch.device]) -> AllReduceFusion:
                            "capture; it must exist before (vLLM's profile and warm-up runs make it)")
     if not _OPS:
         atexit.register(destroy_all)
-    group = vllm_group()
+    group = group_source()
     op = AllReduceFusion(group, fusion_config(device, max_batched_tokens()), hidden, dtype)
     op.setup()
     _OPS[key] = op
