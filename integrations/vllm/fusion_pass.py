@@ -3,6 +3,7 @@ compiled graph. Enable it with vLLM's own option (vLLM's ``fuse_allreduce_rms`` 
 
     compilation_config={"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
 
+(``PASS_NAME`` = "integrations.vllm.fusion_pass.ARFUSION_PASS", in `integrations.vllm`.)
 vLLM resolves that dotted name as an attribute of the name's top-level package (0.20-0.27 do
 ``__import__(module).__dict__[name]``), so importing this module also sets ``ARFUSION_PASS`` on
 ``integrations``; a resolver that follows the full path finds it here. Importing this module
@@ -36,7 +37,6 @@ from integrations.vllm.matching import Site, all_reduce_input, match_site
 from integrations.vllm.versions import check_vllm_version, installed_vllm_version
 
 logger = logging.getLogger(__name__)
-PASS_NAME = "integrations.vllm.fusion_pass.ARFUSION_PASS"
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
 
 

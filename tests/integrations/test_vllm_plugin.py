@@ -12,40 +12,22 @@ the tokens and prompt log-probabilities equal vLLM's own TP2 path within bf16 to
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; bash integrations/vllm/ci.sh runs these tests")
 
-from tests.integrations.vllm_tp2_run import CONFIG, PROMPTS, write_model  # noqa: E402
+from tests.integrations.vllm_tp2_run import CONFIG, PROMPTS, run_in_subprocess, write_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 1200  # a cold compiled TP2 start-up on two loaded cores takes minutes
 SITES = 1 + 2 * CONFIG["num_hidden_layers"]  # the embedding's all-reduce, then o_proj and down_proj per layer
 # bf16 activations: the fused op rounds the residual sum to bf16 before the norm's statistics
 # (vLLM's native norm keeps it in fp32), so log-probabilities differ by a few bf16 ulps of the logits
 LOGPROB_ATOL = 0.05
 
 
-def _run(model_dir: Path, which: str) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_tp2_run.py"), str(model_dir), which],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run '{which}' failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n" \
-                                           f"{proc.stderr[-6000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     model_dir = write_model(tmp_path_factory.mktemp("llama") / "model")
-    return {which: _run(model_dir, which) for which in ("vllm", "arfusion")}
+    return {which: run_in_subprocess(model_dir, which) for which in ("vllm", "arfusion")}
 
 
 def test_the_pass_replaced_every_site_in_every_worker(runs):

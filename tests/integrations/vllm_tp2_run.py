@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +29,8 @@ CONFIG = {
 }
 PROMPTS = [[3, 17, 52, 9, 300, 41, 7], [11, 12, 13], [200, 5, 77, 400, 8]]
 MAX_TOKENS = 6
+ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 1200  # a cold compiled TP2 start-up on two loaded cores takes minutes
 
 
 def write_model(path: Path, seed: int = 0) -> Path:
@@ -78,6 +81,18 @@ def run(model_dir: str, which: str) -> dict:
 
         result["workers"] = llm.collective_rpc(worker_stats)
     return result
+
+
+def run_in_subprocess(model_dir: Path, which: str) -> dict:
+    """`run` in a fresh process (one engine per process); its result, or an AssertionError
+    with the run's output."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(model_dir), which], cwd=ROOT,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (f"vLLM run '{which}' failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                            f"{proc.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def main() -> None:
