@@ -12,7 +12,8 @@ A site is one all-reduce whose only consumer is an RMSNorm of its result:
                  decompositions): t = f32(s) [+ f32(residual)]; residual_out = bf16(t);
                  normed = dtype(t * rsqrt(mean(t ** 2, -1, keepdim) + eps)) * w
 
-A site records the partial sum ``x``, the residual (None without one), the weight, eps, the node
+A site's partial sum and residual are contiguous [tokens, hidden] tensors of one dtype. A site
+records the partial sum ``x``, the residual (None without one), the weight, eps, the node
 whose value is ``normed``, the node whose value is ``residual_out`` (None when nothing reads it,
 e.g. before the final norm) and the nodes that die once those two are replaced. Anything else
 (another reader of an intermediate value, a weight of another dtype or shape, a variance over a
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
 _CONVERT = torch.ops.prims.convert_element_type.default
@@ -52,7 +54,7 @@ class Site:
 
 
 def _name(target: Any) -> str:
-    """``namespace::op.overload`` of an op overload, '' for anything else."""
+    """``namespace::op`` of an op overload (any overload), '' for anything else."""
     return f"{target.name()}" if isinstance(target, torch._ops.OpOverload) else ""
 
 
@@ -105,9 +107,28 @@ def _weight_ok(weight: Any, s: fx.Node) -> bool:
 def match_site(ar: fx.Node) -> Optional[Site]:
     """The `Site` of all-reduce node ``ar`` (`all_reduce_input` is not None for it), or None."""
     x = all_reduce_input(ar)
-    if x is None or _val(ar) is None:
+    if x is None or not _rows(x) or _val(ar) is None:
         return None
-    return _match_ir(ar, x) or _match_c_ops(ar, x) or _match_chain(ar, x)
+    site = _match_ir(ar, x) or _match_c_ops(ar, x) or _match_chain(ar, x)
+    if site is None or (site.residual is not None and not _rows(site.residual, like=x)):
+        return None
+    return site
+
+
+def _rows(node: Any, like: Optional[fx.Node] = None) -> bool:
+    """``node`` is a contiguous [tokens, hidden] tensor (of ``like``'s shape and dtype): what the
+    fusion op takes (the strides are the traced ones: Inductor keeps a custom op's input layout)."""
+    v = _val(node)
+    if v is None or v.dim() != 2:
+        return False
+    tokens, hidden = v.shape
+    if not (statically_known_true(v.stride(1) == 1) and statically_known_true(v.stride(0) == hidden)):
+        return False  # no guard is added: an unknown stride (symbolic) counts as not contiguous
+    if like is None:
+        return True
+    w = _val(like)
+    return v.dtype == w.dtype and statically_known_true(tokens == w.shape[0]) and statically_known_true(
+        hidden == w.shape[1])
 
 
 def _match_ir(ar: fx.Node, x: fx.Node) -> Optional[Site]:

@@ -116,7 +116,9 @@ def test_consecutive_sites_are_numbered_and_chained():
 
 
 @pytest.mark.parametrize("fn, shapes", [(norm_of_a_slice, [(5, 64), (64,)]),
-                                        (other_reader, [(5, 64), (5, 64), (64,)])])
+                                        (other_reader, [(5, 64), (5, 64), (64,)]),
+                                        (ir_fused_add, [(1, 5, 64), (1, 5, 64), (64,)])],  # not [tokens, hidden]
+                         ids=["variance-of-a-slice", "other-reader", "3-d"])
 def test_what_is_not_a_site_keeps_vllms_ops(fn, shapes):
     gm = _trace(fn, *shapes)
     before = _targets(gm)
