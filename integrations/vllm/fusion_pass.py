@@ -1,0 +1,133 @@
+"""The post-grad pass that puts arfusion's fused all-reduce + residual add + RMSNorm into vLLM's
+compiled graph. Enable it with vLLM's own option (vLLM's ``fuse_allreduce_rms`` left off):
+
+    compilation_config={"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
+
+(``PASS_NAME`` = "integrations.vllm.fusion_pass.ARFUSION_PASS", in `integrations.vllm`.)
+vLLM resolves that dotted name as an attribute of the name's top-level package (0.20-0.27 do
+``__import__(module).__dict__[name]``), so importing this module also sets ``ARFUSION_PASS`` on
+``integrations``; a resolver that follows the full path finds it here. Importing this module
+checks the vLLM version (`versions.check_vllm_version`, one line outside the range).
+
+On each graph the pass finds every site (`matching.match_site`, in graph order) and replaces it:
+
+    with a residual     auto_functionalized(arfusion::all_reduce_add_rms_norm, x, residual, w, eps, site)
+                        -> normed = [1], residual_out = [2]
+    without a residual  auto_functionalized(arfusion::all_reduce_rms_norm, x, w, eps, site)
+                        -> normed = [0], the reduced sum = [1]
+
+The all-reduce and the norm's nodes then have no readers and are erased. Rank 0 logs the number
+of sites replaced per graph; every process records it, and the all-reduces it kept, in `runtime.graphs`.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import operator
+import sys
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from integrations.vllm import matching, ops, runtime
+from integrations.vllm.matching import Site, all_reduce_input, match_site
+from integrations.vllm.versions import check_vllm_version, installed_vllm_version
+
+logger = logging.getLogger(__name__)
+_AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
+
+
+check_vllm_version(installed_vllm_version())
+
+try:  # vLLM's pass base (a CustomGraphPass): vLLM then takes our uuid as is
+    from vllm.compilation.passes.inductor_pass import InductorPass as _PassBase
+except ImportError:
+    _PassBase = CustomGraphPass
+
+
+class ArfusionAllReduceRMSNormPass(_PassBase):
+    """Replaces all-reduce + (residual add +) RMSNorm by arfusion's op (module docstring)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        replaced = 0
+        erased: set[fx.Node] = set()
+        for node in list(graph.nodes):
+            if node in erased or all_reduce_input(node) is None:
+                continue  # erased by an earlier rewrite, or not an all-reduce
+            site = match_site(node)
+            if site is not None:
+                erased |= _rewrite(graph, site, replaced)
+                replaced += 1
+        kept = sum(all_reduce_input(n) is not None for n in graph.nodes)
+        runtime.graphs.append({"replaced": replaced, "kept": kept})
+        if _rank() == 0:
+            logger.warning("arfusion: replaced %d all-reduce + RMSNorm site(s) with arfusion's fused op; %d "
+                           "all-reduce(s) left as they were (no RMSNorm of theirs alone)", replaced, kept)
+
+    def uuid(self) -> Any:
+        """Inductor's (and vLLM's) cache key of this pass: the source of the modules that decide
+        what it writes into the graph."""
+        digest = hashlib.sha256()
+        for module in (sys.modules[__name__], matching, ops):
+            digest.update(inspect.getsource(module).encode())
+        return digest.hexdigest()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _rewrite(graph: fx.Graph, site: Site, index: int) -> set[fx.Node]:
+    """Insert the fused op before the first reader of the site's outputs, point the readers at it
+    and erase the site's old nodes; returns the erased nodes."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for out in (site.normed, site.residual_out) if out is not None for u in out.users
+               if u not in site.dead and u is not site.normed]
+    first = min(readers + [site.normed], key=order.__getitem__)
+    fake = {n: n.meta["val"] for n in (site.x, site.residual, site.weight) if n is not None}
+    with graph.inserting_before(first):
+        if site.residual is not None:
+            fused = graph.call_function(_AUTO_FUNCTIONALIZED, (ops.ADD_RMS_NORM,), {
+                "x": site.x, "residual": site.residual, "weight": site.weight, "eps": site.eps, "site": index})
+            fused.meta["val"] = (None, _like(fake[site.x]), _like(fake[site.residual]))
+            normed, total = _item(graph, fused, 1), _item(graph, fused, 2)
+        else:
+            fused = graph.call_function(_AUTO_FUNCTIONALIZED, (ops.RMS_NORM,), {
+                "x": site.x, "weight": site.weight, "eps": site.eps, "site": index})
+            fused.meta["val"] = (_like(fake[site.x]), _like(fake[site.x]))
+            normed, total = _item(graph, fused, 0), _item(graph, fused, 1)
+    site.normed.replace_all_uses_with(normed)
+    if site.residual_out is not None:  # the old nodes of the site keep reading it until erased
+        site.residual_out.replace_all_uses_with(
+            total, delete_user_cb=lambda user: user not in site.dead and user is not site.normed)
+    pending = list(dict.fromkeys(n for n in [site.normed, site.residual_out] + site.dead if n is not None))
+    erased: set[fx.Node] = set()
+    while True:  # readers first; the all-reduce may be read by the norm's nodes until they go
+        dead = [n for n in pending if n not in erased and not n.users]
+        if not dead:
+            return erased
+        for node in dead:
+            graph.erase_node(node)
+            erased.add(node)
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``t``'s shape, dtype and device (in ``t``'s fake mode)."""
+    mode = t.fake_mode if hasattr(t, "fake_mode") else None
+    if mode is None:
+        return torch.empty_like(t)
+    with mode:
+        return torch.empty_like(t)
+
+
+def _item(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+
+ARFUSION_PASS = ArfusionAllReduceRMSNormPass()
+setattr(sys.modules["integrations"], "ARFUSION_PASS", ARFUSION_PASS)
