@@ -84,8 +84,8 @@ def allreduce_residual_rmsnorm(input_tensor: torch.Tensor, residual: torch.Tenso
     if reason is None:
         return op.all_reduce_add_rms_norm(input_tensor, residual, weight, eps, layer_scope.current())
     runtime.unfused[reason] += 1
-    reduced = coordinator.all_reduce(input_tensor)
-    return norm.add_rms_norm(reduced.contiguous(), residual.contiguous(), weight, eps)
+    reduced = coordinator.all_reduce(input_tensor.contiguous())
+    return norm.add_rms_norm(reduced, residual.contiguous(), weight.contiguous(), eps)
 
 
 def pre_initialize_workspaces(max_token_num: int, hidden_dim: int, dtype: torch.dtype,
