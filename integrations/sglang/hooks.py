@@ -9,6 +9,8 @@ the table that registers them (`HOOKS`: target, hook, hook type of SGLang's ``Ho
                                                     where SGLang's would give up it reduces unfused
     pre_initialize_workspaces(...)                  makes our op (collective, before graph capture)
     cleanup_flashinfer_workspace()                  frees it
+    ModelRunner.forward (after)                     a peer's stall seen by a bounded wait fails
+                                                    the step with a named error
 
 Fallbacks are never silent: SGLang's caller (``RMSNorm.forward_with_allreduce_fusion``) treats
 ``(None, None)`` as "not fused" and then runs only the norm, without the all-reduce it owed. So
@@ -118,6 +120,16 @@ def cleanup_workspace(original: Callable[[], None]) -> None:
     original()
 
 
+def raise_if_peer_stalled(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook of ``ModelRunner.forward``: `fusion.errors.FusionTimeoutError` once a kernel of
+    our op gave up waiting for a stalled or dead peer (a host read, no device sync: seen once
+    that kernel has completed, at the latest one step later), so that the step fails with a
+    named error instead of returning garbage."""
+    op = runtime.fusion_op()
+    if op is not None:
+        op.raise_if_failed()
+
+
 def residual_not_read_only(*args: Any, **kwargs: Any) -> bool:
     """REPLACE of ``LayerCommunicator._post_attn_residual_is_read_only``: our strategies may
     write the residual in place (as SGLang's unfused norm does), so an auxiliary capture of it
@@ -135,6 +147,7 @@ HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (f"{_COMM}.LayerCommunicator.should_fuse_mlp_allreduce_with_next_layer", layer_scope.own_layer, "AROUND"),
     (f"{_COMM}.LayerCommunicator.prepare_mlp", layer_scope.own_layer, "AROUND"),
     (f"{_COMM}.LayerCommunicator.prepare_attn", layer_scope.previous_layer, "AROUND"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.forward", raise_if_peer_stalled, "AFTER"),
 ]
 OPTIONAL_HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (f"{_COMM}.LayerCommunicator._post_attn_residual_is_read_only", residual_not_read_only, "REPLACE"),

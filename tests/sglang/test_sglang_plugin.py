@@ -147,3 +147,20 @@ def test_version_error_reaches_sglangs_loader_as_one_line(monkeypatch, caplog):
     assert isinstance(failed[0].exc_info[1], SGLangVersionError) and "\n" not in message
     assert "supports sglang 0.5.11 to 0.5.17, found 0.5.23" in message
     assert {t: list(h) for t, h in HookRegistry._hooks.items()} == before
+
+
+def test_a_stalled_peer_fails_the_step(monkeypatch):
+    """After ``ModelRunner.forward`` the op's bounded-wait check runs: a timed-out kernel fails
+    the step with a named error."""
+    from fusion import FusionTimeoutError
+    from integrations.sglang import runtime
+
+    class TimedOutOp:  # stands in for an op whose Lamport kernel gave up waiting (that needs a GPU)
+        def raise_if_failed(self) -> None:
+            raise FusionTimeoutError("lamport_one_shot: rank 0 waited more than 1000 ms for rank 1's rows")
+
+    monkeypatch.setattr(runtime, "_op", TimedOutOp())
+    with pytest.raises(FusionTimeoutError, match="rank 1's rows"):
+        hooks.raise_if_peer_stalled(None)
+    monkeypatch.setattr(runtime, "_op", None)
+    assert hooks.raise_if_peer_stalled(None) is None
