@@ -1,5 +1,6 @@
 """The import layering stated as import-linter contracts in pyproject.toml (``[tool.importlinter]``:
-fusion <- layers <- engine <- benchmarks, server_args read by the engine only, the engine's
+fusion <- layers <- engine <- benchmarks, server_args read by the engine only, the engine plugins
+in integrations/ on fusion alone, the engine's
 sub-packages in one order, no cycle between the modules of one package) holds on this checkout,
 and an import against it breaks the contract it crosses (on a copy of the packages with that
 one import added)."""
@@ -14,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fusion", "layers", "server_args", "engine", "benchmarks")
+PACKAGES = ("fusion", "layers", "server_args", "engine", "benchmarks", "integrations")
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
 TOP = "fusion <- layers <- engine <- benchmarks"
 ENGINE = "engine: entry points > server"
@@ -39,6 +40,8 @@ def test_the_import_contracts_are_kept():
     ("layers/linear.py", "import engine.models.config", TOP),
     ("layers/linear.py", "import server_args", TOP),
     ("engine/bench_one_batch.py", "import benchmarks.client", TOP),
+    ("integrations/sglang/hooks.py", "import layers.linear", TOP),
+    ("fusion/__init__.py", "import integrations.sglang.plugin", TOP),
     ("server_args/server_args.py", "import engine.launch_config", TOP),
     ("engine/runtime/sampler.py", "import engine.scheduling.request", ENGINE),
     ("engine/scheduling/request.py", "import engine.server.engine_client", ENGINE),
