@@ -13,13 +13,15 @@ that runners of either mode can share a process); the ops ask `enabled()` when t
                         threads, fp32 and bf16): a row's bits differ between M = 1, 2, 3 (and
                         5-7, 9-11 with 2 threads) and larger M, and agree for every multiple of 4
                         from 4 to 256; so padding to 16 rows gives every row the same kernel.
-    tree_sum(x)         sum over the last dim by a fixed pairwise tree of elementwise adds
-                        (the length zero-padded to a power of two): exactly row-independent on
-                        every device, whatever the reduction kernels would choose
+    tree_sum(x)         sum over the last dim by the fusion recipe's fixed pairwise tree
+                        (`fusion.reference.fixed_tree_sum`: the length zero-padded to a power of
+                        two, halved by elementwise adds): exactly row-independent on every
+                        device, whatever the reduction kernels would choose
     log_softmax(x)      x - m - log(tree_sum(exp(x - m))), m = the row max (exact in any order)
-    rms_norm_reference  x * rsqrt(tree_sum(x^2) / H + eps) * w in fp32: the plain norm layers
-                        off flashinfer's path (layers/layernorm.py; flashinfer's kernel is
-                        row-invariant: one CTA per row, launched from the hidden size only)
+
+The plain norm layers off flashinfer's path follow the fusion op's canonical add + RMSNorm
+(`fusion.reference.canonical_add_rms_norm`, layers/layernorm.py); flashinfer's kernel is
+row-invariant (one CTA per row, launched from the hidden size only).
 
 Attention keeps its split sizes fixed in this mode (layers/attention.py), rotary embedding and
 the activations are elementwise, and greedy sampling is an exact argmax.
@@ -32,6 +34,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from fusion.reference import fixed_tree_sum
 from layers.kernels.triton_support import triton_available
 
 ROW_TILE = 16  # CPU: rows are computed in a call whose row count is a multiple of this
@@ -88,17 +91,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x.sum(-1)`` by a fixed pairwise tree: the last dim zero-padded to a power of two, then
-    halved by elementwise adds (``x[..., :h] + x[..., h:]``) until one element is left. Each
-    output element's additions and their order depend on the length of the last dim only."""
-    width = x.shape[-1]
-    size = 1 << max(0, (width - 1).bit_length())
-    if size != width:
-        x = F.pad(x, (0, size - width))
-    while size > 1:
-        size //= 2
-        x = x[..., :size] + x[..., size:]
-    return x[..., 0]
+    """``x.sum(-1)`` of fp32 ``x`` by `fusion.reference.fixed_tree_sum`'s tree: each output
+    element's additions and their order depend on the length of the last dim only."""
+    return fixed_tree_sum(x)[..., 0]
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -108,9 +103,3 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     shifted = x - m
     return shifted - torch.log(tree_sum(torch.exp(shifted))).unsqueeze(-1)
 
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(tree_sum(x^2) / H + eps) * weight`` in fp32, rounded to x's dtype; a new tensor."""
-    xf = x.float()
-    inv = torch.rsqrt(tree_sum(xf * xf) / x.shape[-1] + eps)
-    return (xf * inv.unsqueeze(-1) * weight.float()).to(x.dtype)

@@ -10,9 +10,9 @@ On GPU with flashinfer the residual form runs flashinfer's ``fused_add_rmsnorm``
 (`layers.communicator.LayerCommunicator`).
 
 Batch-invariant mode (`layers.batch_invariant`) keeps flashinfer's kernels where they run (one
-CTA per row, launched from the hidden size alone: row-invariant); elsewhere the sum of squares
-is `layers.batch_invariant.tree_sum` (`rms_norm_reference`), so that no reduction kernel can
-split a row by the number of rows.
+CTA per row, launched from the hidden size alone: row-invariant); elsewhere it follows the
+fusion op's canonical add + RMSNorm (`fusion.reference.canonical_add_rms_norm`: the sum of
+squares by a fixed tree), so that no reduction kernel can split a row by the number of rows.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from fusion import norm
+from fusion import norm, reference
 from layers import batch_invariant
 
 NormOutput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -37,8 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOutput:
         if batch_invariant.enabled() and not norm.uses_flashinfer(x):
-            summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-            normed = batch_invariant.rms_norm_reference(summed, self.weight, self.eps)
+            normed, summed = reference.canonical_add_rms_norm(x, residual, self.weight, self.eps)
             return normed if residual is None else (normed, summed)
         if residual is None:
             return norm.rms_norm(x, self.weight, self.eps)

@@ -82,11 +82,16 @@ def test_tree_sum_ignores_trailing_zeros():
         assert torch.equal(bi.tree_sum(F.pad(x, (0, extra))), bi.tree_sum(x))
 
 
-def test_rms_norm_reference():
+def test_rms_norm_layer_in_batch_invariant_mode():
+    from layers.layernorm import RMSNorm
+
     x, w = _seeded(30, 96, seed=10), _seeded(96, seed=11)
+    layer = RMSNorm(96, eps=1e-6)
+    layer.weight.data.copy_(w)
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    torch.testing.assert_close(bi.rms_norm_reference(x, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
-    assert _rows_invariant(lambda t: bi.rms_norm_reference(t, w, 1e-6), x, rows=(1, 3, 30)) == []
+    with bi.batch_invariant_mode(True), torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+        assert _rows_invariant(layer, x, rows=(1, 3, 30)) == []
 
 
 def _attention_reference(q, keys, values, q_pos, scale):
