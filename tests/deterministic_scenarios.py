@@ -82,3 +82,18 @@ def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: s
         return out
     finally:
         runner.destroy()
+
+
+def assert_generation_matches_alone(results: dict, scenario: str) -> None:
+    """The target request's greedy tokens and logprob bits in ``scenario`` equal those it has alone."""
+    alone, other = results["alone"], results[scenario]
+    assert len(alone["tokens"]) == NEW_TOKENS and len(alone["logprobs"]) == NEW_TOKENS
+    assert other["tokens"] == alone["tokens"]
+    assert other["logprobs"] == alone["logprobs"], "bit-identical logprobs"
+
+
+def assert_score_matches_alone(results: dict, scenario: str) -> None:
+    """The target prompt's score bits in ``scenario`` equal those it has alone."""
+    alone = results["score_alone"]["prompt_logprobs"]
+    assert len(alone) == len(TARGET) - 1 and all(v <= 0 for v in alone)
+    assert results[scenario]["prompt_logprobs"] == alone

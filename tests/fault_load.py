@@ -126,6 +126,21 @@ def wait_exit(server: ServerProcess, since: float, timeout_s: float) -> float:
     return time.monotonic() - since
 
 
+def fault_under_load(server: ServerProcess, worker: int, signum: int, exit_timeout_s: float) -> tuple[float, list[Outcome]]:
+    """Send ``signum`` to ``worker`` while `Load` is in flight; returns the seconds until the
+    server exited (waiting at most ``exit_timeout_s``) and every client's outcome."""
+    load = Load(server.url)
+    sent = time.monotonic()
+    os.kill(worker, signum)
+    elapsed = wait_exit(server, sent, exit_timeout_s)
+    return elapsed, load.result(WAIT_S)
+
+
+def clients(outcomes: list[Outcome]) -> list[tuple[int, Any]]:
+    """Each client's status and error object, for a test's printed summary."""
+    return [(o.status, o.error_object()) for o in outcomes]
+
+
 @dataclass
 class Recovery:
     reference: list[int]  # the request's tokens, run alone before the stop

@@ -22,7 +22,8 @@ from engine.runtime.heartbeat import miss_after_s
 from engine.runtime.watchdog import detection_bound_s
 from engine.server.supervisor import SHUTDOWN_BOUND_S
 from tests.fault_load import (KINDS, LONG_TOKENS, SHORT_TOKENS, START_S, WAIT_S, Load, assert_error,
-                              assert_failed_together, assert_no_orphans, stop_then_continue, wait_exit)
+                              assert_failed_together, assert_no_orphans, clients, fault_under_load, stop_then_continue,
+                              wait_exit)
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
@@ -107,13 +108,9 @@ def test_sigterm_under_load_drains_then_exits_0_on_every_rank(idling: IdlingServ
 def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     server = ServerProcess(*TP2, timeout_s=START_S)
     workers = server.worker_pids()
-    load = Load(server.url)
-    killed = time.monotonic()
-    os.kill(workers[0], signal.SIGKILL)
-    elapsed = wait_exit(server, killed, WAIT_S)
-    outcomes = load.result(WAIT_S)
+    elapsed, outcomes = fault_under_load(server, workers[0], signal.SIGKILL, WAIT_S)
     print(f"\nkill -9 of rank 1 under load: exit code {server.proc.returncode} after {elapsed:.2f} s; "
-          f"clients: {[(o.status, o.error_object()) for o in outcomes]}")
+          f"clients: {clients(outcomes)}")
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 exited (code -9)")
 
 
@@ -142,13 +139,9 @@ def test_a_stopped_worker_is_found_after_dist_timeout_and_an_idle_server_survive
     workers = server.worker_pids()
     status, body = server.request("/v1/completions", {"prompt": "after idling", "max_tokens": 4})
     assert status == 200, (body, server.log_tail())
-    load = Load(server.url)
-    stopped = time.monotonic()
-    os.kill(workers[0], signal.SIGSTOP)
-    elapsed = wait_exit(server, stopped, DIST_TIMEOUT_S + WAIT_S)
-    outcomes = load.result(WAIT_S)
+    elapsed, outcomes = fault_under_load(server, workers[0], signal.SIGSTOP, DIST_TIMEOUT_S + WAIT_S)
     print(f"\nSIGSTOP of rank 1 under load, --dist-timeout {DIST_TIMEOUT_S:g}: exit code {server.proc.returncode} after "
-          f"{elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s); clients: {[(o.status, o.error_object()) for o in outcomes]}")
+          f"{elapsed:.2f} s (bound {EXIT_BOUND_S:.2f} s); clients: {clients(outcomes)}")
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 is stopped")
     assert elapsed <= EXIT_BOUND_S, server.log_tail()
 

@@ -8,7 +8,8 @@ import functools
 
 import pytest
 
-from tests.deterministic_scenarios import BATCHES, NEW_TOKENS, TARGET, serve_scenarios
+from tests.deterministic_scenarios import (BATCHES, assert_generation_matches_alone, assert_score_matches_alone,
+                                          serve_scenarios)
 from tests.dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.timeout(900)
@@ -25,20 +26,13 @@ def results(world_size: int) -> dict:
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("scenario", ["alone_again", *(f"batch_{n}" for n in BATCHES), "concurrent"])
 def test_greedy_logprobs_are_bit_identical_whatever_the_batch(world_size: int, scenario: str):
-    r = results(world_size)
-    alone, other = r["alone"], r[scenario]
-    assert len(alone["tokens"]) == NEW_TOKENS and len(alone["logprobs"]) == NEW_TOKENS
-    assert other["tokens"] == alone["tokens"]
-    assert other["logprobs"] == alone["logprobs"], "bit-identical logprobs"
+    assert_generation_matches_alone(results(world_size), scenario)
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("scenario", ["score_loaded", "score_whole"])
 def test_the_prompt_score_is_bit_identical_under_load_and_in_chunks(world_size: int, scenario: str):
-    r = results(world_size)
-    alone = r["score_alone"]["prompt_logprobs"]
-    assert len(alone) == len(TARGET) - 1 and all(v <= 0 for v in alone)
-    assert r[scenario]["prompt_logprobs"] == alone
+    assert_score_matches_alone(results(world_size), scenario)
 
 
 @pytest.mark.tp_ranks(gpu_world_size())

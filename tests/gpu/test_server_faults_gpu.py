@@ -21,15 +21,14 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from engine.runtime.heartbeat import miss_after_s
 from fusion.dispatch.table import TABLE_VERSION
-from tests.fault_load import (LONG_TOKENS, START_S, WAIT_S, Load, assert_failed_together, stop_then_continue,
-                              wait_exit)
+from tests.fault_load import (LONG_TOKENS, START_S, WAIT_S, assert_failed_together, clients, fault_under_load,
+                              stop_then_continue)
 from tests.server_process import ServerProcess
 
 pytestmark = [pytest.mark.tp_ranks(2), pytest.mark.timeout(START_S + 6 * WAIT_S)]
@@ -86,13 +85,9 @@ def test_a_stopped_rank_recovers_before_the_dist_timeout_and_ends_the_server_aft
         assert run.health_after == (200, {"status": "ok"})
         assert (fused_reductions(server) > 0) == (fusion == "on"), "the fused kernel ran only with fusion on"
 
-        load = Load(server.url)
-        stopped = time.monotonic()
-        os.kill(workers[0], signal.SIGSTOP)
-        elapsed = wait_exit(server, stopped, DIST_TIMEOUT_S + WAIT_S)
-        outcomes = load.result(WAIT_S)
+        elapsed, outcomes = fault_under_load(server, workers[0], signal.SIGSTOP, DIST_TIMEOUT_S + WAIT_S)
         print(f"fusion {fusion}: SIGSTOP of rank 1 under load, --dist-timeout {DIST_TIMEOUT_S:g} s: exit code "
-              f"{server.proc.returncode} after {elapsed:.2f} s; clients: {[(o.status, o.error_object()) for o in outcomes]}")
+              f"{server.proc.returncode} after {elapsed:.2f} s; clients: {clients(outcomes)}")
         assert_failed_together(server, outcomes, workers, "TP worker rank 1 is stopped")
         assert elapsed <= DIST_TIMEOUT_S + EXIT_MARGIN_S, server.log_tail()
     finally:
@@ -104,13 +99,9 @@ def test_a_killed_rank_ends_the_server_at_once(fusion, one_shot_table):
     server = start(fusion, one_shot_table)
     try:
         workers = server.worker_pids()
-        load = Load(server.url)
-        killed = time.monotonic()
-        os.kill(workers[0], signal.SIGKILL)
-        elapsed = wait_exit(server, killed, WAIT_S)
-        outcomes = load.result(WAIT_S)
+        elapsed, outcomes = fault_under_load(server, workers[0], signal.SIGKILL, WAIT_S)
         print(f"\nfusion {fusion}: kill -9 of rank 1 under load: exit code {server.proc.returncode} after {elapsed:.2f} s; "
-              f"clients: {[(o.status, o.error_object()) for o in outcomes]}")
+              f"clients: {clients(outcomes)}")
         assert_failed_together(server, outcomes, workers, "TP worker rank 1 exited (code -9)")
         assert elapsed <= EXIT_MARGIN_S, server.log_tail()
     finally:
