@@ -6,7 +6,8 @@ The plain reference, every fast path's test oracle (default mode):
     residual_out = x + residual                       (rounded to x.dtype)
     normed       = residual_out / RMS(residual_out) * weight,
     RMS(v)       = sqrt(mean(v ** 2, dim=-1) + eps)   (computed in fp32, rounded to x.dtype)
-    fp8          = float8_e4m3fn(normed / scale)      (normed rounded to x.dtype first)
+    fp8          = float8_e4m3fn(normed * (1 / scale))  (normed rounded to x.dtype first; the
+                                                       reciprocal in fp32, as flashinfer's kernel)
 
 The canonical recipe (deterministic mode), for N ranks' partial sums x_0 .. x_{N-1} of row r:
 
@@ -58,8 +59,10 @@ def add_rms_norm(
 
 
 def quantize_fp8_static(normed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Static per-tensor FP8 (e4m3) quantization: ``fp8(clamp(normed / scale))``."""
-    q = normed.float() / scale.float()
+    """Static per-tensor FP8 (e4m3) quantization: ``fp8(clamp(normed * (1 / scale)))``, the
+    reciprocal rounded to fp32 first, as flashinfer's fused kernel quantizes (so every strategy
+    gives the same bits)."""
+    q = normed.float() * scale.float().reciprocal()
     return q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 

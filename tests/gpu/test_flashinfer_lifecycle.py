@@ -91,27 +91,25 @@ def _lifecycle(rank, world_size):
     except RuntimeError as e:
         out["grow_in_capture"] = str(e)
 
-    # FP8 output against the reference quantization.
-    x, res, w = _inputs(rank, 256, hidden, 6, dev)
+    # FP8 output against the reference at the kernel's rounding points (fusion.reference): the
+    # all-reduced sum rounded to bf16, the residual added and rounded, the norm, then
+    # e4m3(normed * (1 / scale)). Where the partial sums nearly cancel the residual, a reference
+    # that rounds only once differs, visibly after the 1 / scale gain (even 0 against a normal value).
+    tokens = 256
+    x, res, w = _inputs(rank, tokens, hidden, 6, dev)
     scale = torch.tensor([0.05], device=dev, dtype=torch.float32)
     q, res_out, _ = fused(x.clone(), res.clone(), w, Quant("fp8", scale))
-    ref_n, ref_r = _reference(256, hidden, 6, world_size, dev)
-    ref_q = reference.quantize_fp8_static(ref_n.to(torch.bfloat16), scale)
+    parts = [_inputs(r, tokens, hidden, 6, dev)[0] for r in range(world_size)]
+    ref_n, ref_r = reference.add_rms_norm(reference.rank_order_sum(parts), res, w, EPS)
+    ref_q = reference.quantize_fp8_static(ref_n, scale)
     out["fp8_dtype"] = str(q.dtype)
     out["fp8_exact_fraction"] = (q.float() == ref_q.float()).float().mean().item()
     # e4m3 has 3 mantissa bits: one ulp at |v| is 2^(floor(log2 |v|) - 3) (subnormal spacing 2^-9).
     magnitude = torch.maximum(q.float().abs(), ref_q.float().abs())
     ulp = torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2**-6))) - 3)
-    ulps = (q.float() - ref_q.float()).abs() / ulp
-    # The kernel writes 0 for some outputs whose reference is a normal e4m3 value: counted apart.
-    flushed = (q.float() == 0) & (ref_q.float() != 0)
-    out["fp8_flushed_fraction"] = flushed.float().mean().item()
-    ulps = torch.where(flushed, torch.zeros_like(ulps), ulps)
-    worst = int(ulps.argmax())
-    out["fp8_max_ulps"] = ulps.max().item()
-    out["fp8_worst"] = (q.float().flatten()[worst].item(), ref_q.float().flatten()[worst].item(),
-                        (ref_n.flatten()[worst] / scale).item())
-    _check(res_out, ref_r)
+    out["fp8_max_ulps"] = ((q.float() - ref_q.float()).abs() / ulp).max().item()
+    out["fp8_zero_where_reference_is_not"] = ((q.float() == 0) & (ref_q.float() != 0)).float().mean().item()
+    out["fp8_residual_equal"] = torch.equal(res_out, ref_r)
 
     # FP4 refused below sm100; unaligned hidden refused.
     try:
@@ -163,16 +161,15 @@ def test_growth_refused_during_capture(lifecycle):
     assert "CUDA-graph capture" in lifecycle[0]["grow_in_capture"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on H200 with flashinfer 0.7.2: 0.08% of FP8 outputs are 0 where the reference quantisation "
-    "is a normal e4m3 value (worst: kernel 0.0, reference 0.117 for normed/scale 0.119); cause not found "
-    "(docs/results.md). Strict: this test fails loudly once the outputs agree."))
 def test_fp8_output_matches_reference_quantization(lifecycle):
+    """The kernel quantizes its own bf16 norm: at the reference's rounding points every element
+    agrees (within one e4m3 ulp where torch's and the kernel's rsqrt round differently)."""
     r = lifecycle[0]
-    print(f"\nfp8: exact {r['fp8_exact_fraction']:.4f}, zero where the reference is not: {r['fp8_flushed_fraction']:.4f}, "
-          f"max {r['fp8_max_ulps']} ulps elsewhere, worst (kernel, reference, normed/scale): {r['fp8_worst']}")
+    print(f"\nfp8: exact {r['fp8_exact_fraction']:.6f}, max {r['fp8_max_ulps']} ulps, zero where the reference is "
+          f"not: {r['fp8_zero_where_reference_is_not']}, residual equal: {r['fp8_residual_equal']}")
     assert r["fp8_dtype"] == "torch.float8_e4m3fn"
-    assert r["fp8_exact_fraction"] > 0.9 and r["fp8_max_ulps"] <= 1.0 and r["fp8_flushed_fraction"] == 0, r
+    assert r["fp8_exact_fraction"] > 0.999 and r["fp8_max_ulps"] <= 1.0, r
+    assert r["fp8_zero_where_reference_is_not"] == 0 and r["fp8_residual_equal"], r
 
 
 def test_fp4_refused_below_sm100(lifecycle):
