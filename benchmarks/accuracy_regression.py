@@ -14,7 +14,7 @@ them) and shuts the server down (SIGTERM to its process group, SIGKILL after 15 
 
 With ``--results-dir`` every (setting, eval) result is kept there as soon as it is done, and a
 later run with the same options reuses it and runs only what is missing: a run cut short (a
-device call's time limit) is resumed by running the same command again.
+timeout, a lost machine) is resumed by running the same command again.
 
 It then prints metric | baseline | off | on | on - off | off - baseline (the gsm8k rows include
 each run's wall time, ``latency_s``, and output token throughput), and the generation agreement

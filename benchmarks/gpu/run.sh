@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU machine's one entry point: bash benchmarks/gpu/run.sh PART [N]
+# One entry point for the GPU runs: bash benchmarks/gpu/run.sh PART [N]
 #
 # Every command of a part runs under `timeout`, within BUDGET_S seconds for the whole part
-# (default 570). A part sources .gpu/env.sh (staged by
-# `bash ../shared/gpu/prepare.sh`), prints `nvidia-smi -L`, writes its log ($OUT/PART.log) and
+# (default 570). A part sources .gpu/env.sh, an environment script you provide (it activates a
+# Python environment set up as in the README's "Set-up and run": a CUDA build of torch, then
+# `pip install -e '.[gpu,test]'`), prints `nvidia-smi -L`, writes its log ($OUT/PART.log) and
 # a few result files under $OUT (default ./out), and exits non-zero when its main command
 # failed (124: out of time). TP (default 2) is the GPU count of the multi-GPU parts.
 #
@@ -22,8 +23,8 @@
 #   kernels        benchmark_fused_collective.py, no quantization, with residual, at HIDDEN
 #                  (default 4096) x SEQ_LENS (default 1 32 128 512 1024 2048 4096).
 #   table          python -m engine.tune_fusion (the strategy table) at HIDDEN (default 896 1024
-#                  1536 2048 2560 2880 3584 4096 5120 7168 8192; pass a subset per call if they
-#                  do not fit one), up to MAX_TOKENS (default 4096) tokens, into
+#                  1536 2048 2560 2880 3584 4096 5120 7168 8192; pass a subset per run if they
+#                  do not fit BUDGET_S), up to MAX_TOKENS (default 4096) tokens, into
 #                  $OUT/strategy_table.json; TABLE_BASE=FILE starts from a copy of FILE (e.g.
 #                  fusion/dispatch/tables/strategy_table.json) and merges into it.
 #   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
@@ -33,15 +34,17 @@
 #                  each; bench_serving at CONCURRENCY (default 1 32), input 512 / output 1024,
 #                  NUM_PROMPTS (default 2 x concurrency, at least 4) into $OUT/serving.jsonl.
 #   accuracy       benchmarks.accuracy_regression on MODEL (default /tmp/model.gguf, see
-#                  model-piece): TP1, then TP (default 2) with fusion off and on, the evaluation
-#                  data carried in .data/ (gsm8k/, mmlu/); results kept in RESULTS_DIR (default
-#                  .accuracy, carried: a later call resumes) and returned in accuracy_results.tgz.
-#   model-piece N  appends the carried .model/part-0N to /tmp/model.gguf (0 starts it afresh),
-#                  prints its size and, after the last piece, checks its sha256.
+#                  model-piece): TP1, then TP (default 2) with fusion off and on, on the
+#                  evaluation data you provide in .data/ (gsm8k/test.jsonl and train.jsonl, mmlu/
+#                  with dev/ and test/: the README's "Benchmarks and evaluations" says where they
+#                  come from); results kept in RESULTS_DIR (default .accuracy: a later run with
+#                  the folder in place resumes) and also packed into accuracy_results.tgz.
+#   model-piece N  appends .model/part-0N to /tmp/model.gguf (0 starts it afresh), prints its
+#                  size and, after the last piece, checks its sha256: .model/ holds the GGUF model
+#                  of docs/results.md's accuracy runs split into 60 MiB pieces
+#                  (`split -b 60M -d model.gguf .model/part-`).
 #
 # EXTRA_ARGS: more flags for the main command of kernels, table, engine and accuracy.
-# SAVE_JIT=1: after the part, save flashinfer's JIT cache to $OUT/jit-cache.tgz (keep it as
-# .gpu/jit-extra.tgz when the run built a module that .gpu/ lacked).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-out}
@@ -50,7 +53,7 @@ TP=${TP:-2}
 read -ra EXTRA <<< "${EXTRA_ARGS:-}"
 TABLE_HIDDEN="896 1024 1536 2048 2560 2880 3584 4096 5120 7168 8192"
 FAULT_TESTS=tests/gpu/test_server_faults_gpu.py
-# The model of ../shared/models/qwen2.5-coder-0.5b.sh: its 60 MiB pieces and its checksum.
+# The model of model-piece (Qwen2.5-Coder-0.5B-Instruct, GGUF): its pieces' size and its checksum.
 PIECE_BYTES=62914560
 MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 
@@ -60,7 +63,7 @@ usage() {
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
-left() {  # seconds left of the part's budget
+left() {  # seconds left of the part's BUDGET_S
   echo $((BUDGET_S - SECONDS))
 }
 
@@ -123,7 +126,7 @@ need_gpus() {  # need_gpus N: fails when fewer than N GPUs are visible
 
 start_part() {  # the environment, and which GPUs this machine has
   if [ ! -f .gpu/env.sh ]; then
-    echo "!! .gpu/env.sh is missing: run 'bash ../shared/gpu/prepare.sh' in the project root first"
+    echo "!! .gpu/env.sh is missing: provide it (see this script's header) in the project root first"
     return 2
   fi
   # shellcheck source=/dev/null
@@ -306,11 +309,11 @@ part_accuracy() {
   if [ -d .data ]; then
     data=(--gsm8k-data-path .data/gsm8k/test.jsonl --mmlu-data-dir .data/mmlu)
   else
-    echo "!! no .data/ carried: the evaluations will look for their data elsewhere (no network here)"
+    echo "!! no .data/: the evaluations look for their data at their default paths"
   fi
   # TP1 (the baseline), then TP$TP fusion off and on; every (setting, eval) result is kept in
-  # $results as it finishes and comes back in accuracy_results.tgz: carry the folder in the next
-  # call (unpacked there) and the same command resumes with what is missing. With fewer GPUs than
+  # $results as it finishes (and is packed into accuracy_results.tgz): with the folder in place
+  # the same command resumes with what is missing. With fewer GPUs than
   # TP the TP$TP ranks share them (correct; the timings it prints are not representative).
   share_gpus_if_needed "$TP"
   run_timed "$(left)" python -m benchmarks.accuracy_regression --model-path "$model" --tp-size "$TP" \
@@ -329,7 +332,7 @@ part_model_piece() {  # part_model_piece N
   fi
   piece=.model/part-0$n
   if [ ! -f "$piece" ]; then
-    echo "!! $piece is not here: carry it in this call"
+    echo "!! $piece is missing"
     return 2
   fi
   [ "$n" = 0 ] && : > "$model"
@@ -351,7 +354,7 @@ part_model_piece() {  # part_model_piece N
 # ---- main -------------------------------------------------------------------------------------
 
 run_part() {  # run_part PART [N]
-  # a model piece is carried alone (60 MiB of the call's 64): it needs no .gpu/ environment
+  # model-piece needs no .gpu/ environment
   [ "$1" = model-piece ] && { part_model_piece "${2:-}"; return; }
   start_part || return
   case $1 in
@@ -362,9 +365,6 @@ run_part() {  # run_part PART [N]
     serving) part_serving ;;
     accuracy) part_accuracy ;;
   esac
-  local rc=$?
-  [ "${SAVE_JIT:-0}" = 1 ] && save_jit_cache
-  return "$rc"
 }
 
 case ${1:-} in

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 # Largest per-rank input (tokens * hidden * itemsize) for which one-shot is used, per world
-# size. TP2 on H200: one-shot is faster at every measured size up to 4096 x 8192 bf16
-# (shared/gpu/README.md), so no limit. TP4/TP8: flashinfer's B200 crossovers
+# size. TP2 on H200: one-shot is faster than two-shot at every measured size up to 4096 x 8192
+# bf16 (docs/results.md, "Kernel"), so no limit. TP4/TP8: flashinfer's B200 crossovers
 # (64 MiB and 42 MiB of Lamport traffic = 2 * world * input bytes), until measured here.
 ONE_SHOT_MAX_INPUT_BYTES: dict[int, Optional[int]] = {
     2: None,
