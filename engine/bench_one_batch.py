@@ -30,9 +30,12 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.runtime.launch import LaunchConfig
 
 logger = logging.getLogger("engine.bench_one_batch")
 SETTINGS = ("off", "on", "builtin")
@@ -112,58 +115,63 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
             "tpot_ms": statistics.median(steps) * 1e3 if steps else float("nan")}
 
 
-def run_rank(server: Any, args: argparse.Namespace, rank: int, init_method: str) -> list[dict[str, Any]]:
-    from engine.launch_config import fusion_config, runner_settings
-    from engine.runtime.model_runner import ModelRunner
+def run_rank(server: Any, args: argparse.Namespace, rank: int, launch: "LaunchConfig") -> list[dict[str, Any]]:
+    """This rank's results: its `RankStack` (``launch``, as a server's ranks build it, with the
+    benchmark's sizes and the first setting's fusion config) steps the static batches of every
+    (setting, mode) and batch size; the stack is torn down in reverse at the end."""
+    from contextlib import ExitStack
+
+    from engine.launch_config import fusion_config
+    from engine.runtime.rank_stack import build_rank
     from engine.step_profile import PROFILE_STEPS
     from fusion.config import NO_TABLE
-    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
 
-    use_cuda = server.device == "cuda" or (server.device == "auto" and torch.cuda.is_available())
-    device = default_device(rank) if use_cuda else torch.device("cpu")
-    group = init_tensor_parallel(server.tp_size, rank, init_method, device=device, timeout_s=server.dist_timeout)
     base = fusion_config(server)
     configs = {"off": replace(base, enabled=False), "on": replace(base, enabled=True),
                "builtin": replace(base, enabled=True, table_path=NO_TABLE)}
     decode_tokens = max(args.output_len, PROFILE_STEPS + 2) if args.profile else args.output_len
     runs_of = [(setting, mode == "on") for mode in args.deterministic_modes for setting in args.fusion]
     first = replace(configs[runs_of[0][0]], deterministic=runs_of[0][1])
-    settings = replace(runner_settings(server), context_length=args.input_len + decode_tokens,
+    settings = replace(launch.runner, context_length=args.input_len + decode_tokens,
                        max_running_requests=max(args.batch_size), cuda_graph_max_bs=max(args.batch_size),
                        fusion=first)
-    runner = ModelRunner(settings, group)
-    results = []
-    try:
-        for setting, deterministic in runs_of:
-            config = replace(configs[setting], deterministic=deterministic)
-            if config != runner.fusion.config:
-                runner.reconfigure_fusion(config)
-            status = runner.fusion.status()
-            for bs in args.batch_size:
-                # untimed: the caching allocator's blocks for this size, Triton compiles, first replays
-                overlap = not server.disable_overlap_schedule
-                measure(runner, bs, args.input_len, 2, runner.config.vocab_size, server.seed, overlap)
-                runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, server.seed + r,
-                                overlap) for r in range(args.repeats)]
-                results.append({
-                    "fusion": setting, "deterministic": deterministic, "fusion_active": status["active"],
-                    "strategy_table": status["measured_strategy_table"],
-                    "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs, "overlap": overlap,
-                    "shared_gpu": group.shared_gpu_note,
-                    "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
-                    "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
-                })
-                if args.profile and runner.device.type == "cuda":
-                    from engine.step_profile import format_profile, profile_decode_steps
+    with ExitStack() as stack:
+        ranked = build_rank(stack, launch, rank, settings=settings)
+        return _measure_runs(server, args, ranked.runner, ranked.group, runs_of, configs, rank)
 
-                    prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
-                                                overlap=overlap)
-                    results[-1]["profile"] = prof
-                    if rank == 0:
-                        print(format_profile(prof, _label(setting, deterministic)), flush=True)
-    finally:
-        runner.destroy()
-        destroy_tensor_parallel()
+
+def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any, runs_of: list[tuple[str, bool]],
+                  configs: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """Each (setting, mode) of ``runs_of`` in turn (the fusion op reconfigured between them),
+    each batch size measured untimed once, then ``--repeats`` times."""
+    results = []
+    for setting, deterministic in runs_of:
+        config = replace(configs[setting], deterministic=deterministic)
+        if config != runner.fusion.config:
+            runner.reconfigure_fusion(config)
+        status = runner.fusion.status()
+        for bs in args.batch_size:
+            # untimed: the caching allocator's blocks for this size, Triton compiles, first replays
+            overlap = not server.disable_overlap_schedule
+            measure(runner, bs, args.input_len, 2, runner.config.vocab_size, server.seed, overlap)
+            runs = [measure(runner, bs, args.input_len, args.output_len, runner.config.vocab_size, server.seed + r,
+                            overlap) for r in range(args.repeats)]
+            results.append({
+                "fusion": setting, "deterministic": deterministic, "fusion_active": status["active"],
+                "strategy_table": status["measured_strategy_table"],
+                "fusion_reason_inactive": status["reason_inactive"], "batch_size": bs, "overlap": overlap,
+                "shared_gpu": group.shared_gpu_note,
+                "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
+                "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+            })
+            if args.profile and runner.device.type == "cuda":
+                from engine.step_profile import format_profile, profile_decode_steps
+
+                prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
+                                            overlap=overlap)
+                results[-1]["profile"] = prof
+                if rank == 0:
+                    print(format_profile(prof, _label(setting, deterministic)), flush=True)
     return results
 
 
@@ -223,9 +231,9 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     return "\n".join(lines)
 
 
-def _worker(rank: int, server: Any, args: argparse.Namespace, init_method: str, queue: Any) -> None:
+def _worker(rank: int, server: Any, args: argparse.Namespace, launch: "LaunchConfig", queue: Any) -> None:
     try:
-        queue.put((rank, run_rank(server, args, rank, init_method), None))
+        queue.put((rank, run_rank(server, args, rank, launch), None))
     except Exception as exc:
         logger.exception("rank %d failed", rank)
         queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
@@ -239,14 +247,18 @@ def _worker(rank: int, server: Any, args: argparse.Namespace, init_method: str, 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import multiprocessing as mp
 
-    from engine.launch_config import free_port
+    from engine.launch_config import launch_config
 
     server, args = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        launch = launch_config(server)  # the ranks' devices and rendezvous, as a server's
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, server, args, init_method, queue)) for r in range(server.tp_size)]
+    procs = [ctx.Process(target=_worker, args=(r, server, args, launch, queue)) for r in range(server.tp_size)]
     for p in procs:
         p.start()
     outcome = {}

@@ -51,7 +51,7 @@ def test_step_progress_on_the_cpu_finishes_a_step_at_its_end():
 
 
 def test_a_worker_publishes_its_last_finished_step_beside_its_heartbeat():
-    """The worker side of the step rule: `Heartbeat.publish_steps` raises the store's step to
+    """The worker side of the step rule: `Heartbeat.watch_steps` raises the store's step to
     the worker's `StepProgress.finished`, which rank 0's monitor reads."""
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -60,7 +60,7 @@ def test_a_worker_publishes_its_last_finished_step_beside_its_heartbeat():
     monitor = HeartbeatMonitor(init_method, [2], DIST_TIMEOUT_S)
     progress = StepProgress(torch.device("cpu"))
     try:
-        heartbeat.publish_steps(progress)
+        heartbeat.watch_steps(progress)
         for _ in range(3):
             progress.begin()
             progress.end()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.server import build_app
+from engine.server.api import build_app
 from engine.tokenizers.serving import load_serving_tokenizer
 from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.fake_engine import FakeEngine

@@ -46,14 +46,15 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
     from fastapi.testclient import TestClient
 
     from engine.scheduling.scheduler import Scheduler
-    from engine.server import build_app
+    from engine.server.api import build_app
     from engine.server.engine import Engine
 
     scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=256, chunked_prefill_size=CHUNK)
     thread = threading.Thread(target=scheduler.run_forever, daemon=True)
     thread.start()
     try:
-        client = TestClient(build_app(Engine(scheduler, tokenizer, "tiny", info=dict), "tiny"))
+        client = TestClient(build_app(Engine(scheduler, tokenizer, "tiny", runner.context_len, runner.fusion, info=dict),
+                                            "tiny"))
         return {name: client.post("/v1/completions", json=body).json() for name, body in HTTP.items()}
     finally:
         scheduler.stop()  # at TP2 its thread's last plan is "shutdown"

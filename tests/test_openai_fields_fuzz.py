@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.common.sampling_params import SamplingParams
-from engine.server import build_app
-from engine.server.openai_fields import (
+from engine.server.api import build_app
+from engine.server.api.openai_fields import (
     CHAT_HONOURED, CHAT_LIMITED, COMPLETION_HONOURED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, INERT,
 )
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from tests.fake_engine import BOS, FakeEngine
 
 pytestmark = pytest.mark.timeout(300)

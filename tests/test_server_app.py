@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from starlette.requests import ClientDisconnect
 
 from engine.common.sampling_params import SamplingParams
-from engine.server import build_app
+from engine.server.api import build_app
 from tests.fake_engine import BOS, FakeEngine
 
 SERVED = "served-model"

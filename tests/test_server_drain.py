@@ -12,9 +12,9 @@ import pytest
 import uvicorn
 
 from engine.common.generation import EngineError
-from engine.server import build_app
-from engine.server.http_server import DrainingServer
-from engine.server.lifecycle import Lifecycle
+from engine.server.api import build_app
+from engine.server.http.lifecycle import Lifecycle
+from engine.server.http.server import DrainingServer
 from tests.fake_engine import FakeEngine
 from tests.load_client import Outcome, post
 from tests.server_process import free_port

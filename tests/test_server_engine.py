@@ -15,13 +15,13 @@ from engine.server.engine import Engine
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(30)
+NO_FUSION = types.SimpleNamespace(cache_clear=lambda: None)  # the fusion op's decision cache, unused here
 
 
 class StubScheduler:
     """Keeps submitted requests (``refuse``: the exception `submit` raises) and aborted ids."""
 
     def __init__(self, refuse: Optional[Exception] = None) -> None:
-        self.runner = types.SimpleNamespace(context_len=64)
         self.alive = True
         self.refuse = refuse
         self.submitted: list[Request] = []
@@ -37,7 +37,7 @@ class StubScheduler:
 
 
 def engine_with(scheduler: StubScheduler) -> Engine:
-    return Engine(scheduler, build_tiny_tokenizer(), "m", info=dict)
+    return Engine(scheduler, build_tiny_tokenizer(), "m", 64, NO_FUSION, info=dict)
 
 
 async def first_outcome(engine: Engine, before_wait: Callable[[], None] = lambda: None) -> object:
@@ -125,6 +125,6 @@ def test_health_problem_names_a_missed_heartbeat_and_every_failure(scheduler_ali
                                                                     healthy, problem):
     scheduler = StubScheduler()
     scheduler.alive, scheduler.failure = scheduler_alive, None
-    engine = Engine(scheduler, build_tiny_tokenizer(), "m", info=dict, workers_alive=lambda: workers_alive,
-                    heartbeat_missed=lambda: heartbeat)
+    engine = Engine(scheduler, build_tiny_tokenizer(), "m", 64, NO_FUSION, info=dict,
+                    workers_alive=lambda: workers_alive, heartbeat_missed=lambda: heartbeat)
     assert engine.is_healthy() is healthy and engine.health_problem() == problem

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.common.generation import TokenLogprob
-from engine.server import build_app
-from engine.server.logprobs_format import LOGPROB_FLOOR, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from engine.server.api import build_app
+from engine.server.api.logprobs_format import LOGPROB_FLOOR, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_engine import BOS, EOS, FakeEngine, fake_logprob
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.launch_server import fusion_summary
+from engine.server.rank0 import fusion_summary
 from tests.server_process import EXIT_TIMEOUT_S, ServerProcess
 
 pytestmark = pytest.mark.timeout(300)

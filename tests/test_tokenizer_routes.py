@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from engine.models.builtin import builtin_config
-from engine.server import build_app
+from engine.server.api import build_app
 from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.fake_engine import FakeEngine
 

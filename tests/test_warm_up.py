@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from engine.launch_server import startup_summary
+from engine.server.rank0 import startup_summary
 from engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up, warm_up_plans
 from tests.dist_utils import run_distributed
 

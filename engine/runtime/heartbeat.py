@@ -5,7 +5,7 @@ stays silent for ``--dist-timeout``.
 Each TP worker (rank > 0) runs a `Heartbeat`: a daemon thread that increments its counter
 ``arfusion/heartbeat/<rank>`` in the rendezvous store (the TCPStore that rank 0 hosts at the
 ``tcp://`` init address, reached over its own connection) every ``interval_s``, and, once the
-worker's runner exists (`publish_steps`), raises ``arfusion/step/<rank>`` to the last forward
+worker's runner exists (`Heartbeat.watch_steps`), raises ``arfusion/step/<rank>`` to the last forward
 step that has finished on its device (`engine.runtime.step_progress`). Rank 0's
 `HeartbeatMonitor` reads both every ``poll_s``; a rank whose counter has not moved for more than
 ``miss_after_s`` (by rank 0's clock, measured between its own reads, so a late read of rank 0
@@ -97,7 +97,7 @@ class _Ticker:
 
 class Heartbeat(_Ticker):
     """This worker's heartbeat: increments its counter every ``interval_s``, and publishes the
-    last finished step of the `StepProgress` given to `publish_steps`."""
+    last finished step of the `StepProgress` given to `watch_steps`."""
 
     def __init__(self, init_method: str, rank: int, dist_timeout: float) -> None:
         self._store = _store(init_method, dist_timeout)
@@ -106,7 +106,7 @@ class Heartbeat(_Ticker):
         self._published = 0  # the step the store holds for this rank
         super().__init__("heartbeat", interval_s(dist_timeout), self._beat)
 
-    def publish_steps(self, progress: StepProgress) -> None:
+    def watch_steps(self, progress: StepProgress) -> None:
         """From the next beat on, also publish ``progress.poll()``, the last finished step."""
         self._progress = progress
 

@@ -10,14 +10,12 @@ import signal
 import sys
 import threading
 import time
-
-import torch
+from contextlib import ExitStack
 
 from engine.runtime.heartbeat import Heartbeat
 from engine.runtime.launch import LaunchConfig
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
-from engine.runtime.model_runner import ModelRunner
-from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from engine.runtime.rank_stack import RankStack, build_rank
 
 logger = logging.getLogger(__name__)
 
@@ -33,45 +31,42 @@ def _exit_when_parent_dies(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def follow_plans(rank: RankStack) -> None:
+    """Run every plan rank 0 broadcasts until its "shutdown"."""
+    while True:
+        plan = rank.group.broadcast_object(None, src=0)
+        if plan.kind == "shutdown":
+            return
+        if plan.kind == "idle":
+            continue
+        rank.runner.forward(plan)
+        rank.runner.commit_tokens(None)  # rank 0's sampled tokens, into this rank's table
+
+
 def worker_main(launch: LaunchConfig, rank: int) -> None:
-    """Entry point of a spawned TP worker process (exits the process)."""
+    """Entry point of a spawned TP worker process (exits the process): its `RankStack`, watched
+    by its heartbeat (rank 0's watchdog names the ranks behind a stalled step from the steps it
+    publishes), follows rank 0's plans, then is torn down in reverse."""
     logging.basicConfig(level=launch.log_level.upper(), format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
     # The launcher decides when workers stop (a terminal's Ctrl-C or a group-wide SIGTERM reaches
     # every process); if the launcher itself dies, exit instead of waiting on a dead rank 0.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_when_parent_dies()
-    runner = heartbeat = None
     code = 0
     try:
-        torch.set_num_threads(max(1, launch.threads_per_rank))
-        group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
-                                     node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
-        heartbeat = Heartbeat(launch.init_method, rank, launch.dist_timeout)
-        runner = ModelRunner(launch.runner, group)
-        heartbeat.publish_steps(runner.progress)  # rank 0's watchdog names the ranks behind a stalled step
-        while True:
-            plan = group.broadcast_object(None, src=0)
-            if plan.kind == "shutdown":
-                break
-            if plan.kind == "idle":
-                continue
-            runner.forward(plan)
-            runner.commit_tokens(None)  # rank 0's sampled tokens, into this rank's table
-    except LoadRefused:
-        code = REFUSED_EXIT_CODE  # every rank refused the model: rank 0 says why
+        with ExitStack() as stack:
+            try:
+                follow_plans(build_rank(stack, launch, rank,
+                                        watch=lambda: Heartbeat(launch.init_method, rank, launch.dist_timeout)))
+            except LoadRefused:
+                code = REFUSED_EXIT_CODE  # every rank refused the model: rank 0 says why
+            except Exception:
+                logger.exception("TP worker rank %d failed", rank)  # before the teardown, which may hang
+                code = 1
     except Exception:
-        logger.exception("TP worker rank %d failed", rank)
-        code = 1
+        code = code or 1  # the teardown failed
     finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        if runner is not None:
-            runner.destroy()
-        try:
-            destroy_tensor_parallel()
-        except Exception:
-            code = code or 1
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: NCCL/IPC destructors can hang at exit

@@ -99,3 +99,27 @@ class DistWatchdog:
             f"every TP worker's heartbeat beats (a fused kernel or a collective waits for a peer that never "
             f"arrives); ranks that did not finish it: {', '.join(map(str, behind))}")
         return f"{type(error).__name__}: {error}"
+
+
+class GroupWatch:
+    """Rank 0's watch over a TP group of more than one rank: the workers' heartbeats (for
+    ``/health``: `missed`) and the `DistWatchdog` over them and, from `watch_steps` on, over
+    rank 0's steps. `quiesce` stops the watchdog (a clean shutdown begins: no step or beat is
+    due any more); `stop` stops both (idempotent)."""
+
+    def __init__(self, init_method: str, tp_size: int, dist_timeout: float, on_timeout: Callable[[str], None]) -> None:
+        self.monitor = HeartbeatMonitor(init_method, range(1, tp_size), dist_timeout)
+        self.watchdog = DistWatchdog(self.monitor, dist_timeout, on_timeout)
+
+    def watch_steps(self, progress: StepProgress) -> None:
+        self.watchdog.watch_steps(progress)
+
+    def missed(self) -> Optional[str]:
+        return self.monitor.missed()
+
+    def quiesce(self) -> None:
+        self.watchdog.stop()
+
+    def stop(self) -> None:
+        self.watchdog.stop()
+        self.monitor.stop()

@@ -9,7 +9,7 @@ connection reset.
   first request) or after the request's first byte arrived (later requests on a kept-alive
   connection; the idle time before it is uvicorn's ``timeout_keep_alive``) is answered 408, and
   logged: a client that sends nothing, or a byte at a time, holds no connection for longer.
-  (The body's deadline is `engine.server.http_limits.BodyLimit`'s.)
+  (The body's deadline is `engine.server.http.limits.BodyLimit`'s.)
 - A connection made while ``max_connections`` are open is answered 503 at once and closed, and
   logged. (uvicorn's ``limit_concurrency`` counts the same connections but refuses only a
   complete request head, in plain text: a connection that never completes one is never refused.)
@@ -25,7 +25,7 @@ connection reset.
 
 Pass ``functools.partial(LimitedH11Protocol, head_timeout_s=..., max_connections=...)`` as
 uvicorn's ``http`` with ``h11_max_incomplete_event_size=MAX_HEAD_BYTES``
-(`engine.server.http_server.http_config`).
+(`engine.server.http.server.http_config`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Optional
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from engine.server.protocol import error_body
+from engine.server.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 32 * 1024

@@ -5,7 +5,7 @@ Requests validate strictly (no "1" -> 1 coercion); ``null`` means "the default".
 must fit in int64, every float must be finite (no NaN or Infinity) and every string must be
 valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. Every
 documented OpenAI field is honoured, inert, or, at a value this server cannot honour, rejected
-by `unsupported_fields` (`engine.server.openai_fields`) rather than silently ignored; fields
+by `unsupported_fields` (`engine.server.api.openai_fields`) rather than silently ignored; fields
 neither OpenAI nor vLLM documents are ignored.
 """
 from __future__ import annotations
@@ -17,13 +17,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from engine.common.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams,
 )
-from engine.server.logprobs_format import ChatLogprobs, CompletionLogprobs
-from engine.server.openai_fields import (
+from engine.server.api.logprobs_format import ChatLogprobs, CompletionLogprobs
+from engine.server.api.openai_fields import (
     CHAT_LIMITED, COMMON_LIMITED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, NO_TOOLS, refused,
 )
-
-# OpenAI's error "type" per HTTP status (other 4xx: invalid_request_error, other 5xx: internal_error).
-ERROR_TYPES = {404: "not_found_error", 503: "service_unavailable"}
+from engine.server.http.errors import error_body
 
 
 def _valid_unicode(text: str) -> str:
@@ -50,12 +48,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message)
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "code"}}`` (``code``: the HTTP status)."""
-    kind = ERROR_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 class _Strict(BaseModel):

@@ -7,7 +7,7 @@ passes it. A body within the limit is read whole and handed to the app unchanged
 parsed that could exceed the limit: JSON parsing and validation on the event loop take at most
 the time of ``max_bytes`` bytes. The 413 is the server's OpenAI error object naming the limit,
 with ``connection: close``: the rest of the refused body is dropped unparsed while the client
-reads the answer (`engine.server.http_protocol.LimitedH11Protocol` lingers).
+reads the answer (`engine.server.http.protocol.LimitedH11Protocol` lingers).
 
 A body not complete ``timeout_s`` seconds after its request's head (a client that declares a
 longer Content-Length than it sends, or sends a few bytes at a time) is answered 408 the same
@@ -29,7 +29,7 @@ from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.protocol import error_body
+from engine.server.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 BYTES_PER_CONTEXT_TOKEN = 64

@@ -13,11 +13,11 @@ from fastapi import Request
 
 from engine.common.generation import EngineError, GenerationChunk
 from engine.common.sampling_params import SamplingParams
-from engine.server.engine_client import EngineClient
-from engine.server.lifecycle import Lifecycle
-from engine.server.openai_outputs import Collected
-from engine.server.protocol import APIError, ChatCompletionRequest, SamplingFields
-from engine.server.streaming import SSE_DONE, sse, until_finished
+from engine.server.api.engine_client import EngineClient
+from engine.server.api.openai_outputs import Collected
+from engine.server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
+from engine.server.http.lifecycle import Lifecycle
+from engine.server.http.streaming import SSE_DONE, sse, until_finished
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads

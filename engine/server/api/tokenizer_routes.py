@@ -20,9 +20,9 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI
 
-from engine.server.engine_client import EngineClient
-from engine.server.logprobs_format import TokenTexts
-from engine.server.protocol import APIError, ChatMessage, Int64, Text, RequestBody
+from engine.server.api.engine_client import EngineClient
+from engine.server.api.logprobs_format import TokenTexts
+from engine.server.api.protocol import APIError, ChatMessage, Int64, Text, RequestBody
 
 
 class TokenizeCompletionRequest(RequestBody):

@@ -1,5 +1,5 @@
 """The parts of OpenAI responses that depend on what a request asked for beyond text: the echoed
-prompt and the log-probabilities (`engine.server.logprobs_format`), whole or chunk by chunk.
+prompt and the log-probabilities (`engine.server.api.logprobs_format`), whole or chunk by chunk.
 
 `Collected` gathers a non-streaming request's chunks. `CompletionOutput` builds /v1/completions
 choices: ``echo`` puts the prompt's text (its string as sent, or its token ids decoded) and,
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
-from engine.server.logprobs_format import (
+from engine.server.api.logprobs_format import (
     ChatLogprobs, CompletionLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs,
 )
-from engine.server.protocol import CompletionChoice
+from engine.server.api.protocol import CompletionChoice
 
 
 @dataclass

@@ -3,8 +3,9 @@
 The first failure reported (from the worker monitor, the ``--dist-timeout`` watchdog or the
 scheduler thread) wins; the others block. It names the culprit in the log (the worker that died
 or stopped, with the reported error beside it when both are known), answers every request in
-flight with a 500 error naming the culprit (else the reported error) through `Engine.fail_all`
-(a stream gets an error event, then ``[DONE]``), waits a moment for those answers to leave,
+flight with a 500 error naming the culprit (else the reported error) through the server's
+``fail_all`` (`engine.server.engine.Engine.fail_all`: a stream gets an error event, then
+``[DONE]``), waits a moment for those answers to leave (the server's ``in_flight`` count),
 kills the workers and exits the process with 1. It needs nothing from the scheduler thread,
 which may be blocked for good (in a CUDA sync behind a kernel that waits on a stopped peer).
 """
@@ -15,12 +16,10 @@ import os
 import sys
 import threading
 import time
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 from engine.common.generation import EngineError
-from engine.server.engine import Engine
-from engine.server.lifecycle import Lifecycle
-from engine.server.workers import KILL_WAIT_S, WorkerSet
+from engine.runtime.workers import KILL_WAIT_S, WorkerSet
 
 logger = logging.getLogger("engine.launch_server")
 CULPRIT_WAIT_S = 1.0  # how long a scheduler error waits for a worker's death to show
@@ -31,13 +30,15 @@ SHUTDOWN_BOUND_S = CULPRIT_WAIT_S + ANSWER_WAIT_S + KILL_WAIT_S  # most seconds 
 class Supervisor:
     def __init__(self, workers: WorkerSet) -> None:
         self.workers = workers
-        self.engine: Optional[Engine] = None
-        self.lifecycle: Optional[Lifecycle] = None
+        self._fail_all: Optional[Callable[[EngineError], int]] = None
+        self._in_flight: Callable[[], int] = lambda: 0
         self._once = threading.Lock()
 
-    def serving(self, engine: Engine, lifecycle: Lifecycle) -> None:
-        """From now on a failure answers the clients of ``engine`` before the exit."""
-        self.engine, self.lifecycle = engine, lifecycle
+    def serving(self, fail_all: Callable[[EngineError], int], in_flight: Callable[[], int]) -> None:
+        """From now on a failure answers the clients before the exit: ``fail_all(error)`` ends
+        every request in flight with ``error`` (returns how many), ``in_flight()`` counts the
+        responses not sent yet."""
+        self._fail_all, self._in_flight = fail_all, in_flight
 
     def fail(self, reason: str) -> NoReturn:
         """Bring the server down because of ``reason`` (any thread; never returns)."""
@@ -46,10 +47,10 @@ class Supervisor:
         culprit = self.workers.wait_for_failure(CULPRIT_WAIT_S)
         message = reason if culprit is None or culprit == reason else f"{culprit} ({reason})"
         logger.error("%s: shutting the server down", message)
-        if self.engine is not None and self.lifecycle is not None:
-            ended = self.engine.fail_all(EngineError(500, f"{culprit or reason}; the server is shutting down"))
+        if self._fail_all is not None:
+            ended = self._fail_all(EngineError(500, f"{culprit or reason}; the server is shutting down"))
             deadline = time.monotonic() + ANSWER_WAIT_S
-            while ended and self.lifecycle.in_flight and time.monotonic() < deadline:
+            while ended and self._in_flight() and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.workers.kill()
         sys.stdout.flush()

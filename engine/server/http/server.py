@@ -11,7 +11,7 @@ Readiness: the launcher binds the port with `bind_http_socket` before the model 
 port fails at once), but listens only when uvicorn starts serving it: until then a client's
 connection is refused, not queued. ``on_serving`` is called once the socket accepts requests.
 `http_config` is uvicorn's configuration for the app: the request limits (`HttpLimits`) of
-`engine.server.http_limits` and `engine.server.http_protocol`.
+`engine.server.http.limits` and `engine.server.http.protocol`.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import uvicorn
 from starlette.types import ASGIApp
 
-from engine.server.http_limits import BodyLimit
-from engine.server.http_protocol import MAX_HEAD_BYTES, LimitedH11Protocol
-from engine.server.lifecycle import Lifecycle
+from engine.server.http.lifecycle import Lifecycle
+from engine.server.http.limits import BodyLimit
+from engine.server.http.protocol import MAX_HEAD_BYTES, LimitedH11Protocol
 
 logger = logging.getLogger("engine.launch_server")
 ANSWER_WAIT_S = 3.0  # after the grace period: time for the ended requests' errors to be sent

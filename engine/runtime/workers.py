@@ -11,16 +11,18 @@ import multiprocessing as mp
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from engine.runtime.launch import LaunchConfig
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE
 
 POLL_S = 0.1
+EXIT_GRACE_S = 5.0  # how long a launcher waits for its workers to exit after "shutdown" before killing them
 KILL_WAIT_S = 2.0  # how long `kill` waits for the killed workers to be reaped
 
 
 class WorkerSet:
-    def __init__(self, launch: Any, ranks: Sequence[int]) -> None:
+    def __init__(self, launch: LaunchConfig, ranks: Sequence[int]) -> None:
         """Spawn ``worker_main(launch, rank)`` for each of ``ranks``."""
         from engine.runtime.tp_worker import worker_main
 

@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP layer: `build_app(engine, served_model_name)`, one FastAPI app of
 route groups, each in its own module:
 
-    engine.server.openai_routes     POST /v1/completions, POST /v1/chat/completions, GET /v1/models
-    engine.server.native_routes     POST /generate (SGLang style), POST /flush_cache
-    engine.server.health_routes     GET /health, GET /get_server_info
-    engine.server.tokenizer_routes  POST /tokenize, POST /detokenize, GET /tokenizer_info
+    engine.server.api.openai_routes     POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    engine.server.api.native_routes     POST /generate (SGLang style), POST /flush_cache
+    engine.server.api.health_routes     GET /health, GET /get_server_info
+    engine.server.api.tokenizer_routes  POST /tokenize, POST /detokenize, GET /tokenizer_info
 
 Prompts are tokenized and chat templates rendered in a worker thread (`asyncio.to_thread`), never
 on the event loop: a huge prompt delays only its own request. Every error is answered as
-``{"error": {"message", "type", "code"}}`` (`engine.server.error_responses`), an `EngineError`
+``{"error": {"message", "type", "code"}}`` (`engine.server.api.error_responses`), an `EngineError`
 with its status (400, 500, 503); inside a stream that already started, an error event and then
 ``[DONE]``. While the server drains (`Lifecycle.draining`) new generation requests get 503. A
 client disconnect aborts its request in both modes: streams close the engine's generator when
@@ -20,14 +20,14 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from engine.server.engine_client import EngineClient
-from engine.server.error_responses import add_error_handlers
-from engine.server.health_routes import add_health_routes
-from engine.server.lifecycle import InFlightMiddleware, Lifecycle
-from engine.server.native_routes import add_native_routes
-from engine.server.openai_routes import add_openai_routes
-from engine.server.request_handling import RequestHandler
-from engine.server.tokenizer_routes import add_tokenizer_routes
+from engine.server.api.engine_client import EngineClient
+from engine.server.api.error_responses import add_error_handlers
+from engine.server.api.health_routes import add_health_routes
+from engine.server.api.native_routes import add_native_routes
+from engine.server.api.openai_routes import add_openai_routes
+from engine.server.api.request_handling import RequestHandler
+from engine.server.api.tokenizer_routes import add_tokenizer_routes
+from engine.server.http.lifecycle import InFlightMiddleware, Lifecycle
 
 
 def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None) -> FastAPI:

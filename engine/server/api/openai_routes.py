@@ -11,14 +11,14 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 
 from engine.common.generation import GenerationChunk
-from engine.server.logprobs_format import TokenTexts
-from engine.server.openai_outputs import CompletionOutput, chat_logprobs_of
-from engine.server.protocol import (
+from engine.server.api.logprobs_format import TokenTexts
+from engine.server.api.openai_outputs import CompletionOutput, chat_logprobs_of
+from engine.server.api.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, Usage,
 )
-from engine.server.request_handling import RequestHandler, sse_events, unless_disconnected
-from engine.server.streaming import ClosingStreamingResponse
+from engine.server.api.request_handling import RequestHandler, sse_events, unless_disconnected
+from engine.server.http.streaming import ClosingStreamingResponse
 
 
 def add_openai_routes(app: FastAPI, server: RequestHandler) -> None:
