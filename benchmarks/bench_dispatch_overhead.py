@@ -1,12 +1,16 @@
 """Micro-benchmark: the cost of one cached fusion decision in eager Python (CPU).
 
     python -m benchmarks.bench_dispatch_overhead [--calls 1000000] [--batch-sizes 64]
+    python -m benchmarks.bench_dispatch_overhead --layers 8 --tp 2 [--tokens 4]
 
 Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the call a layer's communicator
 makes) and `AllReduceFusion.strategy` on cache hits, for one key and in a decode loop over 32
 layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache cleared each call) over
 a TP2 dispatcher whose backends all fit. Median of 7 repeats, less the cost of the same loop
 calling a no-op Python function (printed as the baseline).
+
+With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
+`LayerCommunicator` stack at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
 """
 from __future__ import annotations
 
@@ -48,7 +52,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--batch-sizes", type=int, default=64, help="distinct batch sizes cycled through")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--layers", type=int, help="measure a LayerCommunicator stack of this many layers instead")
+    parser.add_argument("--tp", type=int, default=2, help="with --layers: TP ranks (gloo, CPU)")
+    parser.add_argument("--tokens", type=int, default=4, help="with --layers: tokens per forward")
     args = parser.parse_args()
+    if args.layers:
+        from benchmarks.layer_overhead import measure
+
+        result = measure(args.layers, args.tp, args.tokens)
+        print(f"{args.layers} layers, TP{args.tp}, {args.tokens} tokens, torch backend: "
+              f"{result['calls_per_layer']:.2f} Python calls into fusion/ per layer, "
+              f"{result['us_per_layer']:.2f} us of Python per layer (median; min {result['us_per_layer_min']:.2f})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
 
     keys = [(layer, bs) for bs in range(1, args.batch_sizes + 1) for layer in range(32)]
     logging.getLogger("fusion").setLevel(logging.ERROR)  # TP1: "runs unfused" is expected here
