@@ -6,7 +6,7 @@
 Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the call a layer's communicator
 makes) and `AllReduceFusion.strategy` on cache hits, for one key and in a decode loop over 32
 layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache cleared each call) over
-a TP2 dispatcher whose backends all fit. Median of 7 repeats, less the cost of the same loop
+a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of the same loop
 calling a no-op Python function (printed as the baseline).
 
 With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
@@ -23,7 +23,7 @@ import time
 import torch
 
 from fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
-from fusion.dispatch.decision import FusionDispatcher, ModelShape
+from fusion.dispatch.decision import DispatchPlan, ModelShape
 from fusion.dispatch.table import StrategyTable
 
 
@@ -76,13 +76,13 @@ def main() -> None:
     for k in keys:
         op.should_fuse_allreduce_residual_rmsnorm(*k)
 
-    miss = FusionDispatcher(cache_size=64)
     table = StrategyTable((1, 4096), ({Strategy.NCCL: 9.0, Strategy.FLASHINFER_ONE_SHOT: 4.0},
                                       {Strategy.NCCL: 200.0, Strategy.SYMM_MEM_FUSED: 150.0}))
-    miss.update(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH}, table, None)
+    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH},
+                        table, None, cache_size=64)
 
     def uncached(layer: int, bs: int) -> bool:
-        miss.cache_clear()
+        miss.strategy.cache_clear()
         return miss.should_fuse_allreduce_residual_rmsnorm(layer, bs)
 
     def noop(layer: int, bs: int) -> bool:
