@@ -1,12 +1,16 @@
 """Micro-benchmark: the cost of one cached fusion decision in eager Python (CPU).
 
     python -m benchmarks.bench_dispatch_overhead [--calls 1000000] [--batch-sizes 64]
+    python -m benchmarks.bench_dispatch_overhead --layers 8 --tp 2 [--tokens 4]
 
 Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the call a layer's communicator
 makes) and `AllReduceFusion.strategy` on cache hits, for one key and in a decode loop over 32
 layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache cleared each call) over
-a TP2 dispatcher whose backends all fit. Median of 7 repeats, less the cost of the same loop
+a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of the same loop
 calling a no-op Python function (printed as the baseline).
+
+With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
+`LayerCommunicator` stack at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import time
 import torch
 
 from fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
-from fusion.dispatch.decision import FusionDispatcher, ModelShape
+from fusion.dispatch.decision import DispatchPlan, ModelShape
 from fusion.dispatch.table import StrategyTable
 
 
@@ -48,7 +52,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--batch-sizes", type=int, default=64, help="distinct batch sizes cycled through")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--layers", type=int, help="measure a LayerCommunicator stack of this many layers instead")
+    parser.add_argument("--tp", type=int, default=2, help="with --layers: TP ranks (gloo, CPU)")
+    parser.add_argument("--tokens", type=int, default=4, help="with --layers: tokens per forward")
     args = parser.parse_args()
+    if args.layers:
+        from benchmarks.layer_overhead import measure
+
+        result = measure(args.layers, args.tp, args.tokens)
+        print(f"{args.layers} layers, TP{args.tp}, {args.tokens} tokens, torch backend: "
+              f"{result['calls_per_layer']:.2f} Python calls into fusion/ per layer, "
+              f"{result['us_per_layer']:.2f} us of Python per layer (median; min {result['us_per_layer_min']:.2f})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
 
     keys = [(layer, bs) for bs in range(1, args.batch_sizes + 1) for layer in range(32)]
     logging.getLogger("fusion").setLevel(logging.ERROR)  # TP1: "runs unfused" is expected here
@@ -58,13 +76,13 @@ def main() -> None:
     for k in keys:
         op.should_fuse_allreduce_residual_rmsnorm(*k)
 
-    miss = FusionDispatcher(cache_size=64)
     table = StrategyTable((1, 4096), ({Strategy.NCCL: 9.0, Strategy.FLASHINFER_ONE_SHOT: 4.0},
                                       {Strategy.NCCL: 200.0, Strategy.SYMM_MEM_FUSED: 150.0}))
-    miss.update(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH}, table, None)
+    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH},
+                        table, None, cache_size=64)
 
     def uncached(layer: int, bs: int) -> bool:
-        miss.cache_clear()
+        miss.strategy.cache_clear()
         return miss.should_fuse_allreduce_residual_rmsnorm(layer, bs)
 
     def noop(layer: int, bs: int) -> bool:

@@ -5,7 +5,7 @@
 
 Per strategy, relative least squares of ``t = a + b * MiB + c * rows`` over every (hidden,
 tokens) the tables hold (MiB: the message per rank, rows: tokens / world). Prints the
-coefficients as `fusion.dispatch.cost_model.COEFFICIENTS` writes them, and, per (hidden, tokens), the
+coefficients as each strategy's declaration writes them (``cost=`` in `fusion.strategies`), and, per (hidden, tokens), the
 strategy the model picks against the measured fastest: the ratio best / picked (1.0 = the
 model picks the fastest; the rule's target is >= 0.95 everywhere).
 """
@@ -76,10 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     coefficients = fit(data, args.world_size, itemsize)
     rows = choices(data, coefficients, args.world_size, itemsize)
-    print(f"    {args.world_size}: {{")
     for strategy, (a, b, c) in coefficients.items():
-        print(f"        Strategy.{Strategy(strategy).name}: ({a:.4g}, {b:.4g}, {c:.4g}),")
-    print("    },")
+        print(f"{Strategy(strategy).name}: cost={{{args.world_size}: ({a:.4g}, {b:.4g}, {c:.4g})}}")
     for r in rows:
         flag = "" if r["ratio"] >= 0.95 else "   < 0.95"
         print(f"hidden {r['hidden']:5d} tokens {r['tokens']:5d}: picks {r['picked']:<20} best {r['best']:<20} "

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-FUSION_BACKENDS = ("flashinfer", "torch")
+from fusion.strategies import FUSION_BACKENDS
+
 # Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
 # (32 layers x 128 batch sizes).
 DEFAULT_CACHE_SIZE = 4096

@@ -12,6 +12,7 @@ raises a TypeError, the fusion op a `FusionInputError`), and it can be reduced e
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -20,26 +21,32 @@ from fusion.errors import FusionInputError
 from fusion.strategy import Strategy
 
 
-class PartialSum:
-    """This rank's partial sum ``tensor`` [tokens, hidden] of layer ``layer_id``'s MLP, to be
-    reduced by ``strategy`` (decided, cached, when the layer deferred it)."""
+class PartialSum(SimpleNamespace):
+    """This rank's partial sum ``pending`` [tokens, hidden] of layer ``layer_id``'s MLP, to be
+    reduced by ``strategy`` (looked up once, when the layer deferred it).
 
-    __slots__ = ("_tensor", "layer_id", "strategy", "num_tokens")
+    Made with keywords, ``PartialSum(pending=x, layer_id=i, strategy=s)``: SimpleNamespace's
+    initialiser is C, so a deferral costs no Python call on the hot path. ``pending`` is the
+    tensor until a reduction takes it (`take`), then None. Compared and hashed by identity."""
 
-    def __init__(self, tensor: torch.Tensor, layer_id: int, strategy: Strategy) -> None:
-        self._tensor: Optional[torch.Tensor] = tensor
-        self.layer_id = layer_id
-        self.strategy = strategy
-        self.num_tokens = tensor.shape[0]
+    pending: Optional[torch.Tensor]
+    layer_id: int
+    strategy: Strategy
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def take(self) -> torch.Tensor:
         """The partial sum, once: the reduction that takes it consumes it."""
-        tensor, self._tensor = self._tensor, None
+        tensor, self.pending = self.pending, None
         if tensor is None:
-            raise FusionInputError(f"the partial sum of layer {self.layer_id} was already reduced: a deferred "
-                                   "reduction is taken by exactly one norm")
+            raise self.taken_twice()
         return tensor
 
+    def taken_twice(self) -> FusionInputError:
+        return FusionInputError(f"the partial sum of layer {self.layer_id} was already reduced: a deferred "
+                                "reduction is taken by exactly one norm")
+
     def __repr__(self) -> str:
-        state = "taken" if self._tensor is None else f"{tuple(self._tensor.shape)} {self._tensor.dtype}"
+        state = "taken" if self.pending is None else f"{tuple(self.pending.shape)} {self.pending.dtype}"
         return f"PartialSum(layer {self.layer_id}, {self.strategy}, {state})"

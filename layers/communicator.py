@@ -9,13 +9,14 @@ Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
                                     a reduced tensor
     prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, fused when
                                     layer i's strategy says so
-    postprocess_layer(h_partial, r) the down_proj all-reduce: deferred as a `PartialSum` when
-                                    ``should_fuse_allreduce_residual_rmsnorm(i, tokens)``,
+    postprocess_layer(h_partial, r) the down_proj all-reduce: deferred as a `PartialSum` (carrying
+                                    the layer's strategy) when layer i fuses at this many tokens,
                                     performed now otherwise
     prepare_final_norm(h, r, norm)  (last layer) the final norm, reducing a `PartialSum` into it
 
-Each is one call into the model's `fusion.AllReduceFusion`, which decides (cached on
-(layer_id, tokens), identical on all ranks) and runs; every reduction runs exactly once.
+Each is one call into the model's `fusion.AllReduceFusion`, which looks the layer's strategy up
+once (the op's dispatch plan, cached on (layer_id, tokens), identical on all ranks; a
+`PartialSum` carries it to the next norm) and runs; every reduction runs exactly once.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from typing import Optional, Union
 
 import torch
 
-from fusion import AllReduceFusion, FusionInputError, PartialSum
+from fusion import AllReduceFusion, FusionInputError, PartialSum, Strategy
 from layers.layernorm import RMSNorm
 
+_NCCL = Strategy.NCCL
 LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its MLP reduction deferred
 
 
@@ -62,9 +64,10 @@ class LayerCommunicator:
                           residual: torch.Tensor) -> tuple[LayerOutput, torch.Tensor]:
         """The MLP output (down_proj with ``reduce_results=False``): a `PartialSum` for the next
         norm when this layer fuses, reduced here otherwise."""
-        if self.fusion.should_fuse_allreduce_residual_rmsnorm(self.layer_id, hidden_states.shape[0]):
-            return self.fusion.partial_sum(hidden_states, self.layer_id), residual
-        return self.fusion.all_reduce(hidden_states), residual
+        strategy = self.fusion.strategy(self.layer_id, hidden_states.shape[0])  # the one lookup (a cache hit: C)
+        if strategy is _NCCL:
+            return self.fusion.all_reduce(hidden_states), residual
+        return PartialSum(pending=hidden_states, layer_id=self.layer_id, strategy=strategy), residual
 
     def prepare_final_norm(self, hidden_states: LayerOutput, residual: torch.Tensor,
                            final_norm: RMSNorm) -> torch.Tensor:

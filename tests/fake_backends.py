@@ -6,7 +6,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from fusion.dispatch.decision import FusionDispatcher, ModelShape
+from fusion.dispatch.decision import DispatchPlan, ModelShape
 from fusion.dispatch.table import StrategyTable
 from fusion.strategy import Strategy
 
@@ -33,7 +33,6 @@ def flashinfer_backends(max_tokens: int = 2048, world_size: int = 2, **more: int
 
 def make_dispatcher(backends: Mapping[Strategy, FakeBackend], hidden: int = 4096, dtype: torch.dtype = torch.bfloat16,
                     world_size: int = 2, table: Optional[StrategyTable] = None, off_reason: Optional[str] = None,
-                    one_shot_max_input_bytes: Optional[int] = None, cache_size: int = 4096) -> FusionDispatcher:
-    d = FusionDispatcher(cache_size)
-    d.update(ModelShape(world_size, hidden, dtype, one_shot_max_input_bytes), backends, table, off_reason)
-    return d
+                    one_shot_max_input_bytes: Optional[int] = None, cache_size: int = 4096) -> DispatchPlan:
+    return DispatchPlan(ModelShape(world_size, hidden, dtype, one_shot_max_input_bytes), backends, table, off_reason,
+                        cache_size)

@@ -136,8 +136,8 @@ def _lookups_and_partial_sums(rank, world_size):
 def test_a_deferred_reduction_is_a_value_that_cannot_be_misused():
     per_rank = run_distributed(_lookups_and_partial_sums, timeout_s=120)
     lookups, errors, out = per_rank[0]
-    assert lookups == 3 * LAYERS, ("prepare_mlp's strategy, postprocess_layer's should_fuse, and the strategy the "
-                                   "PartialSum records: one cached lookup each per layer")
+    assert lookups == 2 * LAYERS, ("one cached lookup per reduction point: prepare_mlp's and postprocess_layer's; "
+                                   "the PartialSum carries its strategy to the next norm")
     assert "a PartialSum is reduced by the next norm" in errors["as a reduced input"]
     assert "reached the norm after layer 1" in errors["to a later layer"]
     assert "PartialSum" in errors["to a torch op"]

@@ -23,6 +23,7 @@ import torch
 
 from fusion import FusionConfig, Strategy, reference
 from fusion.backends import deterministic
+from fusion.strategies import deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
@@ -115,12 +116,12 @@ def test_canonical_zero_is_positive():
 
 def test_deterministic_mode_allows_our_strategies_and_says_why_not_flashinfer():
     for world in (2, 3, 8):
-        out = deterministic.excluded(world)
+        out = deterministic_exclusions(world)
         assert Strategy.FLASHINFER_ONE_SHOT in out and Strategy.FLASHINFER_TWO_SHOT in out
         assert "rows" in out[Strategy.FLASHINFER_ONE_SHOT]
         for s in (Strategy.NCCL, Strategy.TORCH, Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT):
-            assert deterministic.allowed(s, world)
-        assert deterministic.allowed(Strategy.SYMM_MEM_TWO_SHOT, world) == (world == 2)
+            assert s not in out
+        assert (Strategy.SYMM_MEM_TWO_SHOT not in out) == (world == 2)
 
 
 # ---- 2 and 3 ranks over gloo

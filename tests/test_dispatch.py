@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-from fusion.dispatch.decision import NOT_SET_UP, FusionDispatcher
+from fusion.dispatch.decision import NOT_SET_UP, DispatchPlan
 from fusion.strategy import Strategy as S
 from tests.dist_utils import make_fusion, run_distributed
 from tests.fake_backends import UNLIMITED, FakeBackend, flashinfer_backends, make_dispatcher
 
 
 def test_a_dispatcher_not_set_up_never_fuses():
-    d = FusionDispatcher(cache_size=64)
+    d = DispatchPlan(cache_size=64)
     assert d.should_fuse_allreduce_residual_rmsnorm(0, 1) is False
     assert d.why_not(0, 1) == NOT_SET_UP
     info = d.cache_info()
@@ -89,15 +89,29 @@ def test_bound_holds_over_thousands_of_batch_sizes_and_lru_goes_first():
     assert d.cache_info().misses == misses + 1, "least recently used entry must be gone"
 
 
-def test_update_clears_the_cache_and_the_backends_answer_anew():
+def test_a_new_plan_has_a_new_cache_and_the_backends_answer_anew():
     backends = flashinfer_backends()
     d = make_dispatcher(backends)
     assert d.should_fuse_allreduce_residual_rmsnorm(0, 8)
     backends[S.FLASHINFER_ONE_SHOT].capacity = 0  # the workspace was destroyed
     backends[S.FLASHINFER_TWO_SHOT].capacity = 0
-    d.update(d.shape, backends, None, None)
+    d = make_dispatcher(backends)
     assert d.cache_info().currsize == 0
     assert not d.should_fuse_allreduce_residual_rmsnorm(0, 8)
+
+
+def _events_replace_the_plan(rank, world_size):
+    fusion = make_fusion(96, enabled=True, backend="torch", max_tokens=16)
+    answers = [fusion.should_fuse_allreduce_residual_rmsnorm(0, 8)]
+    fusion.backends[S.TORCH].destroy()  # an event no one tells the op about: the backend does
+    answers.append(fusion.should_fuse_allreduce_residual_rmsnorm(0, 8))
+    fusion.backends[S.TORCH].ensure(16, 96, torch.float32)
+    answers.append(fusion.should_fuse_allreduce_residual_rmsnorm(0, 8))
+    return answers
+
+
+def test_every_resource_event_replaces_the_plan():
+    assert run_distributed(_events_replace_the_plan) == [[True, False, True]] * 2
 
 
 def _decisions(rank, world_size):

@@ -24,17 +24,15 @@ import torch.distributed as dist
 import fusion
 from fusion import norm, reference
 from fusion.group import TensorParallelGroup
+from fusion.strategies import DECLARATIONS, Made
 
 EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340
 FP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # nvfp4 convention: e4m3 max * e2m1 max / amax
 MAX_ERROR_CHARS = 300
-# arfusion's own strategies over symmetric memory, each a row where its buffer holds the batch
-OWN_STRATEGY_PATHS = {
-    fusion.Strategy.SYMM_MEM_TWO_SHOT: "symm_mem_two_shot_allreduce_rmsnorm",
-    fusion.Strategy.SYMM_MEM_FUSED: "symm_mem_fused_two_shot_allreduce_rmsnorm",
-    fusion.Strategy.LAMPORT_ONE_SHOT: "lamport_one_shot_allreduce_rmsnorm",
-}
+# arfusion's own strategies made on demand (over symmetric memory: `fusion.strategies`), each a
+# row where its buffer holds the batch
+OWN_STRATEGY_PATHS = {s: f"{s.value}_allreduce_rmsnorm" for s, d in DECLARATIONS.items() if d.made is Made.ON_DEMAND}
 
 Op = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
@@ -243,7 +241,7 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         if quant == "none" and op.backends[strategy].fits(tokens):
             paths.append(Path(name, lambda x, r, s=strategy: op.run(s, x, r, inputs.weight, EPS).normed))
     if quant == "none":
-        why = op.dispatcher.why_not(0, tokens)
+        why = op.plan.why_not(0, tokens)
         chosen = op.strategy(0, tokens)
         notes.append(f"arfusion_dispatch chose {chosen}" + (f" ({why})" if why else ""))
         # what a layer runs: the cached decision for (layer 0, tokens), then its strategy

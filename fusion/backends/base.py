@@ -3,7 +3,7 @@
 Every backend of an op (`fusion.AllReduceFusion`) is made for one TP group and states its own
 constraints, once:
 
-    ensure(max_tokens, hidden, dtype) -> bool   collective: make (or grow) the resource for
+    ensure(max_tokens, hidden, dtype) -> bool   collective (`_ensure`): make (or grow) the resource for
                                                  ``max_tokens`` rows of ``hidden`` ``dtype``;
                                                  every rank's reason not to is voted over the CPU
                                                  group, so it is True on every rank or on none
@@ -14,21 +14,30 @@ constraints, once:
     run(x, residual, weight, eps, quant)         one reduction: (normed, sum(x) + residual);
                                                  consumes ``x`` and ``residual`` (it may
                                                  overwrite both); needs ``fits(x.shape[0])``
-    destroy()                                    free the resource on this rank (idempotent)
+    destroy()                                    free the resource on this rank (idempotent; `_destroy`)
+    for_op(context)                              this strategy's backend for an op
+    standalone(group, x, workspace, pdl)         a backend that runs ``x`` without an op
+                                                 (`fusion.functional`), or `FusionInputError`
 
 ``run`` never checks its inputs (the op checks them once, at its entry) and never changes the
 strategy: a call that does not fit raises `FusionInputError` before any collective.
+
+Every change of what ``fits`` answers (a resource made, grown or destroyed; a peer timeout that
+turns a backend off) calls ``on_change``, the owner's hook: the op rebuilds its dispatch plan
+there (`fusion.dispatch.decision.DispatchPlan`), so no cached answer outlives the state it was
+decided from.
 """
 from __future__ import annotations
 
 import abc
 import logging
-from typing import Callable, ClassVar, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
 from fusion import reference
-from fusion.errors import FusionUnsupportedError
+from fusion.errors import FusionInputError, FusionUnsupportedError
 from fusion.group import TensorParallelGroup
 from fusion.strategy import FusedOutput, Quant, Strategy
 from fusion.voting import voted_failure
@@ -36,23 +45,61 @@ from fusion.voting import voted_failure
 logger = logging.getLogger(__name__)
 
 
+T = TypeVar("T")
+
+
+@dataclass
+class BuildContext:
+    """What the backends of one op are made from. ``shared(kind)``: one ``kind(group)`` for every
+    backend of the op that asks (flashinfer's two kernels share one workspace)."""
+
+    group: TensorParallelGroup
+    deterministic: bool = False
+    launch_with_pdl: bool = True
+    _shared: dict[type, Any] = field(default_factory=dict)
+
+    def shared(self, kind: type[T]) -> T:
+        if kind not in self._shared:
+            self._shared[kind] = kind(self.group)
+        return self._shared[kind]
+
+
 class Backend(abc.ABC):
     """One strategy and its resource on one TP group (module docstring)."""
 
     strategy: ClassVar[Strategy]
-    row_limit: ClassVar[Optional[int]] = None  # the most rows ``ensure`` takes (None: no bound)
-
-    @classmethod
-    def rows_for(cls, max_tokens: int) -> int:
-        """``max_tokens`` within this backend's ``row_limit``: what to ensure it for."""
-        return max_tokens if cls.row_limit is None else min(max_tokens, cls.row_limit)
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self.failure: Optional[str] = None  # every rank's reason the last `ensure` failed
+        self.on_change: Callable[[], None] = _nothing  # called after every change of what `fits` answers
+
+    @classmethod
+    def for_op(cls, context: BuildContext) -> "Backend":
+        """This strategy's backend for an op (no resource until ensured)."""
+        return cls(context.group)
+
+    @classmethod
+    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
+                   launch_with_pdl: bool) -> "Backend":
+        """A backend of this strategy that runs ``x`` on ``group`` without an op; a backend that
+        owns a resource made together by every rank runs only through an op."""
+        raise FusionInputError(f"{cls.strategy} owns symmetric buffers: run it through AllReduceFusion.run")
+
+    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+        """Collective (module docstring); ``on_change`` after it, whatever its outcome."""
+        try:
+            return self._ensure(max_tokens, hidden, dtype)
+        finally:
+            self.on_change()
+
+    def destroy(self) -> None:
+        """Free the resource on this rank (idempotent); ``on_change`` after it."""
+        self._destroy()
+        self.on_change()
 
     @abc.abstractmethod
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool: ...
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool: ...
 
     @abc.abstractmethod
     def fits(self, num_tokens: int) -> bool: ...
@@ -61,7 +108,7 @@ class Backend(abc.ABC):
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput: ...
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         """Free the resource on this rank; a backend without one has nothing to free."""
 
     def raise_if_failed(self) -> None:
@@ -82,10 +129,24 @@ class Backend(abc.ABC):
         return self.failure is None
 
 
-def quantized(normed: torch.Tensor, residual: torch.Tensor, quant: Optional[Quant]) -> FusedOutput:
-    """The output of a backend whose kernels do not quantize: FP8 as a separate cast."""
-    if quant is None:
-        return FusedOutput(normed, residual)
+def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, residual_out)`` of a kernel that works in place: the normed output overwrites ``x``
+    and the new residual ``residual``; without a residual, the sum overwrites ``x`` and the normed
+    output is new."""
+    if residual is None:
+        return torch.empty_like(x), x
+    return x, residual
+
+
+def _nothing() -> None:
+    """The ``on_change`` of a backend without an owner."""
+
+
+def quantized(out: FusedOutput, quant: Quant) -> FusedOutput:
+    """``out`` of a backend whose kernels do not quantize, with its normed output quantized by
+    ``quant``: FP8 as a separate cast. (Backends return ``out`` itself without ``quant``: no call
+    on the hot path.)"""
+    normed, residual = out.normed, out.residual
     if quant.kind == "fp8":
         return FusedOutput(reference.quantize_fp8_static(normed, quant.scale), residual)
     raise FusionUnsupportedError("FP4 output exists only as flashinfer's fused pattern (flashinfer_one_shot / "

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from fusion import norm
-from fusion.backends.base import Backend
+from fusion.backends.base import Backend, BuildContext
 from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
 from fusion.errors import FusionInputError, FusionUnsupportedError
 from fusion.group import TensorParallelGroup
@@ -74,7 +74,26 @@ class FlashInferBackend(Backend):
         self.workspace = workspace
         self.launch_with_pdl = launch_with_pdl
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    @classmethod
+    def for_op(cls, context: BuildContext) -> "FlashInferBackend":
+        """Over the op's one workspace, shared by both kernels."""
+        return cls(context.group, context.shared(AllReduceFusionWorkspace), context.launch_with_pdl)
+
+    @classmethod
+    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Optional[AllReduceFusionWorkspace],
+                   launch_with_pdl: bool) -> "FlashInferBackend":
+        """Over ``workspace``, ensured by the caller for ``group``'s world size."""
+        if workspace is None or not workspace.ready:
+            raise FusionInputError("no fusion workspace: create it (AllReduceFusionWorkspace.ensure) before the call")
+        if workspace.group.world_size != group.world_size:
+            raise FusionInputError(f"the workspace was made for {workspace.group.world_size} ranks, the group has "
+                                   f"{group.world_size}")
+        misaligned = hidden_alignment_error(x.shape[1], x.dtype)
+        if misaligned:
+            raise FusionInputError(misaligned)
+        return cls(group, workspace, launch_with_pdl)
+
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: the shared workspace for ``max_tokens`` rows (grown, never shrunk)."""
         if not self.vote(lambda: flashinfer_unavailable_reason(self.group, hidden, dtype)):
             return False
@@ -91,7 +110,7 @@ class FlashInferBackend(Backend):
         shape = self.workspace.shape
         return 0 if shape is None else shape.max_tokens
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         self.workspace.destroy()
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,

@@ -25,11 +25,15 @@ logger = logging.getLogger(__name__)
 WorkspaceFactory = Callable[[TensorParallelGroup, int, int, torch.dtype], Any]
 
 
+def lamport_element_size(dtype: torch.dtype) -> int:
+    """Bytes of one element in the trtllm kernels' buffers: 4 for fp32, 2 for fp16 and bf16."""
+    return 4 if dtype == torch.float32 else 2
+
+
 def workspace_bytes(world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype) -> int:
     """Device memory one rank's trtllm workspace takes: a two-shot buffer of
     ``world * tokens * hidden * itemsize`` plus three Lamport buffers of the same size."""
-    itemsize = 4 if dtype == torch.float32 else 2
-    return 4 * world_size * max_tokens * hidden * itemsize
+    return 4 * world_size * max_tokens * hidden * lamport_element_size(dtype)
 
 
 def create_flashinfer_workspace(group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype) -> Any:

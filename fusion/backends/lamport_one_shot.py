@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.base import Backend, quantized
+from fusion.backends.base import Backend, output_tensors, quantized
+from fusion.backends.kernels import row_kernel_unavailable_reason
 from fusion.backends.symmetric_buffer import SymmetricBuffer
 from fusion.errors import FusionInputError, FusionTimeoutError
 from fusion.group import TensorParallelGroup
@@ -85,21 +86,7 @@ def lamport_unavailable_reason(device: torch.device, world: int, max_tokens: int
         return f"{world} ranks x {max_tokens} tokens x {hidden} hidden overflow the kernel's 32-bit offsets"
     if device.type != "cuda":
         return f"the Lamport kernel needs a CUDA device, not {device}"
-    try:
-        from fusion.backends.kernels.lamport_one_shot import MAX_HIDDEN
-    except ImportError as exc:
-        return f"the Lamport kernel needs triton ({exc})"
-    if hidden > MAX_HIDDEN:
-        return f"hidden {hidden} exceeds the Lamport kernel's {MAX_HIDDEN} (one row per program)"
-    return None
-
-
-def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, residual_out)``: in place, the normed output overwrites ``x`` and the new residual
-    ``residual``; without a residual, the sum overwrites ``x`` and the normed output is new."""
-    if residual is None:
-        return torch.empty_like(x), x
-    return x, residual
+    return row_kernel_unavailable_reason(hidden, "the Lamport kernel")
 
 
 class LamportOneShotBackend(Backend):
@@ -112,7 +99,6 @@ class LamportOneShotBackend(Backend):
     this rank (``fits`` False) until `destroy`."""
 
     strategy = Strategy.LAMPORT_ONE_SHOT
-    row_limit = MAX_TOKENS
 
     def __init__(self, group: TensorParallelGroup, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
         super().__init__(group)
@@ -134,7 +120,7 @@ class LamportOneShotBackend(Backend):
     def capacity(self) -> int:
         return self.layout.max_tokens if self.ready else 0
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: the buffer for ``max_tokens`` rows of ``hidden`` ``dtype``, initialised
         (sentinel data, zero control) on every rank before any rank can push; True on every rank
         or on none (``failure`` names each rank's reason). Grows only; a new hidden size or dtype
@@ -210,23 +196,26 @@ class LamportOneShotBackend(Backend):
                          self._host_error_addr,
                          self.group.rank, layout.world, layout.max_tokens, int(self.timeout_ns), self._max_programs,
                          self._pdl)
-        return quantized(out, residual_out, quant)
+        result = FusedOutput(out, residual_out)
+        return result if quant is None else quantized(result, quant)
 
     def raise_if_failed(self) -> None:
         """Reads the pinned host copy of the kernel's error flag (a host read, no device sync: a
         kernel's code is there once that kernel has completed, e.g. once the step's results have
         reached the host). Raises `FusionTimeoutError` naming this rank, the stalled peer and
-        the bound once a wait has expired, and from then on; the caller decides when to check."""
+        the bound once a wait has expired, and from then on (``fits`` False: ``on_change`` is
+        called once); the caller decides when to check."""
         if self.timed_out is None and self._host_error is not None:
             code = int(self._host_error[0])  # host memory: no device sync
             if code:
                 self.timed_out = (f"{self.strategy}: rank {self.group.rank} waited more than "
                                   f"{self.timeout_ns / 1e6:g} ms (timeout_ns={int(self.timeout_ns)}) for rank "
                                   f"{code - 1}'s rows; its outputs are garbage and its buffers out of step")
+                self.on_change()  # fits() is False from now on: the owner's plan must stop offering it
         if self.timed_out is not None:
             raise FusionTimeoutError(self.timed_out)
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         """Frees the buffer on this rank (idempotent) and clears a timeout's mark."""
         self.symmetric.destroy()
         self.layout, self._control, self.timed_out = None, None, None

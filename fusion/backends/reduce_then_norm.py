@@ -16,13 +16,13 @@ torch), so each gives a row the bits every other allowed strategy gives it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from fusion import norm, reference
 from fusion.backends import deterministic
-from fusion.backends.base import Backend, quantized
+from fusion.backends.base import Backend, BuildContext, quantized
 from fusion.group import TensorParallelGroup
 from fusion.strategy import FusedOutput, Quant, Strategy
 
@@ -34,24 +34,46 @@ class NcclBackend(Backend):
         super().__init__(group)
         self.deterministic = deterministic
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    @classmethod
+    def for_op(cls, context: BuildContext) -> "NcclBackend":
+        return cls(context.group, context.deterministic)
+
+    @classmethod
+    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
+                   launch_with_pdl: bool) -> "NcclBackend":
+        return cls(group)
+
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         return True
 
     def fits(self, num_tokens: int) -> bool:
         return True
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the group, in place; returns ``x``."""
+        """``x`` summed over the group now, in place (deterministic: the canonical rank-order sum,
+        `fusion.backends.deterministic.ordered_all_reduce`); returns ``x``."""
+        if self.deterministic:
+            return deterministic.ordered_all_reduce(self.group, x)
         return self.group.all_reduce(x)
+
+    def add_rms_norm(self, s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(s + residual), s + residual)`` of an already reduced ``s``, as this
+        backend's `run` ends (in place where `fusion.norm.add_rms_norm` is)."""
+        if self.deterministic:
+            return deterministic.add_rms_norm(s, residual, weight, eps)
+        return norm.add_rms_norm(s, residual, weight, eps)
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:
         """In place where `fusion.norm.add_rms_norm` is: ``x`` ends as the normed output and
         ``residual`` as the sum."""
         if self.deterministic:
-            return quantized(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps), quant)
-        self.group.all_reduce(x)
-        return quantized(*norm.add_rms_norm(x, residual, weight, eps), quant)
+            out = FusedOutput(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps))
+        else:
+            self.group.all_reduce(x)
+            out = FusedOutput(*norm.add_rms_norm(x, residual, weight, eps))
+        return out if quant is None else quantized(out, quant)
 
 
 class TorchBackend(Backend):
@@ -62,7 +84,18 @@ class TorchBackend(Backend):
         self.deterministic = deterministic
         self.max_tokens = 0
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    @classmethod
+    def for_op(cls, context: BuildContext) -> "TorchBackend":
+        return cls(context.group, context.deterministic)
+
+    @classmethod
+    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
+                   launch_with_pdl: bool) -> "TorchBackend":
+        backend = cls(group)
+        backend.ensure(x.shape[0], x.shape[1], x.dtype)
+        return backend
+
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         self.max_tokens = max(self.max_tokens, max_tokens)
         return True
 
@@ -73,7 +106,7 @@ class TorchBackend(Backend):
     def capacity(self) -> int:
         return self.max_tokens
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         self.max_tokens = 0
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
@@ -81,6 +114,8 @@ class TorchBackend(Backend):
         """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written
         off the GPU)."""
         if self.deterministic:
-            return quantized(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps), quant)
-        self.group.all_reduce(x)
-        return quantized(*reference.add_rms_norm(x, residual, weight, eps), quant)
+            out = FusedOutput(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps))
+        else:
+            self.group.all_reduce(x)
+            out = FusedOutput(*reference.add_rms_norm(x, residual, weight, eps))
+        return out if quant is None else quantized(out, quant)

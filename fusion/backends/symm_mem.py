@@ -21,7 +21,7 @@ import torch
 
 from fusion import norm
 from fusion.backends import deterministic
-from fusion.backends.base import Backend, quantized
+from fusion.backends.base import Backend, BuildContext, quantized
 from fusion.backends.symmetric_buffer import SymmetricBuffer
 from fusion.errors import FusionInputError
 from fusion.group import TensorParallelGroup
@@ -39,7 +39,11 @@ class SymmMemTwoShotBackend(Backend):
         self.symmetric = SymmetricBuffer(group, "symmetric-memory all-reduce")
         self.max_tokens = 0
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    @classmethod
+    def for_op(cls, context: BuildContext) -> "SymmMemTwoShotBackend":
+        return cls(context.group, context.deterministic)
+
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: a buffer of at least ``max_tokens * hidden`` elements of ``dtype`` on every
         rank; True on every rank or False on every rank. Refused during CUDA-graph capture."""
         ok = self.symmetric.ensure(max_tokens * hidden, dtype)
@@ -67,8 +71,9 @@ class SymmMemTwoShotBackend(Backend):
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group.device_group.group_name)
         x.view(-1).copy_(staged)
         finish = deterministic.add_rms_norm if self.deterministic else norm.add_rms_norm
-        return quantized(*finish(x, residual, weight, eps), quant)
+        out = FusedOutput(*finish(x, residual, weight, eps))
+        return out if quant is None else quantized(out, quant)
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         self.symmetric.destroy()
         self.max_tokens = 0

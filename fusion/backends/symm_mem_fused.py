@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.base import Backend, quantized
+from fusion.backends.base import Backend, output_tensors, quantized
+from fusion.backends.kernels import row_kernel_unavailable_reason
 from fusion.backends.symmetric_buffer import SymmetricBuffer
 from fusion.errors import FusionInputError
 from fusion.group import TensorParallelGroup
@@ -76,13 +77,7 @@ def row_chunks(tokens: int, max_tokens: int) -> list[slice]:
 
 def fused_unavailable_reason(hidden: int) -> Optional[str]:
     """None when the Triton kernels can run a row of ``hidden`` elements here."""
-    try:
-        from fusion.backends.kernels.two_shot_norm import MAX_HIDDEN
-    except ImportError as exc:
-        return f"the fused two-shot kernels need triton ({exc})"
-    if hidden > MAX_HIDDEN:
-        return f"hidden {hidden} exceeds the fused two-shot kernels' {MAX_HIDDEN} (one row per program)"
-    return None
+    return row_kernel_unavailable_reason(hidden, "the fused two-shot kernel")
 
 
 def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
@@ -112,14 +107,6 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
         HAS_RESIDUAL=residual is not None, BLOCK=row_block(hidden), num_warps=row_num_warps(hidden))
 
 
-def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, residual_out)``: the normed output overwrites ``x`` and the new residual
-    ``residual``; without a residual, the sum overwrites ``x`` and the output is new."""
-    if residual is None:
-        return torch.empty_like(x), x
-    return x, residual
-
-
 class SymmMemFusedBackend(Backend):
     """The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
 
@@ -139,7 +126,7 @@ class SymmMemFusedBackend(Backend):
     def capacity(self) -> int:
         return self.max_tokens
 
-    def ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+    def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
         """Collective: the buffer for ``max_tokens`` rows of ``hidden`` on every rank; True on
         every rank or False on every rank. Refused during CUDA-graph capture."""
         if self.ready and self.symmetric.buffer.dtype == dtype and hidden == self.hidden and max_tokens <= self.max_tokens:
@@ -173,7 +160,8 @@ class SymmMemFusedBackend(Backend):
         for rows in row_chunks(x.shape[0], self.max_tokens):
             self._run_chunk(x[rows], None if residual is None else residual[rows], out[rows], residual_out[rows],
                             weight, eps)
-        return quantized(out, residual_out, quant)
+        result = FusedOutput(out, residual_out)
+        return result if quant is None else quantized(result, quant)
 
     def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
                    residual_out: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -187,6 +175,6 @@ class SymmMemFusedBackend(Backend):
         self.symmetric.barrier()
         reduce_and_finish(x, residual, out, residual_out, weight, eps, ptrs, layout, gather_at, flags_at)
 
-    def destroy(self) -> None:
+    def _destroy(self) -> None:
         self.symmetric.destroy()
         self.max_tokens = self.hidden = 0

@@ -23,20 +23,15 @@ from typing import Iterable, Optional
 
 import torch
 
+from fusion.dispatch.table import power_of_two_buckets
+from fusion.strategies import cost_coefficients
 from fusion.strategy import Strategy
 
-# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank)
-# Fitted by benchmarks/fit_cost_model.py to the packaged H200 TP2 bf16 table (hidden 1024, 4096,
-# 8192; tokens 1-4096); relative least squares.
-COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = {
-    2: {
-        Strategy.NCCL: (9.555, 5.937, 0.001959),
-        Strategy.FLASHINFER_ONE_SHOT: (4.328, 4.268, 0.003254),
-        Strategy.FLASHINFER_TWO_SHOT: (9.333, 4.487, 0.004395),
-        Strategy.SYMM_MEM_TWO_SHOT: (12.002, 5.074, -0.001805),
-        Strategy.SYMM_MEM_FUSED: (9.243, 3.606, -0.000408),
-    },
-}
+# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank), from the
+# strategies' declarations (`fusion.strategies`: each declares its own coefficients). Fitted by
+# benchmarks/fit_cost_model.py to the packaged H200 TP2 bf16 table (hidden 1024, 4096, 8192;
+# tokens 1-4096); relative least squares.
+COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = cost_coefficients()
 
 
 def predicted_us(strategy: Strategy, num_tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> float:
@@ -60,14 +55,15 @@ def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype:
 
 def rule_picks(max_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,
                among: Optional[Iterable[Strategy]] = None) -> set[Strategy]:
-    """The strategies the model picks at some power-of-two token count up to ``max_tokens``
-    when all of ``among`` (default: every modelled one) can run (whose buffers an op must
-    create); empty without a model."""
+    """The strategies the model picks at some token bucket up to ``max_tokens`` (the table's
+    buckets, `fusion.dispatch.table.power_of_two_buckets`) when all of ``among`` (default: every
+    modelled one) can run (whose buffers an op must create); empty without a model. The op
+    passes only the strategies that fit the largest batch (``among``)."""
     model = COEFFICIENTS.get(world_size)
     if model is None:
         return set()
     priced = [s for s in model if among is None or s in set(among)]
     if not priced:
         return set()
-    counts = [1 << i for i in range(max(1, max_tokens).bit_length())] + [max_tokens]
+    counts = power_of_two_buckets(max(1, max_tokens))
     return {min(priced, key=lambda s: predicted_us(s, t, hidden, dtype, world_size)) for t in counts}

@@ -1,16 +1,26 @@
-"""The cached decision: how does this (layer, batch) run all-reduce + residual + RMSNorm?
+"""The dispatch plan: how does a (layer, batch) run all-reduce + residual add + RMSNorm?
 
-`FusionDispatcher.strategy(layer_id, num_tokens)` picks a `fusion.strategy.Strategy` (``nccl``
-is the unfused path) and `should_fuse_allreduce_residual_rmsnorm(layer_id, batch_size)` is
-"anything but nccl". Both answer from inputs identical on every rank: the op's backends (whose
-resources are voted into existence on every rank or on none), the model's shape, and a measured
-table that is rank 0's, broadcast. So the answer is identical on every rank.
+`DispatchPlan.strategy(layer_id, num_tokens)` picks a `fusion.strategy.Strategy` (``nccl`` is
+the unfused path); "fuse" is anything but nccl. A plan is immutable: it is built whole from the
+op's backends, the model's shape, the strategy table and the reason fusion is off, and it never
+changes. The op replaces it on every event that changes any of those (a resource made, grown or
+destroyed, a peer timeout: `fusion.backends.base.Backend.on_change`; a table arriving; set-up,
+reconfigure, destroy), so a cached answer never outlives what it was decided from, and no one
+refreshes anything by hand. Every input is identical on every rank (resources are voted into
+existence on every rank or on none; the table is rank 0's, broadcast), so is every answer.
 
-What can run a batch is asked of the backends themselves (``fits``), never copied: the op clears
-the cache whenever a backend's resource changes. Among the available strategies a measured table
-(`fusion.dispatch.table`) picks the fastest of the batch's bucket; without one, the built-in
-rule (`fusion.dispatch.rule`). Answers sit in a bounded LRU (functools.lru_cache, a C
-implementation) keyed on (layer_id, batch_size).
+What can run a batch is asked of the backends themselves (``fits``), on a miss: between two
+events their answers do not change. Among the available strategies a measured table
+(`fusion.dispatch.table`) picks the fastest of the batch's bucket; without one, the built-in rule
+(`fusion.dispatch.rule`). Answers sit in the plan's own bounded LRU (functools.lru_cache, a C
+implementation; hits cost no Python call) keyed on (layer_id, batch_size): a new plan is a new
+cache.
+
+``layer_id`` is in the key because the mission's interface is per layer, not because it changes
+an answer today: one op serves one hidden size and dtype, and every layer's reductions of that
+shape have the same candidates, so a batch gets the same strategy in every layer. It would differ
+in a mixed stack (dense and MoE layers with different reduction shapes or per-layer tables);
+until then it only multiplies the entries (layers x batch sizes; `fusion.config.DEFAULT_CACHE_SIZE`).
 """
 from __future__ import annotations
 
@@ -45,43 +55,38 @@ class ModelShape:
     one_shot_max_input_bytes: Optional[int] = None
 
 
-class FusionDispatcher:
-    """Bounded-LRU cached fusion decision for one model (one hidden size and dtype)."""
+class DispatchPlan:
+    """The immutable fusion decision of one model (one hidden size and dtype) at one moment."""
 
-    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        """``cache_size``: the LRU's bound (`FusionConfig` checks it is at least 1)."""
-        self.cache_size = cache_size
-        self.shape = ModelShape()
-        self.backends: Mapping[Strategy, Fits] = {}
-        self.table: Optional[StrategyTable] = None
-        self.off_reason: Optional[str] = NOT_SET_UP  # why no batch fuses (identical on every rank)
-        self._cached = functools.lru_cache(maxsize=cache_size)(self._decide)
-        self.strategy = self._cached  # (layer_id, num_tokens) -> Strategy, cached
+    __slots__ = ("shape", "backends", "table", "off_reason", "strategy")
 
-    def update(self, shape: ModelShape, backends: Mapping[Strategy, Fits], table: Optional[StrategyTable],
-               off_reason: Optional[str]) -> None:
-        """Take new inputs (a backend's resource changed, a table arrived) and clear the cache."""
-        self.shape, self.backends, self.table, self.off_reason = shape, backends, table, off_reason
-        self.cache_clear()
+    def __init__(self, shape: ModelShape = ModelShape(), backends: Mapping[Strategy, Fits] = {},
+                 table: Optional[StrategyTable] = None, off_reason: Optional[str] = NOT_SET_UP,
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        """``off_reason``: why no batch fuses (identical on every rank); ``cache_size``: the LRU's
+        bound (`FusionConfig` checks it is at least 1)."""
+        self.shape = shape
+        self.backends = dict(backends)
+        self.table = table
+        self.off_reason = off_reason
+        # (layer_id, num_tokens) -> Strategy, cached: the hot path's one lookup
+        self.strategy = functools.lru_cache(maxsize=cache_size)(self._decide)
 
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """True when layer ``layer_id`` with ``batch_size`` tokens should defer its MLP
         all-reduce into the next norm (and fuse its attention all-reduce into its own)."""
-        return self._cached(layer_id, batch_size) is not _NCCL
+        return self.strategy(layer_id, batch_size) is not _NCCL
 
     def cache_info(self) -> functools._CacheInfo:
         """(hits, misses, maxsize, currsize), as functools.lru_cache reports them."""
-        return self._cached.cache_info()
-
-    def cache_clear(self) -> None:
-        self._cached.cache_clear()
+        return self.strategy.cache_info()
 
     def why_not(self, layer_id: int, batch_size: int) -> Optional[str]:
         """None when a fused strategy applies, else the reason it does not (uncached)."""
         return self._decide_with_reason(layer_id, batch_size)[1]
 
     def available(self, num_tokens: int) -> list[Strategy]:
-        """The strategies whose backends can run ``num_tokens`` rows now."""
+        """The strategies whose backends can run ``num_tokens`` rows."""
         return [s for s, backend in self.backends.items() if backend.fits(num_tokens)]
 
     def _decide(self, layer_id: int, batch_size: int) -> Strategy:

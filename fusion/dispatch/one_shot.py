@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from fusion.backends.flashinfer_workspace import lamport_element_size
+
 # Largest per-rank input (tokens * hidden * itemsize) for which one-shot is used, per world
 # size. TP2 on H200: one-shot is faster than two-shot at every measured size up to 4096 x 8192
 # bf16 (docs/results.md, "Kernel"), so no limit. TP4/TP8: flashinfer's B200 crossovers
@@ -36,7 +38,7 @@ def choose_one_shot(
     Whether two-shot can run the batch at all is its backend's to say (`fits`)."""
     itemsize = dtype.itemsize
     input_bytes = num_tokens * hidden * itemsize
-    lamport_bytes = num_tokens * hidden * world_size * (4 if dtype == torch.float32 else 2)
+    lamport_bytes = num_tokens * hidden * world_size * lamport_element_size(dtype)
     if lamport_bytes > MAX_LAMPORT_COMM_BYTES:
         return False
     limit = one_shot_max_input_bytes if one_shot_max_input_bytes is not None else ONE_SHOT_MAX_INPUT_BYTES.get(world_size)

@@ -31,6 +31,13 @@ TABLE_VERSION = 2  # 2: strategy names with one_shot / two_shot
 PACKAGED_TABLE = Path(__file__).parent / "tables" / "strategy_table.json"
 
 
+def power_of_two_buckets(max_tokens: int) -> list[int]:
+    """The token buckets a table is measured at and the rule is priced at: the powers of two up to
+    ``max_tokens``, and ``max_tokens`` itself. A batch of T tokens uses the smallest bucket >= T
+    (`StrategyTable.fastest`)."""
+    return sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
+
+
 class TuningTableError(ValueError):
     """A table file that cannot be used; the message says why."""
 

@@ -15,21 +15,21 @@ from typing import Any, Mapping, Optional
 import torch
 
 from fusion.backends.base import Backend
-from fusion.dispatch.table import dtype_name, gpu_name
+from fusion.dispatch.table import dtype_name, gpu_name, power_of_two_buckets
+from fusion.strategies import DECLARATIONS
 from fusion.group import TensorParallelGroup
 from fusion.strategy import Strategy
 from fusion.tuning.timing import median_us_eager, median_us_per_call
 
 logger = logging.getLogger(__name__)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-MEASURED = (Strategy.NCCL, Strategy.FLASHINFER_ONE_SHOT, Strategy.FLASHINFER_TWO_SHOT, Strategy.SYMM_MEM_TWO_SHOT,
-            Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT)
+MEASURED = tuple(s for s, d in DECLARATIONS.items() if d.measured)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Powers of two up to ``max_tokens`` (and ``max_tokens``) plus the decode batch sizes."""
-    powers = {1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens}
-    return sorted(powers | {max_tokens} | {b for b in DECODE_BATCH_SIZES if b <= max_tokens})
+    """The table's buckets up to ``max_tokens`` (`fusion.dispatch.table.power_of_two_buckets`)
+    plus the decode batch sizes."""
+    return sorted(set(power_of_two_buckets(max_tokens)) | {b for b in DECODE_BATCH_SIZES if b <= max_tokens})
 
 
 def measure_bucket(group: TensorParallelGroup, backends: Mapping[Strategy, Backend], hidden: int, dtype: torch.dtype,

@@ -23,7 +23,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from fusion.backends.base import Backend
-from fusion.dispatch.table import TABLE_VERSION, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from fusion.dispatch.table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, power_of_two_buckets, read_table,
+                                  select_table)
 from fusion.group import TensorParallelGroup
 from fusion.strategy import Strategy
 from fusion.tuning.measure import table_entry
@@ -53,13 +54,15 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+_-]", "-", name)
 
 
-def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Backend], on_demand: Sequence[Backend],
+def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Backend],
+                    on_demand: Sequence[tuple[Backend, int]],
                     hidden: int, dtype: torch.dtype, max_rows: int, cache_dir: Optional[str],
                     budget_s: float) -> Optional[StrategyTable]:
     """Collective: this configuration's table from the cache, else measured now over ``backends``
     up to ``max_rows`` rows and cached; None when the measurement passed ``budget_s`` seconds, or
     when ranks share a GPU (nothing is measured or cached there). The ``on_demand`` backends are
-    ensured for the measurement and destroyed after it (the caller keeps those the table picks)."""
+    ensured for the measurement (each for its rows) and destroyed after it (the caller keeps those
+    the table picks)."""
     start = time.monotonic()
     path = cache_file(group, hidden, dtype, cache_dir)
     key = (gpu_name(group.device), group.world_size, hidden, dtype_name(dtype))
@@ -76,9 +79,9 @@ def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Back
             logger.info("all-reduce fusion: strategy table for %s TP%d hidden %d %s from %s (%.2f s)", *key, path,
                         time.monotonic() - start)
         return cached
-    buckets = [1 << i for i in range(max_rows.bit_length())]
-    for backend in on_demand:
-        backend.ensure(backend.rows_for(max_rows), hidden, dtype)  # voted: ready on every rank or on none
+    buckets = power_of_two_buckets(max_rows)
+    for backend, rows in on_demand:
+        backend.ensure(rows, hidden, dtype)  # voted: ready on every rank or on none
     entry = {"gpu": key[0], "world_size": key[1], "hidden": key[2], "dtype": key[3], "timings_us": {}}
     try:
         for tokens in buckets:
@@ -89,7 +92,7 @@ def tune_at_startup(group: TensorParallelGroup, backends: Mapping[Strategy, Back
                                    "budget at %d tokens: abandoned, the built-in rule decides", *key, budget_s, tokens)
                 return None
     finally:
-        for backend in on_demand:  # the caller makes the buffers of the strategies the table picks
+        for backend, _ in on_demand:  # the caller makes the buffers of the strategies the table picks
             backend.destroy()
     entry = group.broadcast_object(entry)
     if group.rank == 0:

@@ -25,8 +25,6 @@ import triton.language as tl
 
 from fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
 
-MAX_HIDDEN = 16384  # one row of fp32 per program, as in the fused kernels
-
 
 @triton.jit(do_not_specialize=["tokens"])  # one compile per (dtype, hidden, PARTS, residual): every T alike
 def reduce_add_rms_norm_kernel(parts_ptr, tokens, residual_ptr, out_ptr, residual_out_ptr, weight_ptr, hidden,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+MAX_HIDDEN = 16384  # one row of fp32 per program: 64 KiB of registers over 16 warps
+
 
 def row_block(hidden: int) -> int:
     """Lanes of a row program: the row's H elements in one block."""

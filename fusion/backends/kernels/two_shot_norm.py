@@ -61,8 +61,6 @@ import triton.language as tl
 
 from fusion.backends.kernels.row_norm import add_rms_norm_row
 
-MAX_HIDDEN = 16384  # one row of fp32 per program: 64 KiB of registers over 16 warps
-
 
 @triton.jit
 def _peer_row(peer_ptrs, rank, offset, elem_ty: tl.constexpr):

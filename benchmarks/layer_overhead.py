@@ -1,0 +1,126 @@
+"""The Python a decoder layer's three reduction points cost, over a stack of `LayerCommunicator`s
+at TP ``tp`` on CPU (gloo), fusion on with the torch backend (what `bench_dispatch_overhead
+--layers N --tp T` reports).
+
+Per layer: ``prepare_attn`` (the previous layer's deferred reduction fused into the input norm),
+``prepare_mlp`` (the attention reduction fused into the post-attention norm) and
+``postprocess_layer`` (the MLP reduction deferred or run). The layers pass their normed output on
+unchanged: no attention or MLP, only the reductions.
+
+    calls per layer   Python function calls into fusion/ (nested ones too), counted with
+                      sys.setprofile over one forward after a warm-up forward
+    µs per layer      wall time of a forward / layers, with the collective and the norm math
+                      replaced by functions that return their inputs: what remains is the
+                      Python of the communicator and the fusion op (median and minimum
+                      of repeats of 100 forwards)
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+import fusion
+from fusion import AllReduceFusion, FusionConfig
+from layers.communicator import LayerCommunicator
+from layers.layernorm import RMSNorm
+
+FUSION_DIR = str(Path(fusion.__file__).parent)
+HIDDEN, EPS = 64, 1e-6
+
+
+def build_stack(op: AllReduceFusion, layers: int) -> list[LayerCommunicator]:
+    return [LayerCommunicator(i, layers, RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS), op) for i in range(layers)]
+
+
+def forward(stack: list[LayerCommunicator], final_norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The three reduction points of every layer, then the final norm."""
+    h: Any = x
+    residual: Optional[torch.Tensor] = None
+    for comm in stack:
+        h, residual = comm.prepare_attn(h, residual)
+        h, residual = comm.prepare_mlp(h, residual)
+        h, residual = comm.postprocess_layer(h, residual)
+    return stack[-1].prepare_final_norm(h, residual, final_norm)
+
+
+def count_fusion_calls(step: Callable[[], Any]) -> int:
+    """Python function calls whose code lives in fusion/ during ``step()``."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(FUSION_DIR):
+            calls += 1
+
+    import sys
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _identity_collective_and_math(op: AllReduceFusion) -> None:
+    """Replace the all-reduce and the norm math by functions returning their inputs."""
+    from fusion import reference
+
+    op.group.all_reduce = lambda x: x  # type: ignore[method-assign]
+    reference.add_rms_norm = lambda x, residual, weight, eps: (x, x if residual is None else residual)
+    reference.rms_norm = lambda x, weight, eps: x
+
+
+def _worker(rank: int, tp: int, port: int, layers: int, tokens: int, repeats: int, out: Any) -> None:
+    from layers.parallel_state import destroy_tensor_parallel, get_tp_group, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(tp, rank, f"tcp://127.0.0.1:{port}", device=torch.device("cpu"), timeout_s=60)
+    try:
+        with torch.inference_mode():
+            op = AllReduceFusion(get_tp_group(), FusionConfig(enabled=True, backend="torch", max_tokens=64),
+                                 HIDDEN, torch.float32)
+            op.setup()
+            stack, final_norm = build_stack(op, layers), RMSNorm(HIDDEN, EPS)
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(0))
+            forward(stack, final_norm, x.clone())  # warm-up: the decisions are cached
+            calls = count_fusion_calls(lambda: forward(stack, final_norm, x.clone()))
+            _identity_collective_and_math(op)
+            samples = []
+            for _ in range(repeats):
+                inputs = [x.clone() for _ in range(100)]
+                start = time.perf_counter()
+                for inp in inputs:
+                    forward(stack, final_norm, inp)
+                samples.append((time.perf_counter() - start) / len(inputs))
+            if rank == 0:
+                out.put({"layers": layers, "tp": tp, "tokens": tokens, "calls_per_layer": calls / layers,
+                         "us_per_layer": statistics.median(samples) * 1e6 / layers,
+                         "us_per_layer_min": min(samples) * 1e6 / layers})
+            op.destroy()
+    finally:
+        destroy_tensor_parallel()
+
+
+def measure(layers: int = 8, tp: int = 2, tokens: int = 4, repeats: int = 21) -> dict[str, float]:
+    """Spawns ``tp`` ranks; rank 0's numbers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, layers, tokens, repeats, out)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return result
