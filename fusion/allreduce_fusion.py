@@ -54,7 +54,7 @@ from fusion.partial_sum import PartialSum
 from fusion.strategies import DECLARATIONS, Made, build_backends, deterministic_exclusions
 from fusion.strategy import FusedOutput, Quant, Strategy
 from fusion.tuning.startup import tune_at_startup
-from fusion.validation import check_fusion_inputs
+from fusion.validation import CheckedInputs, check_fusion_inputs
 
 logger = logging.getLogger(__name__)
 _NCCL = Strategy.NCCL
@@ -70,6 +70,7 @@ class AllReduceFusion:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.counts: collections.Counter[Strategy] = collections.Counter()  # reductions run, by strategy
+        self._inputs = CheckedInputs()  # the full input check once per forward, not per reduction point
         self._take_config(config)
 
     def _take_config(self, config: FusionConfig) -> None:
@@ -144,6 +145,7 @@ class AllReduceFusion:
         """Free every backend's resource (on every rank, before the process groups)."""
         for backend in self.backends.values():
             backend.destroy()
+        self._inputs.forget()
         self._set(DESTROYED)
 
     def raise_if_failed(self) -> None:
@@ -178,11 +180,15 @@ class AllReduceFusion:
                                 eps: float, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` by layer ``layer_id``'s strategy;
         ``x`` (this rank's partial sum) and ``residual`` are consumed."""
-        check_fusion_inputs(x, residual, weight)
+        inputs = self._inputs  # trusted residual and weight: the cheap test (`CheckedInputs`)
+        if not (residual is not None and residual is inputs.residual and x.shape == residual.shape
+                and x.dtype is residual.dtype and x.is_contiguous() and inputs.weights.get(id(weight)) is weight):
+            inputs.check(x, residual, weight)
         strategy = self.strategy(layer_id, x.shape[0])
         self.counts[strategy] += 1
-        out = self.backends[strategy].run(x, residual, weight, eps, None)
-        return out[0], out[1]
+        normed, residual_out = self.backends[strategy].run(x, residual, weight, eps, None)[:2]
+        inputs.residual = residual_out  # the next reduction's trusted residual
+        return normed, residual_out
 
     def partial_sum(self, x: torch.Tensor, layer_id: int) -> PartialSum:
         """Layer ``layer_id``'s MLP output, un-reduced, for the next `add_rms_norm` to reduce by
@@ -201,19 +207,24 @@ class AllReduceFusion:
         """``(rms_norm(s + residual), s + residual)``: ``s`` is a `PartialSum` reduced here by
         its strategy (fused into this norm), or an already reduced tensor. Inputs consumed (see
         `fusion.norm.add_rms_norm` and the backends)."""
-        if x.__class__ is PartialSum:
+        deferred = x.__class__ is PartialSum
+        if deferred:
             tensor, x.pending = x.pending, None  # `PartialSum.take`, without a Python call
             if tensor is None:
                 raise x.taken_twice()
-            if (tensor.shape != residual.shape or tensor.dtype != residual.dtype or tensor.device != residual.device
-                    or not tensor.is_contiguous()):
-                check_fusion_inputs(tensor, residual, weight)  # raises, naming the problem
-            strategy = x.strategy
-            self.counts[strategy] += 1
-            out = self.backends[strategy].run(tensor, residual, weight, eps, None)
-            return out[0], out[1]
-        check_fusion_inputs(x, residual, weight)
-        return self._nccl.add_rms_norm(x, residual, weight, eps)
+        else:
+            tensor = x
+        inputs = self._inputs  # trusted residual and weight: the cheap test (`CheckedInputs`)
+        if not (residual is not None and residual is inputs.residual and tensor.shape == residual.shape
+                and tensor.dtype is residual.dtype and tensor.is_contiguous() and inputs.weights.get(id(weight)) is weight):
+            inputs.check(tensor, residual, weight)
+        if deferred:
+            self.counts[x.strategy] += 1
+            normed, residual_out = self.backends[x.strategy].run(tensor, residual, weight, eps, None)[:2]
+        else:
+            normed, residual_out = self._nccl.add_rms_norm(tensor, residual, weight, eps)
+        inputs.residual = residual_out  # the next reduction's trusted residual
+        return normed, residual_out
 
     def run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
             eps: float, quant: Optional[Quant] = None) -> FusedOutput:

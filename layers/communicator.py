@@ -52,13 +52,14 @@ class LayerCommunicator:
                                        "embeddings start a forward")
             return norm(hidden_states), hidden_states
         self._check_from(hidden_states, self.layer_id - 1)
-        return self.fusion.add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
+        return self.fusion.add_rms_norm(hidden_states, residual, norm.weight_for_fusion(), norm.eps)
 
     def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the attention output (o_proj with ``reduce_results=False``) into the residual
         and normalise: ``(normed input for the MLP, residual)``."""
         norm = self.post_attention_layernorm
-        return self.fusion.all_reduce_add_rms_norm(hidden_states, residual, norm.weight, norm.eps, self.layer_id)
+        return self.fusion.all_reduce_add_rms_norm(hidden_states, residual, norm.weight_for_fusion(), norm.eps,
+                                                   self.layer_id)
 
     def postprocess_layer(self, hidden_states: torch.Tensor,
                           residual: torch.Tensor) -> tuple[LayerOutput, torch.Tensor]:
@@ -75,7 +76,7 @@ class LayerCommunicator:
         if self.layer_id != self.num_layers - 1:
             raise ValueError(f"prepare_final_norm belongs to the last layer, not layer {self.layer_id}")
         self._check_from(hidden_states, self.layer_id)
-        normed, _ = self.fusion.add_rms_norm(hidden_states, residual, final_norm.weight, final_norm.eps)
+        normed, _ = self.fusion.add_rms_norm(hidden_states, residual, final_norm.weight_for_fusion(), final_norm.eps)
         return normed
 
     @staticmethod

@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
+    def weight_for_fusion(self) -> torch.Tensor:
+        """``self.weight``, read from the parameter table directly: nn.Module's attribute
+        lookup of a parameter is slow, and a decoder layer passes its norms' weights to the
+        fusion op at three reduction points."""
+        return self._parameters["weight"]
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOutput:
         if batch_invariant.enabled() and not norm.uses_flashinfer(x):
             normed, summed = reference.canonical_add_rms_norm(x, residual, self.weight, self.eps)
