@@ -27,7 +27,7 @@ from fusion.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 TABLE_VERSION = 2  # 2: strategy names with one_shot / two_shot
-# Measured on this project's GPU machines and shipped with the package; used when no table is given.
+# Measured on 2 × H200, NVLink (docs/results.md, "Dispatch") and shipped with the package; used when no table is given.
 PACKAGED_TABLE = Path(__file__).parent / "tables" / "strategy_table.json"
 
 
