@@ -16,11 +16,16 @@ On each graph the pass finds every site (`matching.match_site`, in graph order) 
     without a residual  auto_functionalized(arfusion::all_reduce_rms_norm, x, w, eps, site)
                         -> normed = [0], the reduced sum = [1]
 
-The all-reduce and the norm's nodes then have no readers and are erased. Rank 0 logs the number
-of sites replaced per graph; every process records it, and the all-reduces it kept, in `runtime.graphs`.
+The all-reduce and the norm's nodes then have no readers and are erased. What is left is counted
+by looking for any collective (`collectives.collective_form`), whatever its form. Rank 0 logs per
+graph the sites replaced and the collectives left, by form, and a second warning naming the forms
+when the pass replaced nothing or left any; every process records both in `runtime.graphs`.
+Before it touches a graph the pass refuses a config with vLLM's own ``fuse_allreduce_rms`` on
+(`config_check.check`; that fusion would have taken the sites already).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import inspect
 import logging
@@ -32,8 +37,9 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from integrations.vllm import matching, ops, runtime
-from integrations.vllm.matching import Site, all_reduce_input, match_site
+from integrations.vllm import collectives, config_check, matching, ops, runtime
+from integrations.vllm.collectives import all_reduce_form, all_reduce_input, collective_form
+from integrations.vllm.matching import Site, match_site
 from integrations.vllm.versions import check_vllm_version, installed_vllm_version
 
 logger = logging.getLogger(__name__)
@@ -52,28 +58,56 @@ class ArfusionAllReduceRMSNormPass(_PassBase):
     """Replaces all-reduce + (residual add +) RMSNorm by arfusion's op (module docstring)."""
 
     def __call__(self, graph: fx.Graph) -> None:
+        _check_current_config()
         replaced = 0
+        forms: collections.Counter[str] = collections.Counter()  # the all-reduce forms replaced
         erased: set[fx.Node] = set()
         for node in list(graph.nodes):
             if node in erased or all_reduce_input(node) is None:
                 continue  # erased by an earlier rewrite, or not an all-reduce
             site = match_site(node)
             if site is not None:
+                forms[all_reduce_form(node)] += 1
                 erased |= _rewrite(graph, site, replaced)
                 replaced += 1
-        kept = sum(all_reduce_input(n) is not None for n in graph.nodes)
-        runtime.graphs.append({"replaced": replaced, "kept": kept})
-        if _rank() == 0:
-            logger.warning("arfusion: replaced %d all-reduce + RMSNorm site(s) with arfusion's fused op; %d "
-                           "all-reduce(s) left as they were (no RMSNorm of theirs alone)", replaced, kept)
+        kept = collections.Counter(f for f in map(collective_form, graph.nodes) if f is not None)
+        runtime.graphs.append({"replaced": replaced, "kept": sum(kept.values()), "kept_forms": dict(kept),
+                               "forms": dict(forms)})
+        if _rank() != 0:
+            return
+        logger.warning("arfusion: replaced %d all-reduce + RMSNorm site(s) with arfusion's fused op (%s); %d "
+                       "collective(s) left as they were%s", replaced, _forms(forms) or "none",
+                       sum(kept.values()), f" ({_forms(kept)})" if kept else "")
+        if kept and not replaced:
+            logger.warning("arfusion: the pass replaced nothing in this graph: its %s %s no all-reduce + RMSNorm "
+                           "site the pass matches (integrations/vllm/matching.py lists the forms it knows)",
+                           _forms(kept), "is" if sum(kept.values()) == 1 else "are")
+        elif kept:
+            logger.warning("arfusion: %s stayed in the graph unfused (not followed by an RMSNorm of their own, or "
+                           "in a form the pass does not match)", _forms(kept))
 
     def uuid(self) -> Any:
         """Inductor's (and vLLM's) cache key of this pass: the source of the modules that decide
         what it writes into the graph."""
         digest = hashlib.sha256()
-        for module in (sys.modules[__name__], matching, ops):
+        for module in (sys.modules[__name__], collectives, matching, ops):
             digest.update(inspect.getsource(module).encode())
         return digest.hexdigest()
+
+
+def _forms(counts: collections.Counter[str]) -> str:
+    return ", ".join(f"{n} x {form}" for form, n in sorted(counts.items()))
+
+
+def _check_current_config() -> None:
+    """`config_check.refuse_own_fusion` on the vLLM config being compiled, when one is current."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # vLLM releases without it, or no vLLM (the pass's own tests)
+        return
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.compilation_config is not None:
+        config_check.refuse_own_fusion(config)
 
 
 def _rank() -> int:

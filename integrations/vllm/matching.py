@@ -2,8 +2,8 @@
 
 A site is one all-reduce whose only consumer is an RMSNorm of its result:
 
-    all-reduce   vllm.all_reduce(x, group)                         (GPU: custom-op collectives)
-                 getitem(auto_functionalized(_C.shm_allreduce, data=x), 1)   (vLLM's CPU backend)
+    all-reduce   any form of `collectives.all_reduce_input`: vllm.all_reduce (GPU), vLLM's CPU
+                 shared-memory op, torch.distributed's functional all-reduce + wait_tensor
     norm         vllm_ir.fused_add_rms_norm(s, residual, w, eps) -> (normed, residual_out)
                  vllm_ir.rms_norm(s, w, eps) -> normed
                  auto_functionalized(_C.fused_add_rms_norm, input=s, residual=r, weight=w, epsilon=eps)
@@ -29,7 +29,10 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-_AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
+from integrations.vllm.collectives import all_reduce_input, all_reduce_nodes, auto_functionalized_of
+from integrations.vllm.collectives import is_call as _is
+from integrations.vllm.collectives import op_name as _name
+
 _CONVERT = torch.ops.prims.convert_element_type.default
 _ADD = torch.ops.aten.add.Tensor
 _MUL = torch.ops.aten.mul.Tensor
@@ -53,22 +56,8 @@ class Site:
     dead: list[fx.Node] = field(default_factory=list)
 
 
-def _name(target: Any) -> str:
-    """``namespace::op`` of an op overload (any overload), '' for anything else."""
-    return f"{target.name()}" if isinstance(target, torch._ops.OpOverload) else ""
-
-
 def _val(node: Any) -> Optional[torch.Tensor]:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _is(node: Any, target: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _auto_functionalized_of(node: Any, op_name: str) -> bool:
-    return (_is(node, _AUTO_FUNCTIONALIZED) and bool(node.args)
-            and _name(node.args[0]) == op_name)
 
 
 def _getitem(node: fx.Node, index: int) -> Optional[fx.Node]:
@@ -79,23 +68,6 @@ def _getitem(node: fx.Node, index: int) -> Optional[fx.Node]:
 
 def _only_readers(node: fx.Node, allowed: set[fx.Node]) -> bool:
     return set(node.users) <= allowed
-
-
-def all_reduce_input(node: fx.Node) -> Optional[fx.Node]:
-    """``x`` when ``node``'s value is an all-reduce of ``x`` (either form), else None."""
-    if node.op == "call_function" and _name(node.target) == "vllm::all_reduce":
-        return node.args[0] if isinstance(node.args[0], fx.Node) else None
-    if _is(node, operator.getitem) and node.args[1] == 1 and _auto_functionalized_of(node.args[0], "_C::shm_allreduce"):
-        af = node.args[0]
-        if len(af.users) == 1:
-            data = af.kwargs.get("data")
-            return data if isinstance(data, fx.Node) else None
-    return None
-
-
-def _all_reduce_nodes(node: fx.Node) -> list[fx.Node]:
-    """The nodes of the all-reduce itself (they die with the site)."""
-    return [node, node.args[0]] if _is(node, operator.getitem) else [node]
 
 
 def _weight_ok(weight: Any, s: fx.Node) -> bool:
@@ -142,20 +114,20 @@ def _match_ir(ar: fx.Node, x: fx.Node) -> Optional[Site]:
             normed, res_out = _getitem(norm, 0), _getitem(norm, 1)
             if normed is None or not _only_readers(norm, {n for n in (normed, res_out) if n is not None}):
                 return None
-            return Site(ar, x, residual, weight, float(eps), normed, res_out, [norm] + _all_reduce_nodes(ar))
+            return Site(ar, x, residual, weight, float(eps), normed, res_out, [norm] + all_reduce_nodes(ar))
         if name == "vllm_ir::rms_norm" and norm.args[0] is ar:
             weight, eps = norm.args[1], norm.args[2]
             if (len(norm.args) > 3 and norm.args[3] is not None) or not _weight_ok(weight, ar):
                 return None
             others = [u for u in ar.users if u is not norm]
-            return Site(ar, x, None, weight, float(eps), norm, ar if others else None, _all_reduce_nodes(ar))
+            return Site(ar, x, None, weight, float(eps), norm, ar if others else None, all_reduce_nodes(ar))
     return None
 
 
 def _match_c_ops(ar: fx.Node, x: fx.Node) -> Optional[Site]:
     """vLLM's own CUDA norm kernels, in the graph when the custom op ``rms_norm`` is enabled."""
     for norm in ar.users:
-        if _auto_functionalized_of(norm, "_C::fused_add_rms_norm") and norm.kwargs.get("input") is ar \
+        if auto_functionalized_of(norm, "_C::fused_add_rms_norm") and norm.kwargs.get("input") is ar \
                 and len(ar.users) == 1:
             kw = norm.kwargs
             if not _weight_ok(kw["weight"], ar):
@@ -164,15 +136,15 @@ def _match_c_ops(ar: fx.Node, x: fx.Node) -> Optional[Site]:
             if normed is None or not _only_readers(norm, {n for n in (normed, res_out) if n is not None}):
                 return None
             return Site(ar, x, kw["residual"], kw["weight"], float(kw["epsilon"]), normed, res_out,
-                        [norm] + _all_reduce_nodes(ar))
-        if _auto_functionalized_of(norm, "_C::rms_norm") and norm.kwargs.get("input") is ar:
+                        [norm] + all_reduce_nodes(ar))
+        if auto_functionalized_of(norm, "_C::rms_norm") and norm.kwargs.get("input") is ar:
             kw = norm.kwargs
             normed = _getitem(norm, 1)
             if normed is None or not _weight_ok(kw["weight"], ar) or not _only_readers(norm, {normed}):
                 return None
             others = [u for u in ar.users if u is not norm]
             return Site(ar, x, None, kw["weight"], float(kw["epsilon"]), normed, ar if others else None,
-                        [norm] + _all_reduce_nodes(ar))
+                        [norm] + all_reduce_nodes(ar))
     return None
 
 
@@ -209,7 +181,7 @@ def _match_chain_from(ar: fx.Node, x: fx.Node, cast: fx.Node) -> Optional[Site]:
         return None
     if residual is None:
         res_out = ar if len(ar.users) > 1 else None
-    dead = inner + ([t, cast_residual] if residual is not None else []) + [cast] + _all_reduce_nodes(ar)
+    dead = inner + ([t, cast_residual] if residual is not None else []) + [cast] + all_reduce_nodes(ar)
     return Site(ar, x, residual, weight, eps, normed, res_out, dead)
 
 

@@ -32,7 +32,7 @@ DEFAULT_MAX_BATCHED_TOKENS = 8192  # when no vLLM config is current (vLLM's defa
 
 _OPS: dict[tuple[int, torch.dtype, torch.device], AllReduceFusion] = {}
 calls: collections.Counter[int] = collections.Counter()  # op calls, by reduction site
-graphs: list[dict[str, int]] = []  # per graph the pass rewrote here: sites replaced, all-reduces kept
+graphs: list[dict[str, Any]] = []  # per graph the pass rewrote here: sites replaced (by all-reduce form), collectives kept (by form)
 
 
 def vllm_group() -> TensorParallelGroup:
@@ -119,7 +119,7 @@ def destroy_all() -> None:
 
 
 def stats() -> dict[str, Any]:
-    """This process's counters: per rewritten graph the sites replaced and the all-reduces kept,
+    """This process's counters: per rewritten graph the sites replaced and the collectives kept (by form),
     op calls per site, and each fusion op's status (reductions by strategy, decision-cache hits
     and misses)."""
     return {
