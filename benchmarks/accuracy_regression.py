@@ -24,10 +24,17 @@ denominator is the longer generation), plus the fraction of questions whose gene
 identical. The JSON output holds the config, every run's metrics and server info, the
 comparison and every question's generations.
 
-Exit status: 0 when every accuracy of on is within ``--tolerance`` points of off and every
-accuracy of off within ``--baseline-tolerance`` points of the baseline, 1 when one is not or when
-the on server reports fusion inactive, 3 when a server fails to start or dies (its log tail is
-printed).
+Then, per eval, the paired comparison of on with off (and of off with the baseline) question by
+question (`benchmarks.paired_stats`): the difference in points, its paired 95 % confidence
+interval, the discordant counts, McNemar's exact p and the verdict: FAIL only when the drop is
+significant (p < 0.01) or the whole interval lies below ``-tolerance``; INCONCLUSIVE when the
+interval is wider than the tolerance (too few questions to tell); else PASS. A fixed threshold
+on the difference alone would fail at random: on 1,319 GSM8K questions one standard error of
+the paired difference is about a point.
+
+Exit status: 0 unless a comparison FAILs (on against off with ``--tolerance``, off against the
+baseline with ``--baseline-tolerance``) or the on server reports fusion inactive (1), or a server
+fails to start or dies (3, its log tail printed).
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import aiohttp
 
+from benchmarks import paired_stats
 from benchmarks.accuracy_compare import compare, exit_code, format_table, generation_agreement
 from benchmarks.client import ServerError, base_url
 from benchmarks.gsm8k import bench as gsm8k_bench
@@ -270,9 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-dir", help="server logs (default: a new temporary directory)")
     b = p.add_argument_group("baseline and checks")
     b.add_argument("--baseline-tp-size", type=int, help="also run fusion off at this TP size (e.g. 1), the first column")
-    b.add_argument("--tolerance", type=float, default=1.0, help="largest allowed |accuracy on - off| in points")
+    b.add_argument("--tolerance", type=float, default=1.0,
+                   help="points: fail when the whole paired 95 %% interval of on - off lies below -tolerance (or the drop "
+                        "is significant, p < 0.01); inconclusive when the interval is wider than this")
     b.add_argument("--baseline-tolerance", type=float, default=1.0,
-                   help="largest allowed |accuracy off - baseline| in points")
+                   help="points: the same check of off against the baseline")
     b.add_argument("--results-dir", help="keep each (setting, eval) result here and reuse it when run again with the "
                                          "same options (resumes a run that was cut short)")
     e = p.add_argument_group("evals (all questions by default; the limits are for smoke runs)")
@@ -300,12 +310,33 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], titles: di
     agreement = {name: generation_agreement(runs["off"]["records"][name], runs["on"]["records"][name]) for name in args.evals}
     baseline_agreement = {name: generation_agreement(baseline["records"][name], runs["off"]["records"][name])
                           for name in args.evals} if baseline else None
+    stats = {name: {"on_vs_off": paired_stats.paired(runs["off"]["records"][name], runs["on"]["records"][name]).as_dict()}
+             | ({"off_vs_baseline": paired_stats.paired(baseline["records"][name], runs["off"]["records"][name]).as_dict()}
+                if baseline else {}) for name in args.evals}
+    for name, pair in stats.items():
+        for key, tolerance in (("on_vs_off", args.tolerance), ("off_vs_baseline", args.baseline_tolerance)):
+            if key in pair:
+                pair[key]["verdict"] = paired_stats.verdict(paired_stats.PairedComparison(**pair[key]), tolerance)
+    for r in rows:  # the accuracy rows are flagged by the paired verdicts, not by |diff| alone
+        if r["checked"]:
+            pair = stats[r["metric"].split()[0]]
+            r["exceeds"] = pair["on_vs_off"]["verdict"] == "fail"
+            r["baseline_exceeds"] = "off_vs_baseline" in pair and pair["off_vs_baseline"]["verdict"] == "fail"
     print(format_table(rows, agreement, baseline_agreement, titles))
+    for name, pair in stats.items():
+        for key, label, tolerance in (("on_vs_off", f"{titles['on']} vs {titles['off']}", args.tolerance),
+                                      ("off_vs_baseline", f"{titles['off']} vs {titles.get('baseline')}",
+                                       args.baseline_tolerance)):
+            if key in pair:
+                cmp = paired_stats.PairedComparison(**{k: v for k, v in pair[key].items() if k != "verdict"})
+                print(paired_stats.describe(f"{name} accuracy, {label}", cmp, tolerance))
     code, failed = exit_code(rows), []
     if any(r["exceeds"] for r in rows):
-        failed.append(f"an accuracy of on differs from off by more than {args.tolerance} points")
+        failed.append(f"an accuracy of on is significantly below off (McNemar p < {paired_stats.ALPHA}, or the 95 % "
+                      f"interval below -{args.tolerance} points)")
     if any(r["baseline_exceeds"] for r in rows):
-        failed.append(f"an accuracy of off differs from the baseline by more than {args.baseline_tolerance} points")
+        failed.append(f"an accuracy of off is significantly below the baseline (McNemar p < {paired_stats.ALPHA}, or the "
+                      f"95 % interval below -{args.baseline_tolerance} points)")
     fusion = runs["on"]["server_info"].get("fusion", {})
     if fusion.get("active") is False:
         failed.append(f"fusion was not active in the on run ({fusion.get('reason_inactive')}): nothing was compared")
@@ -319,15 +350,25 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], titles: di
             "passed": code == 0, "titles": titles,
             "runs": {k: {"server_command": r["server_command"], "server_info": r["server_info"], "metrics": r["metrics"]}
                      for k, r in runs.items()},
-            "comparison": rows, "generation_agreement": agreement, "baseline_generation_agreement": baseline_agreement,
+            "comparison": rows, "paired": stats, "generation_agreement": agreement, "baseline_generation_agreement": baseline_agreement,
             "generations": generations,
         }, indent=2))
     return code
 
 
+def join_server_args(argv: Sequence[str]) -> list[str]:
+    """``--server-args X`` -> ``--server-args=X``: argparse would take an X that starts with a dash
+    (``--server-args --deterministic``) for a flag of its own and refuse it."""
+    out, items = [], iter(argv)
+    for item in items:
+        following = next(items, None) if item == "--server-args" else None
+        out.append(item if following is None else f"--server-args={following}")
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_server_args(sys.argv[1:] if argv is None else argv))
     args.evals = [e.strip() for e in args.evals.split(",") if e.strip()]
     if not args.evals or set(args.evals) - {"gsm8k", "mmlu"}:
         parser.error(f"--evals must be a subset of gsm8k,mmlu, got {args.evals}")

@@ -37,7 +37,7 @@ def test_baseline_column_and_check(baseline_acc, code):
 def test_inactive_fusion_fails_the_comparison(tmp_path, capsys, active, code):
     args = regression.build_parser().parse_args(["--evals", "gsm8k", "--output-file", str(tmp_path / "r.json")])
     args.evals = ["gsm8k"]
-    records = {"gsm8k": [{"id": "0", "generation": " 6"}]}
+    records = {"gsm8k": [{"id": "0", "generation": " 6", "correct": True}]}
     run = {"server_command": [], "metrics": {"gsm8k": {"accuracy": 0.5}}, "records": records}
     runs = {"off": {**run, "server_info": {"fusion": {"active": False}}},
             "on": {**run, "server_info": {"fusion": {"active": active, "reason_inactive": None if active else "no GPU"}}}}
@@ -104,3 +104,11 @@ def test_regression_runner_on_the_tiny_model(monkeypatch, tmp_path):
 
     monkeypatch.setattr(regression, "running_server", no_server)
     assert regression.main(argv) == 0 and json.loads(output.read_text())["runs"] == report["runs"]
+
+
+@pytest.mark.parametrize("argv", [["--server-args", "--deterministic"], ["--server-args=--deterministic"],
+                                  ["--server-args", "--deterministic --seed 1"]])
+def test_server_args_take_a_single_flag(argv):
+    args = regression.build_parser().parse_args(regression.join_server_args(argv + ["--evals", "gsm8k"]))
+    assert args.server_args.split()[0] == "--deterministic" and args.evals == "gsm8k"
+    assert regression.server_command(args, False, 1)[-len(args.server_args.split()):] == args.server_args.split()

@@ -14,5 +14,5 @@ start=$(date +%s)
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 echo "vLLM venv ready in $(( $(date +%s) - start )) s"
 "$VENV/bin/python" -m pytest tests/integrations/test_vllm_versions.py tests/integrations/test_vllm_matching.py \
-    tests/integrations/test_vllm_plugin.py -q -p no:cacheprovider
+    tests/integrations/test_vllm_config_check.py tests/integrations/test_vllm_plugin.py -q -p no:cacheprovider
 echo "vLLM plugin tests: $(( $(date +%s) - start )) s in all"
