@@ -112,3 +112,36 @@ def test_server_args_take_a_single_flag(argv):
     args = regression.build_parser().parse_args(regression.join_server_args(argv + ["--evals", "gsm8k"]))
     assert args.server_args.split()[0] == "--deterministic" and args.evals == "gsm8k"
     assert regression.server_command(args, False, 1)[-len(args.server_args.split()):] == args.server_args.split()
+
+
+def _run(correct_ids, n, active=None):
+    records = [{"id": str(i), "generation": " x", "correct": i in correct_ids} for i in range(n)]
+    info = {"fusion": {"active": active}} if active is not None else {"fusion": {}}
+    return {"server_command": [], "server_info": info, "records": {"gsm8k": records},
+            "metrics": {"gsm8k": {"accuracy": len(correct_ids) / n}}}
+
+
+def test_noise_is_no_regression_but_a_significant_drop_is(tmp_path, capsys):
+    """Full GSM8K as measured (1,319 questions): TP1 189 right; TP2 off 26 of them wrong and 12
+    others right (McNemar p = 0.034); on against off 20 vs 19. Differences of 1.1 points that
+    the fixed 1-point threshold failed: PASS. Then on loses 60 of off's answers: FAIL."""
+    n = 1319
+    baseline = set(range(189))
+    off = set(range(26, 189)) | set(range(1000, 1012))
+    on = (off - set(range(26, 46))) | set(range(1100, 1119))
+    args = regression.build_parser().parse_args(["--evals", "gsm8k", "--output-file", str(tmp_path / "r.json")])
+    args.evals = ["gsm8k"]
+    titles = {"baseline": "TP1", "off": "TP2 off", "on": "TP2 on"}
+    runs = {"baseline": _run(baseline, n), "off": _run(off, n), "on": _run(on, n, active=True)}
+    assert regression.report(args, runs, titles) == 0
+    out = capsys.readouterr().out
+    assert "EXCEEDS" not in out and out.rstrip().endswith("PASS")
+    assert "gsm8k accuracy, TP2 on vs TP2 off: -0.08 points" in out and "discordant 20 vs 19" in out
+    assert "discordant 26 vs 12, McNemar exact p = 0.0336 -> PASS" in out
+    assert "gsm8k generation agreement: 1.0000 of tokens" in out  # the agreement is printed as before
+    paired = json.loads((tmp_path / "r.json").read_text())["paired"]["gsm8k"]
+    assert paired["on_vs_off"]["verdict"] == "pass" and paired["off_vs_baseline"]["p_value"] == pytest.approx(0.03355, rel=1e-3)
+    runs["on"] = _run(off - set(range(26, 86)), n, active=True)
+    assert regression.report(args, runs, titles) == 1
+    out = capsys.readouterr().out
+    assert "-> FAIL" in out and "FAIL: an accuracy of on is significantly below off" in out
