@@ -10,7 +10,8 @@ then fusion off and fusion on (``--enable-flashinfer-allreduce-fusion``) at ``--
 each it starts ``python -m engine.launch_server`` with the pass-through flags, waits for
 ``GET /health``, records ``GET /get_server_info``, runs GSM8K and MMLU (greedy, seeded; all
 questions unless ``--gsm8k-num-questions`` / ``--mmlu-examples`` / ``--mmlu-subjects`` limit
-them) and shuts the server down (SIGTERM to its process group, SIGKILL after 15 s).
+them; MMLU 5-shot, or ``--mmlu-style simple-evals --mmlu-examples 1000``: zero-shot chat, the
+letter after "Answer:", 1000 questions sampled from all subjects) and shuts the server down (SIGTERM to its process group, SIGKILL after 15 s).
 
 With ``--results-dir`` every (setting, eval) result is kept there as soon as it is done, and a
 later run with the same options reuses it and runs only what is missing: a run cut short (a
@@ -178,7 +179,8 @@ def eval_argv(args: argparse.Namespace, name: str, port: int) -> list[str]:
         argv += ["--data-path", args.gsm8k_data_path] if args.gsm8k_data_path else []
         argv += ["--train-path", args.gsm8k_train_path] if args.gsm8k_train_path else []
         return argv + common
-    argv = ["--data-dir", args.mmlu_data_dir, "--num-shots", str(args.mmlu_num_shots)]
+    argv = ["--data-dir", args.mmlu_data_dir, "--style", args.mmlu_style]
+    argv += ["--num-shots", str(args.mmlu_num_shots)] if args.mmlu_num_shots is not None else []
     argv += ["--examples", str(args.mmlu_examples)] if args.mmlu_examples is not None else []
     argv += ["--subjects", args.mmlu_subjects] if args.mmlu_subjects else []
     return argv + common
@@ -259,7 +261,10 @@ def check_data(args: argparse.Namespace) -> None:
                 raise SystemExit(f"GSM8K file {path} not found (--gsm8k-data-path / --gsm8k-train-path)")
     if "mmlu" in args.evals:
         subjects = args.mmlu_subjects.replace(",", " ").split() if args.mmlu_subjects else None
-        mmlu_bench.load_subjects(Path(args.mmlu_data_dir), subjects, args.mmlu_num_shots, args.mmlu_examples)
+        simple = args.mmlu_style == "simple-evals"
+        mmlu_bench.load_subjects(Path(args.mmlu_data_dir), subjects,
+                                 mmlu_bench.resolve_num_shots(args.mmlu_style, args.mmlu_num_shots),
+                                 None if simple else args.mmlu_examples)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,8 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gsm8k-num-questions", type=int, help="the first N test questions (default: all)")
     e.add_argument("--gsm8k-num-shots", type=int, default=8)
     e.add_argument("--mmlu-data-dir")
-    e.add_argument("--mmlu-examples", type=int, help="the first N test questions per subject (default: all)")
-    e.add_argument("--mmlu-num-shots", type=int, default=5)
+    e.add_argument("--mmlu-style", choices=mmlu_bench.STYLES, default="hendrycks",
+                   help="hendrycks: 5-shot completions; simple-evals: zero-shot chat, the letter after 'Answer:' "
+                        "(python -m benchmarks.mmlu --help)")
+    e.add_argument("--mmlu-examples", type=int, help="hendrycks: the first N test questions per subject; simple-evals: N "
+                                                     "questions sampled from all subjects, e.g. 1000 (default: all)")
+    e.add_argument("--mmlu-num-shots", type=int, help="default: 5 (hendrycks), 0 (simple-evals)")
     e.add_argument("--mmlu-subjects", help="comma-separated subjects (default: all)")
     e.add_argument("--parallel", type=int, default=64)
     e.add_argument("--sampling-seed", type=int, default=0, help="seed sent with every eval request (the server's own --seed goes in --server-args)")

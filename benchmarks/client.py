@@ -1,4 +1,4 @@
-"""A small async client for an OpenAI-compatible ``/v1/completions`` endpoint.
+"""A small async client for an OpenAI-compatible ``/v1/completions`` (and ``/v1/chat/completions``) endpoint.
 
 Shared by the GSM8K and MMLU evals, the accuracy regression runner and the serving benchmark.
 One ``aiohttp`` session per client; an ``asyncio.Semaphore`` bounds the requests in flight to
@@ -147,6 +147,24 @@ class CompletionClient:
             text = choice["text"]
         except (KeyError, IndexError, TypeError):
             raise ServerError(f"not a completion response: {body!r}") from None
+        usage = body.get("usage") or {}
+        return Completion(text, choice.get("finish_reason"), usage.get("prompt_tokens"), usage.get("completion_tokens"), latency)
+
+    async def chat(self, content: str, **params: Any) -> Completion:
+        """``POST /v1/chat/completions`` with one user message ``content``, without streaming;
+        ``params`` as for `complete`. The text is the reply message's content."""
+        payload = {"model": self.model, "messages": [{"role": "user", "content": content}], "stream": False}
+        payload.update({k: v for k, v in params.items() if v is not None})
+        async with self._semaphore:
+            start = time.perf_counter()
+            async with self.session.post(f"{self.url}/v1/chat/completions", json=payload) as resp:
+                body = await _json_or_raise(resp)
+            latency = time.perf_counter() - start
+        try:
+            choice = body["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"not a chat completion response: {body!r}") from None
         usage = body.get("usage") or {}
         return Completion(text, choice.get("finish_reason"), usage.get("prompt_tokens"), usage.get("completion_tokens"), latency)
 

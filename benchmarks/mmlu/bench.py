@@ -1,12 +1,20 @@
-"""MMLU few-shot multiple-choice accuracy against an OpenAI-compatible server.
+"""MMLU multiple-choice accuracy against an OpenAI-compatible server, in one of two styles.
 
-    python -m benchmarks.mmlu --data-dir data --port 30000
+    python -m benchmarks.mmlu --data-dir data --port 30000                                   # hendrycks
+    python -m benchmarks.mmlu --data-dir data --port 30000 --style simple-evals --examples 1000
+
+``--style simple-evals`` (OpenAI's simple-evals, the form SGLang's all-reduce fusion work measured
+MMLU in): zero-shot chat completions (``/v1/chat/completions``) that reason step by step and end
+with ``Answer: <letter>`` (`scoring.build_chat_prompt`, `scoring.parse_answer_line`),
+``--max-tokens`` 1024 by default, and ``--examples N`` draws N questions from all the chosen
+subjects together (a sample seeded with 0, so every run asks the same ones). The default style,
+``hendrycks``, is described next.
 
 ``--data-dir`` holds ``test/<subject>_test.csv`` and ``dev/<subject>_dev.csv`` (the Hendrycks
 release: ``tar xf data.tar`` of people.eecs.berkeley.edu/~hendrycks/data.tar gives ``data/``).
 The shots are the first ``--num-shots`` dev rows of the same subject (5, or 0 for zero-shot);
 ``--examples`` caps the test rows per subject; ``--subjects`` keeps only the named subjects.
-Greedy decoding of ``--max-tokens`` tokens; the letter is parsed by `scoring.parse_letter`.
+Greedy decoding of ``--max-tokens`` tokens (2 by default); the letter is parsed by `scoring.parse_letter`.
 Prints a per-subject table, the overall accuracy (all questions pooled) and the mean of the
 per-subject accuracies; ``--result-file`` appends one JSON line per run.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,31 +92,49 @@ def load_subjects(data_dir: Path, subjects: Optional[Sequence[str]], num_shots: 
     return loaded
 
 
+STYLES = ("hendrycks", "simple-evals")
+SAMPLE_SEED = 0  # simple-evals' --examples sample
+DEFAULT_MAX_TOKENS = {"hendrycks": 2, "simple-evals": 1024}
+
+
+def select(subjects: Sequence[SubjectData], examples: Optional[int] = None) -> list[tuple[SubjectData, int, scoring.McQuestion]]:
+    """(subject, index in its test file, question) of every question, or of ``examples`` of them
+    drawn together from all subjects with `SAMPLE_SEED` (simple-evals' sample)."""
+    items = [(s, i, q) for s in subjects for i, q in enumerate(s.questions)]
+    if examples is None or examples >= len(items):
+        return items
+    return random.Random(SAMPLE_SEED).sample(items, examples)
+
+
 async def evaluate(
     url: str, subjects: Sequence[SubjectData], parallel: int, max_tokens: int, temperature: float,
-    seed: Optional[int] = None, progress: bool = True,
+    seed: Optional[int] = None, progress: bool = True, style: str = "hendrycks", examples: Optional[int] = None,
 ) -> MmluResult:
-    """Ask every question of every subject; a question is correct when the parsed letter matches."""
-    items = [(s, i, q) for s in subjects for i, q in enumerate(s.questions)]
+    """Ask the questions (`select`; every one in the hendrycks style, where ``examples`` was
+    applied per subject when loading); a question is correct when the parsed letter matches."""
+    items = select(subjects, examples if style == "simple-evals" else None)
     if not items:
         raise SystemExit("no MMLU questions selected")
     async with CompletionClient(url, max_concurrency=parallel) as client:
         start = time.perf_counter()
-        completions = await gather_with_progress(
-            (client.complete(scoring.build_prompt(s.name, s.shots, q), max_tokens=max_tokens,
-                             temperature=temperature, seed=seed) for s, _, q in items),
-            desc="mmlu", disable=not progress,
-        )
+        if style == "simple-evals":
+            requests = (client.chat(scoring.build_chat_prompt(q), max_tokens=max_tokens, temperature=temperature,
+                                    seed=seed) for _, _, q in items)
+        else:
+            requests = (client.complete(scoring.build_prompt(s.name, s.shots, q), max_tokens=max_tokens,
+                                        temperature=temperature, seed=seed) for s, _, q in items)
+        completions = await gather_with_progress(requests, desc="mmlu", disable=not progress)
         latency = time.perf_counter() - start
+    parse = scoring.parse_answer_line if style == "simple-evals" else scoring.parse_letter
     records = []
     for (s, i, q), c in zip(items, completions):
-        letter = scoring.parse_letter(c.text)
+        letter = parse(c.text)
         records.append({"id": f"{s.name}/{i}", "subject": s.name, "generation": c.text,
                         "prediction": letter, "label": q.answer, "correct": letter == q.answer})
     per_subject: dict[str, dict[str, float]] = {}
     for s in subjects:
         mine = [r for r in records if r["subject"] == s.name]
-        if mine:
+        if mine:  # a subject the sample missed has no row
             per_subject[s.name] = {
                 "questions": len(mine),
                 "accuracy": sum(r["correct"] for r in mine) / len(mine),
@@ -138,9 +165,12 @@ def format_table(result: MmluResult) -> str:
 def run(args: argparse.Namespace) -> MmluResult:
     """Load the data named by ``args`` (from `build_parser`), evaluate, print, append the result."""
     subjects = args.subjects.replace(",", " ").split() if args.subjects else None
-    data = load_subjects(Path(args.data_dir), subjects, args.num_shots, args.examples)
-    result = asyncio.run(evaluate(base_url(args.host, args.port), data, args.parallel, args.max_tokens,
-                                  args.temperature, args.seed, progress=not args.no_progress))
+    simple = args.style == "simple-evals"
+    num_shots = resolve_num_shots(args.style, args.num_shots)
+    data = load_subjects(Path(args.data_dir), subjects, num_shots, None if simple else args.examples)
+    max_tokens = args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS[args.style]
+    result = asyncio.run(evaluate(base_url(args.host, args.port), data, args.parallel, max_tokens, args.temperature,
+                                  args.seed, progress=not args.no_progress, style=args.style, examples=args.examples))
     print(format_table(result))
     print(f"Accuracy: {result.accuracy:.3f}")
     print(f"Invalid: {result.invalid:.3f}")
@@ -155,17 +185,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.mmlu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="directory with test/ and dev/ subdirectories of <subject>_{test,dev}.csv")
-    p.add_argument("--num-shots", type=int, default=5, help="dev examples per prompt (0-5)")
-    p.add_argument("--examples", type=int, default=None, help="at most N test questions per subject (default: all)")
+    p.add_argument("--style", choices=STYLES, default="hendrycks",
+                   help="hendrycks: few-shot completions, the next letter; simple-evals: zero-shot chat, 'Answer: X' "
+                        "after reasoning (default: %(default)s)")
+    p.add_argument("--num-shots", type=int, default=None, help="dev examples per prompt (0-5; default 5, 0 for simple-evals)")
+    p.add_argument("--examples", type=int, default=None,
+                   help="hendrycks: at most N test questions per subject; simple-evals: N questions sampled from all "
+                        "subjects (default: all)")
     p.add_argument("--subjects", default=None, help="comma- or space-separated subjects (default: all)")
-    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=None, help="default: 2 (hendrycks), 1024 (simple-evals)")
     add_eval_client_arguments(p)
     return p
 
 
+def resolve_num_shots(style: str, num_shots: Optional[int]) -> int:
+    """The shots: 5 unless given; simple-evals is zero-shot (other counts are refused)."""
+    if style == "simple-evals":
+        if num_shots not in (None, 0):
+            raise SystemExit(f"--style simple-evals is zero-shot; --num-shots {num_shots} does not apply")
+        return 0
+    return 5 if num_shots is None else num_shots
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_shots < 0 or args.parallel < 1 or (args.examples is not None and args.examples < 1):
+    if resolve_num_shots(args.style, args.num_shots) < 0 or args.parallel < 1 or (args.examples is not None and args.examples < 1):
         raise SystemExit("--num-shots must be >= 0, --parallel and --examples >= 1")
     try:
         run(args)

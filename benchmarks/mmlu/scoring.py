@@ -12,6 +12,17 @@ Prompt (Hendrycks et al.)::
 where <subject> is the file stem with underscores as spaces (``high_school_physics`` ->
 ``high school physics``).
 
+Chat prompt (``--style simple-evals``: OpenAI's simple-evals, the form SGLang's all-reduce fusion
+work reported MMLU in): zero-shot, one user message that asks for reasoning and a last line
+``Answer: <letter>``::
+
+    Answer the following multiple choice question. The last line of your response should be of
+    the following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think
+    step by step before answering.\n\n<question>\n\nA) <a>\nB) <b>\nC) <c>\nD) <d>
+
+and the letter is the one after the last ``Answer:`` of the reply (`parse_answer_line`; case and
+spaces around the colon free, the letter may sit in ``$`` or ``**``); none means invalid.
+
 Letter parsing: the first A-D that stands alone (not inside a word such as "Answer", not next
 to an apostrophe as in "I'd"); upper case is preferred, lower case (" d.") is taken only when
 no upper-case letter stands alone. No such letter means invalid.
@@ -69,6 +80,24 @@ def build_prompt(subject: str, shots: Sequence[McQuestion], question: McQuestion
     """Header, the solved shots, then the open question."""
     header = f"The following are multiple choice questions (with answers) about {subject_title(subject)}.\n\n"
     return header + "".join(format_question(s, True) for s in shots) + format_question(question, False)
+
+
+CHAT_INSTRUCTION = ("Answer the following multiple choice question. The last line of your response should be of the "
+                    "following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by "
+                    "step before answering.")
+_ANSWER_LINE = re.compile(r"answer[ \t]*:[ \t]*[$*(]*([A-D])\b", re.IGNORECASE)
+
+
+def build_chat_prompt(question: McQuestion) -> str:
+    """The simple-evals user message (module docstring)."""
+    options = "\n".join(f"{letter}) {option}" for letter, option in zip(CHOICES, question.options))
+    return f"{CHAT_INSTRUCTION}\n\n{question.question}\n\n{options}"
+
+
+def parse_answer_line(reply: str) -> Optional[str]:
+    """The letter after the last ``Answer:`` in ``reply`` (upper case), or None."""
+    found = _ANSWER_LINE.findall(reply)
+    return found[-1].upper() if found else None
 
 
 def parse_letter(generation: str) -> Optional[str]:
