@@ -9,7 +9,9 @@ pytestmark = pytest.mark.gpus(2, reason="vLLM runs one TP rank per GPU")
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 
-from tests.integrations.vllm_tp2_run import PROMPTS, run_in_subprocess, write_model  # noqa: E402
+from tests.integrations.vllm_tp2_run import PROMPTS, TEST_TIMEOUT_S, run_in_subprocess, write_model  # noqa: E402
+
+pytestmark = [pytestmark, pytest.mark.timeout(TEST_TIMEOUT_S)]  # two vLLM start-ups
 
 LOGPROB_ATOL = 0.05  # as on CPU: bf16 roundings of the fused op against vLLM's norm
 

@@ -17,8 +17,10 @@ every logit equal to six digits, so no comparison of outputs could fail.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +51,7 @@ PROMPTS = [[3, 17, 52, 9, 300, 41, 7], [11, 12, 13], [200, 5, 77, 400, 8]]
 MAX_TOKENS = 6
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 1200  # a cold compiled TP2 start-up on two loaded cores takes minutes
+TEST_TIMEOUT_S = 2 * RUN_TIMEOUT_S + 120  # a test that sets up a case makes up to two runs
 
 
 def _shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -135,14 +138,21 @@ def _margin(logprobs: dict) -> float:
 
 
 def run_in_subprocess(model_dir: Path, which: str, form: str = "auto") -> dict:
-    """`run` in a fresh process (one engine per process); its result, or an AssertionError
-    with the run's output."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(model_dir), which, form], cwd=ROOT,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (f"vLLM run '{which}' failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                                            f"{proc.stderr[-6000:]}")
+    """`run` in a fresh process (one engine per process) in a session of its own; its result, or
+    an AssertionError with the run's output. However the wait ends (a timeout included), the whole
+    session is killed: vLLM's engine core and workers do not outlive the run."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(model_dir), which, form], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (f"vLLM run '{which}' failed ({proc.returncode}):\n{stdout[-3000:]}\n"
+                                            f"{stderr[-6000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
