@@ -126,10 +126,11 @@ class TextOffsets:
         self._known: Optional[bytes] = None  # the current text's bytes, when known whole
         self._pos = 0  # bytes of it placed so far
 
-    def begin_text(self, offset: int, known: Optional[str] = None) -> None:
+    def begin_text(self, offset: int, known: Optional[str] = None, at_start: bool = True) -> None:
         """A separately decoded text begins at ``offset``: the echoed prompt (``known``, whole)
-        at 0, or the output after it."""
-        self.chars, self.at_start = offset, True
+        at 0, or the output after it (``at_start``: whether the decoder begins a text with it,
+        i.e. the prompt decodes to nothing; else the output continues the prompt's text)."""
+        self.chars, self.at_start = offset, at_start
         self._known, self._pos = (known.encode("utf-8"), 0) if known is not None else (None, 0)
 
     def place(self, texts: TokenTexts, token_id: int) -> tuple[str, int]:
