@@ -42,7 +42,7 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 
 
 def serve(args: ServerArgs) -> int:
-    from engine.launch_config import launch_config
+    from engine.launch_config import launch_config, with_tokenizer_vocab
     from engine.runtime.model_runner import check_model_files
     from engine.runtime.workers import WorkerSet
     from engine.tokenizers.serving import load_serving_tokenizer
@@ -50,15 +50,15 @@ def serve(args: ServerArgs) -> int:
     # SIGTERM unwinds like Ctrl-C until the HTTP server takes the signals over (it drains).
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if args.node_rank != 0:
-        launch = launch_config(args)
+        launch = with_tokenizer_vocab(launch_config(args), load_serving_tokenizer(args.model_path, args.tokenizer_path).vocab_size)
         check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
         return _serve_other_node(WorkerSet(launch, list(launch.local_ranks)))
     from engine.server.http.server import bind_http_socket
     from engine.server.rank0 import Rank0Server
 
     with bind_http_socket(args.host, args.port) as sock:  # before the rendezvous port is chosen
-        launch = launch_config(args)
         tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path)
+        launch = with_tokenizer_vocab(launch_config(args), tokenizer.vocab_size)
         check_model_files(launch.runner)
         return Rank0Server(args, launch, tokenizer).serve(sock)
 

@@ -58,6 +58,7 @@ class RunnerSettings:
     disable_cuda_graph: bool = False
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
+    tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -135,6 +136,12 @@ class ModelRunner:
         self.context_len = requested
         self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
         self.model = build_model(config, self.fusion, self.dtype, self.device)
+        vocab = self.settings.tokenizer_vocab_size
+        if vocab is not None and vocab < config.vocab_size:
+            self.model.lm_head.mask_ids_from(vocab)
+            if self.group.rank == 0:
+                logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
+                            config.vocab_size - vocab, vocab)
         if self.deterministic and config.num_experts and self.group.rank == 0:
             logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
                            "outputs may still depend on the batch")

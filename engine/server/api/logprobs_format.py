@@ -63,10 +63,17 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._bytes: dict[int, bytes] = {}
         self._alone: dict[int, str] = {}
+        self._unknown: set[int] = set()  # ids the tokenizer lacks
 
     def bytes(self, token_id: int) -> bytes:
+        """The token's bytes; none for an id the tokenizer lacks (a row padding the model's
+        vocabulary: decoding leaves it out)."""
         if token_id not in self._bytes:
-            self._bytes[token_id] = self.tokenizer.token_bytes(token_id)
+            try:
+                self._bytes[token_id] = self.tokenizer.token_bytes(token_id)
+            except ValueError:
+                self._bytes[token_id] = b""
+                self._unknown.add(token_id)
         return self._bytes[token_id]
 
     def text(self, token_id: int) -> str:
@@ -86,8 +93,8 @@ class TokenTexts:
         return raw
 
     def is_skipped(self, token_id: int) -> bool:
-        """Whether decoding leaves the token out of a text (a special token)."""
-        return not self.decoded_alone(token_id) and bool(self.bytes(token_id).strip())
+        """Whether decoding leaves the token out of a text (a special token, an id the tokenizer lacks)."""
+        return not self.decoded_alone(token_id) and (bool(self.bytes(token_id).strip()) or token_id in self._unknown)
 
     def shown(self, token_id: int, at_start: bool) -> str:
         """The token's text in the legacy object: its text as it stands in a decoded text
