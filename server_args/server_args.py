@@ -42,7 +42,7 @@ class ServerArgs(BaseModel):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
-    context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, at most 8192)")
+    context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, cut to what the KV cache holds, with the reason logged)")
     served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")
     seed: int = Field(0, description="Seed for dummy weights and sampling")
 
