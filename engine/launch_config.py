@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 
 import torch
 
@@ -36,6 +37,12 @@ def launch_config(args: ServerArgs) -> LaunchConfig:
     threads = max(1, (os.cpu_count() or 1) // max(1, args.tp_size_per_node))
     return LaunchConfig(args.tp_size, args.nnodes, args.node_rank, f"tcp://{addr}", device_type, args.dist_timeout,
                         args.log_level, runner_settings(args), threads)
+
+
+def with_tokenizer_vocab(launch: LaunchConfig, vocab_size: int) -> LaunchConfig:
+    """``launch`` whose ranks never sample an id ``>= vocab_size`` (the served tokenizer's
+    vocabulary: the LM head may have more rows, padding)."""
+    return replace(launch, runner=replace(launch.runner, tokenizer_vocab_size=vocab_size))
 
 
 def fusion_config(args: ServerArgs) -> FusionConfig:

@@ -5,7 +5,11 @@ the CPU when there is none. Node 0 runs TP rank 0 in this process (scheduler thr
 server) and spawns its other local ranks; other nodes (``--node-rank k``) only spawn theirs.
 
 Start-up: node 0 binds the HTTP port first, so a taken port fails at once (exit code 2); it
-listens, and logs "serving ... on http://...", only once the model is loaded and warm.
+listens, and logs "serving ... on http://...", only once the model is loaded and warm. Each
+stage (file, tokenizer, config, TP group, weights, fusion setup, KV cache, graphs, warm-up,
+step cost) logs its start and end on one clock from the process's start, and the serving line
+sums them up (`engine.common.startup`); the model file is parsed once (`load_model_files`).
+Every log line carries its time.
 Until then a connection is refused. ``/health`` answers 503 naming the rank while a TP worker
 misses its heartbeat (`engine.runtime.heartbeat`), and 200 again once it beats.
 
@@ -34,33 +38,65 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from server_args import ServerArgs, ServerArgsError
 
 if TYPE_CHECKING:
+    from engine.common.startup import StartupStages
+    from engine.runtime.launch import LaunchConfig
+    from engine.runtime.model_runner import StartupContext
     from engine.runtime.workers import WorkerSet
+    from engine.tokenizers.tokenizer import Tokenizer
+
+logger = logging.getLogger("engine.launch_server")
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)  # a shutdown requested before the HTTP server runs is a clean exit
 
 
-def serve(args: ServerArgs) -> int:
-    from engine.launch_config import launch_config
+def load_model_files(args: ServerArgs, startup: "StartupContext") -> tuple["Tokenizer", "LaunchConfig"]:
+    """Node 0's start-up before any rank, each part a stage of ``startup``: the model file parsed
+    once ("file": ``startup.parsed``, which the tokenizer, the checks and rank 0's load share),
+    the tokenizer ("tokenizer"), the launch config, and the checks every rank's load makes before
+    it reads a tensor ("config")."""
+    from engine.launch_config import launch_config, with_tokenizer_vocab
+    from engine.models.builtin import BUILTIN_MODELS
     from engine.runtime.model_runner import check_model_files
+    from engine.tokenizers.serving import check_paths_exist, load_serving_tokenizer
+    from engine.weights.loader import parse_model_file
+
+    check_paths_exist(args.model_path, args.tokenizer_path)
+    if args.model_path not in BUILTIN_MODELS:
+        with startup.stages.stage("file"):
+            startup.parsed = parse_model_file(args.model_path, args.load_format)
+    with startup.stages.stage("tokenizer"):
+        tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path,
+                                           None if args.tokenizer_path else startup.parsed)
+    launch = with_tokenizer_vocab(launch_config(args), tokenizer.vocab_size)
+    with startup.stages.stage("config"):
+        check_model_files(launch.runner, startup.parsed)
+    return tokenizer, launch
+
+
+def serve(args: ServerArgs, stages: Optional["StartupStages"] = None) -> int:
+    """Serve ``args`` (node 0) or run this node's workers; ``stages``: the process's start-up
+    stages, begun at its start (default: from now)."""
+    from engine.common.startup import StartupStages
+    from engine.launch_config import launch_config, with_tokenizer_vocab
+    from engine.runtime.model_runner import StartupContext, check_model_files
     from engine.runtime.workers import WorkerSet
     from engine.tokenizers.serving import load_serving_tokenizer
 
     # SIGTERM unwinds like Ctrl-C until the HTTP server takes the signals over (it drains).
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if args.node_rank != 0:
-        launch = launch_config(args)
+        launch = with_tokenizer_vocab(launch_config(args), load_serving_tokenizer(args.model_path, args.tokenizer_path).vocab_size)
         check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
         return _serve_other_node(WorkerSet(launch, list(launch.local_ranks)))
     from engine.server.http.server import bind_http_socket
     from engine.server.rank0 import Rank0Server
 
     with bind_http_socket(args.host, args.port) as sock:  # before the rendezvous port is chosen
-        launch = launch_config(args)
-        tokenizer = load_serving_tokenizer(args.model_path, args.tokenizer_path)
-        check_model_files(launch.runner)
-        return Rank0Server(args, launch, tokenizer).serve(sock)
+        startup = StartupContext(stages or StartupStages(logger))
+        tokenizer, launch = load_model_files(args, startup)
+        return Rank0Server(args, launch, tokenizer, startup).serve(sock)
 
 
 def _serve_other_node(workers: "WorkerSet") -> int:
@@ -80,14 +116,17 @@ def _serve_other_node(workers: "WorkerSet") -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    started = time.perf_counter()  # the start-up stages' clock
+    from engine.common.startup import LOG_FORMAT, StartupStages
+
     try:
         args = ServerArgs.from_cli(argv, prog="python -m engine.launch_server")
     except ServerArgsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="[tp0] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT.format(rank=0))
     try:
-        return serve(args)
+        return serve(args, StartupStages(logger, origin=started))
     except ValueError as exc:  # a configuration that cannot run: say why, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

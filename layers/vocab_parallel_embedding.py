@@ -7,7 +7,8 @@ Rank r holds rows ``[r*V/tp, (r+1)*V/tp)`` of the ``[V, hidden]`` embedding tabl
     ParallelLMHead          logits = concat over ranks of (h @ E_r^T) = [N, V]: each rank keeps
                             its slice h @ E_r^T, with the greedy tokens of the whole vocabulary
                             (`layers.sharded_logits`); its weight is its own or the embedding's
-                            (tied word embeddings)
+                            (tied word embeddings); ids past the tokenizer's vocabulary (a
+                            padded table) can be masked: logit -inf
 """
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ class ParallelLMHead(VocabParallelEmbedding):
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         shared = None if tied is None else tied.weight
         super().__init__(num_embeddings, embedding_dim, dtype, device, shared_weight=shared)
+        self.sampled_vocab = num_embeddings  # ids from this on have logit -inf (`mask_ids_from`)
+
+    def mask_ids_from(self, vocab_size: int) -> None:
+        """From now on the ids ``>= vocab_size`` (rows padding the table beyond the tokenizer's
+        vocabulary) get the logit -inf: never sampled, probability 0."""
+        self.sampled_vocab = min(vocab_size, self.num_embeddings)
 
     def forward(self, hidden_states: torch.Tensor) -> ShardedLogits:
         """Collective: ``[N, hidden] ->`` this rank's logits ``h @ E_r^T [N, V/tp]`` and the
@@ -78,5 +85,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         return sharded_logits(self.local_logits(hidden_states), self.vocab_start)
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] ->`` this rank's slice ``h @ E_r^T [N, V/tp]`` alone (no collective)."""
-        return batch_invariant.linear(hidden_states, self.weight)
+        """``[N, hidden] ->`` this rank's slice ``h @ E_r^T [N, V/tp]`` alone (no collective),
+        with -inf in the columns of ids ``>= sampled_vocab``."""
+        logits = batch_invariant.linear(hidden_states, self.weight)
+        masked_from = max(self.sampled_vocab - self.vocab_start, 0)
+        if masked_from < self.num_embeddings_per_partition:
+            logits[:, masked_from:] = float("-inf")
+        return logits

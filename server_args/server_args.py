@@ -3,7 +3,8 @@
 The CLI is generated from the fields: ``--field-name`` for each field, the field's description
 as help text followed by its default, ``choices`` from ``Literal`` types, ``--flag`` for
 booleans. The fields are declared in sections (model, parallelism, fusion, scheduling, server);
-`SECTIONS` names the first field of each, and ``--help`` shows one argument group per section.
+`SECTIONS` names the first field of each, and ``--help`` shows one argument group per section;
+the options that act on a GPU only (`GPU_ONLY`) begin their help with ``[GPU only]``.
 Values are never rewritten; a value that cannot work raises an error naming the field.
 """
 from __future__ import annotations
@@ -41,12 +42,12 @@ class ServerArgs(BaseModel):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
-    context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, at most 8192)")
+    context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, cut to what the KV cache holds, with the reason logged)")
     served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")
     seed: int = Field(0, description="Seed for dummy weights and sampling")
 
     # Parallelism
-    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel size (one process per GPU)")
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel size: one process per rank (on GPUs, one GPU per rank, ranks sharing them when the node has fewer; on the CPU, the ranks reduce over gloo and share the cores)")
     nnodes: int = Field(1, ge=1, description="Number of nodes the TP group spans")
     node_rank: int = Field(0, ge=0, description="This node's rank among nnodes")
     dist_init_addr: Optional[str] = Field(None, description="host:port of node 0 for the torch.distributed rendezvous")
@@ -57,7 +58,7 @@ class ServerArgs(BaseModel):
     allreduce_fusion_backend: Literal[FUSION_BACKENDS] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
     allreduce_fusion_cache_size: int = Field(DEFAULT_CACHE_SIZE, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
-    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/tables)")
+    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/dispatch/tables)")
     allreduce_fusion_disable_pdl: bool = Field(False, description="Launch the flashinfer fused kernel without programmatic dependent launch")
     disable_allreduce_fusion_tuning: bool = Field(False, description="Do not measure the fusion strategies at start-up when no strategy table holds this GPU, TP size, hidden size and dtype (the built-in rule decides)")
     allreduce_fusion_tuning_cache_dir: Optional[str] = Field(None, description="Where start-up tuning caches its measured tables (default: ~/.cache/arfusion)")
@@ -156,7 +157,8 @@ class ServerArgs(BaseModel):
                 default_text = f"(default: {value}, {why})"
             else:
                 value, default_text = None, _default_text(field.default, field.description or "")
-            help_text = f"{field.description} {default_text}".strip()
+            mark = GPU_ONLY_MARK if name in GPU_ONLY else ""
+            help_text = f"{mark} {field.description} {default_text}".strip()
             kwargs: dict[str, Any] = {"default": value, "help": help_text}
             annotation = field.annotation
             if annotation is bool:
@@ -171,6 +173,10 @@ class ServerArgs(BaseModel):
             group.add_argument(_flag(name), **kwargs)
         return parser
 
+
+# Options that act on a GPU only (on the CPU they change nothing): --help marks them.
+GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph"})
+GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.
 SECTIONS = {

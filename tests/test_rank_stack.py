@@ -61,7 +61,7 @@ def test_a_rank_is_built_in_order_and_torn_down_in_reverse(events: list[str]):
 
 
 def test_a_runner_that_fails_to_build_tears_down_what_was_built(events: list[str], monkeypatch: pytest.MonkeyPatch):
-    def refuse(settings: RunnerSettings, group: object) -> ModelRunner:
+    def refuse(settings: RunnerSettings, group: object, startup: object) -> ModelRunner:
         raise ValueError("no such model")
 
     monkeypatch.setattr(rank_stack, "ModelRunner", refuse)

@@ -186,6 +186,15 @@ def test_generate(client: TestClient, fake: FakeEngine, prompt: dict, stream: bo
     assert fake.requests[-1] == ([BOS, 97, 98, 99], SamplingParams(max_tokens=2, temperature=0.0))
 
 
+def test_generate_honours_sglang_sampling_fields(client: TestClient, fake: FakeEngine) -> None:
+    fields = {"max_new_tokens": 3, "min_new_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+              "repetition_penalty": 1.25, "logit_bias": {"98": 200.0}}
+    resp = client.post("/generate", json={"text": "abc", "sampling_params": fields})
+    assert resp.status_code == 200, resp.text
+    assert fake.requests[-1][1] == SamplingParams(max_tokens=3, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+                                                  repetition_penalty=1.25, logit_bias=((98, 100.0),))
+
+
 def test_models_health_info(client: TestClient, fake: FakeEngine) -> None:
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [SERVED] and models["data"][0]["max_model_len"] == CTX
@@ -247,6 +256,9 @@ BAD_REQUESTS = [  # (url, json body or raw bytes, status, message fragments)
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, ["exactly one of text and input_ids"]),
     ("/generate", {"text": "ab", "input_ids": [1]}, 400, ["exactly one of text and input_ids"]),
     ("/generate", {"text": "ab", "sampling_params": {"top_p": 2.0}}, 400, ["top_p"]),
+    ("/generate", {"text": "ab", "sampling_params": {"min_p": 0.1, "max_new_tokens": 2, "regex": "a+"}}, 400,
+     ["not supported: sampling_params.min_p (unknown), sampling_params.regex (unknown)"]),
+    ("/generate", {"text": "ab", "sampling_params": {"logit_bias": {"999": 1.0}}}, 400, ["logit_bias"]),
 ]
 
 

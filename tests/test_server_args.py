@@ -1,10 +1,12 @@
 """ServerArgs: CLI generated from the fields (grouped, each default stated once), validation naming
 the field, flag combinations."""
 import re
+from pathlib import Path
 
 import pytest
 
 from server_args import ServerArgs, ServerArgsError
+from server_args.server_args import GPU_ONLY, GPU_ONLY_MARK
 
 
 def test_defaults_and_fusion_flag():
@@ -133,3 +135,16 @@ def test_http_client_limits(flag: str, value: str, bad: str):
     assert getattr(ServerArgs.from_cli([flag, value]), field) == type(getattr(ServerArgs(), field))(value)
     with pytest.raises(ServerArgsError, match=flag):
         ServerArgs.from_cli([flag, bad])
+
+
+def test_help_marks_the_gpu_only_options_and_names_real_paths():
+    """GPU-only options say so; the packaged table's directory named in the help exists; the
+    TP size is not described as one process per GPU (the CPU runs TP too)."""
+    helps = _option_helps(ServerArgs.build_parser().format_help())
+    for name in ServerArgs.model_fields:
+        flag = "--" + name.replace("_", "-")
+        assert helps[flag][1].startswith(GPU_ONLY_MARK) == (name in GPU_ONLY), flag
+    assert {"mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph"} <= GPU_ONLY
+    table_dir = re.search(r"shipped in (\S+?)\)", helps["--allreduce-fusion-table"][1]).group(1)
+    assert (Path(__file__).parents[1] / table_dir / "strategy_table.json").is_file(), table_dir
+    assert "per GPU" not in helps["--tp-size"][1] and "CPU" in helps["--tp-size"][1]

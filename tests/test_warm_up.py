@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 
-from engine.server.rank0 import startup_summary
 from engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up, warm_up_plans
 from tests.dist_utils import run_distributed
 
@@ -48,12 +47,6 @@ def test_plans_cover_every_token_bucket_mixed_batches_eager_decodes_and_sampling
     cpu = warm_up_plans(CPU_LIKE)
     assert max(_tokens(p) for p in cpu if p.kind == "extend") <= 32, "no token ladder where nothing compiles"
     assert {p.batch_size for p in cpu if p.kind == "decode"} == {1, 256}
-
-
-def test_the_startup_line_reports_each_phase_and_the_total():
-    seconds = {"weights": 3.04, "fusion setup": 1.5, "KV cache": 0.2, "graphs": 4.0, "warm-up": 2.26}
-    assert startup_summary(seconds) == ("start-up 11.0 s: weights 3.0 s, fusion setup 1.5 s, KV cache 0.2 s, "
-                                        "graphs 4.0 s, warm-up 2.3 s")
 
 
 def _state(runner) -> dict:

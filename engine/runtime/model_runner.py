@@ -4,8 +4,9 @@ Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same log
 Start-up order matters: the model's fusion op (no collective yet), the model built on it and its
 weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
 then the KV cache from the memory left, then graphs (with the dispatch decisions already
-cached, since capture runs the forward once per batch size). ``startup_s`` records the seconds
-of each phase; rank 0 logs the progress of the long ones (`engine.common.progress`: tensors and
+cached, since capture runs the forward once per batch size). Each phase is a start-up stage
+(`engine.common.startup`: rank 0 logs its start and end) and ``startup_s`` records its seconds;
+rank 0 also logs the progress of the long ones (`engine.common.progress`: tensors and
 bytes loaded, graphs captured); `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
 in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from engine.common.progress import Progress, track
+from engine.common.startup import StartupStages
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.models.config import ModelConfig
 from engine.models.forward_batch import KVCache
@@ -33,6 +34,7 @@ from engine.runtime.sampler import StepLogits
 from engine.runtime.step_plan import RequestTable, StepPlan
 from engine.runtime.step_progress import StepProgress
 from engine.weights.dummy import dummy_weights
+from engine.weights.gguf_loader import ParsedGGUF
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 from layers.batch_invariant import batch_invariant_mode, set_enabled
 
@@ -40,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CPU_KV_SLOTS = 65536
-DEFAULT_CONTEXT_CAP = 8192  # default context when none is given: min(model's, this)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class RunnerSettings:
     disable_cuda_graph: bool = False
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
+    tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -66,9 +68,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device):
+@dataclass
+class StartupContext:
+    """What a rank's start-up shares with the process building it: the stages' clock and log
+    (rank 0 logs them), and the model's GGUF file when that process parsed it already."""
+
+    stages: StartupStages = field(default_factory=lambda: StartupStages(None))
+    parsed: Optional[ParsedGGUF] = None
+
+
+def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device,
+                            parsed: Optional[ParsedGGUF] = None):
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
-    generated on ``device`` (fast for 8B shapes on a GPU)."""
+    generated on ``device`` (fast for 8B shapes on a GPU); ``parsed``: the GGUF file parsed already."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
@@ -76,65 +88,74 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from engine.weights.loader import load_model_weights
 
-    return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed)
+    return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed, parsed)
 
 
-def check_model_files(settings: RunnerSettings) -> ModelConfig:
+def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:
     """The model's config, after the checks every rank's load makes before it reads a tensor
     (each file complete, the config valid, every tensor's name and shape the model's, none
     missing): once, in the launcher, before any TP worker starts. `ModelFileError` naming the
     file; only the tensors' values (NaN, inf) are left for the load to check."""
-    return load_config_and_weights(settings, torch.float32, torch.device("cpu"))[0]
+    return load_config_and_weights(settings, torch.float32, torch.device("cpu"), parsed)[0]
 
 
 class ModelRunner:
-    def __init__(self, settings: RunnerSettings, group: TensorParallelGroup) -> None:
+    def __init__(self, settings: RunnerSettings, group: TensorParallelGroup,
+                 startup: Optional[StartupContext] = None) -> None:
         self.settings = settings
         self.group = group
         self.device = group.device
         self.deterministic = settings.fusion.deterministic
         set_enabled(self.deterministic)
-        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order
+        startup = startup or StartupContext()
+        self.stages = startup.stages
+        self._parsed = startup.parsed  # used by the load, then dropped
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
-        start = time.perf_counter()
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
-        start = self._phase_done("weights", start)
-        self.fusion.setup()
-        start = self._phase_done("fusion setup", start)
-        self.max_rows = settings.max_running_requests
-        self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
-        self.table = RequestTable(self.max_rows, self.context_len, self.device)
-        start = self._phase_done("KV cache", start)
+        with self.stages.stage("weights", self.synchronize):
+            load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
+        self._parsed = None
+        with self.stages.stage("fusion setup", self.synchronize):
+            self.fusion.setup()
+        with self.stages.stage("KV cache", self.synchronize):
+            self.max_rows = settings.max_running_requests
+            self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
+            self.table = RequestTable(self.max_rows, self.context_len, self.device)
         self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
         self.graphs: Optional[CudaGraphRunner] = None
-        if self.device.type == "cuda" and not settings.disable_cuda_graph:
-            max_bs = min(settings.cuda_graph_max_bs, self.max_rows)
-            # ranks sharing a GPU reduce over gloo, which copies through the host and cannot be
-            # captured: decode graphs take a symmetric-memory stand-in for the group's
-            # collectives (the unfused reductions, the embedding's all-reduce, the greedy
-            # tokens' all-gather), sized for the largest captured batch
-            reason = (enable_capturable_collectives(group, self._capturable_bytes(max_bs)) if group.shares_gpu
-                      else None)
-            if reason is None:
-                self.graphs = self._capture_graphs(max_bs)
-            else:
-                logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU, their gloo collectives "
-                               "cannot be captured and the symmetric-memory stand-in is unavailable (%s)", reason)
-        self._phase_done("graphs", start)
+        with self.stages.stage("graphs", self.synchronize):
+            if self.device.type == "cuda" and not settings.disable_cuda_graph:
+                max_bs = min(settings.cuda_graph_max_bs, self.max_rows)
+                # ranks sharing a GPU reduce over gloo, which copies through the host and cannot be
+                # captured: decode graphs take a symmetric-memory stand-in for the group's
+                # collectives (the unfused reductions, the embedding's all-reduce, the greedy
+                # tokens' all-gather), sized for the largest captured batch
+                reason = (enable_capturable_collectives(group, self._capturable_bytes(max_bs)) if group.shares_gpu
+                          else None)
+                if reason is None:
+                    self.graphs = self._capture_graphs(max_bs)
+                else:
+                    logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU, their gloo collectives "
+                                   "cannot be captured and the symmetric-memory stand-in is unavailable (%s)", reason)
 
     def _load_model(self) -> None:
         """This rank's config, context length, fusion op (no collective yet) and model with its
         weights. ValueError (`ModelFileError` for the files) for a model that cannot run."""
-        config, weights = load_config_and_weights(self.settings, self.dtype, self.device)
+        config, weights = load_config_and_weights(self.settings, self.dtype, self.device, self._parsed)
         self.config: ModelConfig = config
-        requested = self.settings.context_length or min(config.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+        requested = self.settings.context_length or config.max_position_embeddings  # cut to the KV cache by `_kv_slots`
         if requested > config.max_position_embeddings:
             raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
         self.context_len = requested
         self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
         self.model = build_model(config, self.fusion, self.dtype, self.device)
+        vocab = self.settings.tokenizer_vocab_size
+        if vocab is not None and vocab < config.vocab_size:
+            self.model.lm_head.mask_ids_from(vocab)
+            if self.group.rank == 0:
+                logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
+                            config.vocab_size - vocab, vocab)
         if self.deterministic and config.num_experts and self.group.rank == 0:
             logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
                            "outputs may still depend on the batch")
@@ -144,13 +165,15 @@ class ModelRunner:
         self.model.load_weights(track(weights, progress, lambda item: item[1].numel() * item[1].element_size()))
         self.model.eval()
 
-    def _phase_done(self, phase: str, start: float) -> float:
-        """Record ``phase`` as lasting from ``start`` until the device has finished its work; returns now."""
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Seconds per start-up stage so far, in order (the runner's, then the warm-up's)."""
+        return self.stages.seconds
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work queued so far."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.startup_s[phase] = now - start
-        return now
 
     def _capturable_bytes(self, max_bs: int) -> int:
         """Bytes per rank of the largest collective a decode graph of ``max_bs`` runs: a
@@ -173,7 +196,8 @@ class ModelRunner:
         """Slots every rank can afford (the minimum over ranks, so all agree). On a GPU the KV
         cache gets ``mem_fraction_static`` of the device's memory, less what is in use; ranks
         sharing one GPU split that budget evenly (they measure together, before any of them
-        allocates its cache)."""
+        allocates its cache). A context length the user did not set (the model's) is cut to what
+        the slots hold, with the reason logged."""
         per_slot = KVCache.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads_local,
                                           self.config.head_dim, self.dtype)
         want = self.max_rows * self.context_len + 1
@@ -193,8 +217,16 @@ class ModelRunner:
                 )
         else:
             slots = CPU_KV_SLOTS
-        slots = min(slots, want)
-        return min(self.group.all_gather_object(slots))
+        slots = min(self.group.all_gather_object(min(slots, want)))
+        if self.settings.context_length is None and self.context_len > slots - 1:  # slot 0 is scratch
+            why = ("the KV cache is set to that size" if self.settings.kv_slots is not None
+                   else f"--mem-fraction-static {self.settings.mem_fraction_static} of the GPU's memory holds no more"
+                   if self.device.type == "cuda" else "the CPU's KV cache holds no more")
+            if self.group.rank == 0:
+                logger.warning("context length cut from the model's %d to %d tokens: %s (--context-length sets it)",
+                               self.context_len, slots - 1, why)
+            self.context_len = slots - 1
+        return slots
 
     def reconfigure_fusion(self, config: FusionConfig) -> None:
         """Collective: give the model's fusion op a new config (e.g. off -> on in one benchmark

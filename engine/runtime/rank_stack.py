@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 
 from engine.runtime.launch import LaunchConfig
-from engine.runtime.model_runner import ModelRunner, RunnerSettings
+from engine.runtime.model_runner import ModelRunner, RunnerSettings, StartupContext
 from engine.runtime.step_progress import StepProgress
 from fusion import AllReduceFusion, TensorParallelGroup
 from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
@@ -67,27 +67,33 @@ class RankStack:
 
 
 def build_rank(stack: ExitStack, launch: LaunchConfig, rank: int, watch: Callable[[], StepWatch] = Unwatched,
-               settings: Optional[RunnerSettings] = None, peers_done: Callable[[], None] = lambda: None) -> RankStack:
+               settings: Optional[RunnerSettings] = None, peers_done: Callable[[], None] = lambda: None,
+               startup: Optional[StartupContext] = None) -> RankStack:
     """Build rank ``rank``'s parts, registering their teardown on ``stack``: ``watch()`` makes
     its watch once the group exists; ``settings`` (default ``launch.runner``) configure its
-    runner; ``peers_done()`` runs before the runner is torn down (or after it failed to build)."""
+    runner; ``peers_done()`` runs before the runner is torn down (or after it failed to build);
+    ``startup``: the process's start-up stages (the rendezvous is the stage "TP group") and the
+    model file it parsed already."""
     torch.set_num_threads(max(1, launch.threads_per_rank))
-    group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
-                                 node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
+    startup = startup or StartupContext()
+    with startup.stages.stage("TP group"):
+        group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
+                                     node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
     stack.callback(destroy_tensor_parallel)
     watching = watch()
     stack.callback(watching.stop)
-    runner = stack.enter_context(_runner(settings or launch.runner, group, peers_done))
+    runner = stack.enter_context(_runner(settings or launch.runner, group, peers_done, startup))
     watching.watch_steps(runner.progress)
     return RankStack(launch, rank, group, watching, runner)
 
 
 @contextmanager
-def _runner(settings: RunnerSettings, group: TensorParallelGroup, peers_done: Callable[[], None]) -> Iterator[ModelRunner]:
+def _runner(settings: RunnerSettings, group: TensorParallelGroup, peers_done: Callable[[], None],
+            startup: StartupContext) -> Iterator[ModelRunner]:
     """The rank's `ModelRunner`; on exit ``peers_done()``, then the runner's teardown."""
     runner: Optional[ModelRunner] = None
     try:
-        runner = ModelRunner(settings, group)
+        runner = ModelRunner(settings, group, startup)
         yield runner
     finally:
         peers_done()

@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import ExitStack
 
+from engine.common.startup import LOG_FORMAT
 from engine.runtime.heartbeat import Heartbeat
 from engine.runtime.launch import LaunchConfig
 from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
@@ -47,7 +48,7 @@ def worker_main(launch: LaunchConfig, rank: int) -> None:
     """Entry point of a spawned TP worker process (exits the process): its `RankStack`, watched
     by its heartbeat (rank 0's watchdog names the ranks behind a stalled step from the steps it
     publishes), follows rank 0's plans, then is torn down in reverse."""
-    logging.basicConfig(level=launch.log_level.upper(), format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=launch.log_level.upper(), format=LOG_FORMAT.format(rank=rank))
     # The launcher decides when workers stop (a terminal's Ctrl-C or a group-wide SIGTERM reaches
     # every process); if the launcher itself dies, exit instead of waiting on a dead rank 0.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -77,8 +77,13 @@ def warm_up(runner: ModelRunner, max_extend_tokens: int) -> None:
     run one step of every shape class the server can run with extend steps of up to
     ``max_extend_tokens`` tokens (`warm_up_plans`), so that none compiles or loads anything on
     first use. Writes only the scratch KV slot 0; the request table and every other slot are
-    left as they were. Records ``runner.startup_s["warm-up"]``; logs its progress (`Progress`)."""
-    start = time.perf_counter()
+    left as they were. A start-up stage (``runner.stages``: logged, ``runner.startup_s["warm-up"]``);
+    logs its progress (`Progress`)."""
+    with runner.stages.stage("warm-up", runner.synchronize):
+        _warm_up(runner, max_extend_tokens)
+
+
+def _warm_up(runner: ModelRunner, max_extend_tokens: int) -> None:
     graph_max_batch = runner.graphs.sizes[-1] if runner.graphs is not None else 0
     shapes = WarmUpShapes(context_len=runner.context_len, max_extend_tokens=max_extend_tokens,
                           max_decode_batch=runner.max_rows, graph_max_batch=graph_max_batch,
@@ -88,7 +93,6 @@ def warm_up(runner: ModelRunner, max_extend_tokens: int) -> None:
     progress = Progress("warming up", len(plans), "steps")
     run_plans(runner, plans, progress)
     progress.finish()
-    runner.startup_s["warm-up"] = time.perf_counter() - start
 
 
 def run_plans(runner: ModelRunner, plans: list[StepPlan], progress: Optional[Progress] = None) -> list[float]:

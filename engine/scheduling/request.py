@@ -1,6 +1,7 @@
 """`Request`: one generation on TP rank 0: its tokens, KV slots, how much of its prompt has been
-prefilled (a long prompt may be prefilled in chunks over several steps), the output text that
-has been released so far (stop strings cut, a possible stop-string prefix held back), and the
+prefilled (a long prompt may be prefilled in chunks over several steps), the output text
+(decoded after the prompt's, `engine.scheduling.detokenizer`) that has been released so far
+(stop strings cut, a possible stop-string prefix held back), and the
 log-probabilities it asked for. Before ``min_tokens`` output tokens no stop token or stop string
 ends it: only a stop string that ends in the text of a later token counts. Requests compare by
 identity."""
@@ -14,6 +15,7 @@ import torch
 
 from engine.common.generation import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
 from engine.common.sampling_params import SamplingParams
+from engine.scheduling.detokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
 
@@ -37,8 +39,7 @@ class Request:
     history_row: Optional[int] = None  # its `TokenHistory` row while running (requests with a penalty)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id (if asked for)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens scored so far
-    _prefix_offset: int = 0  # incremental detokenization window (see `_decode_new_text`)
-    _read_offset: int = 0
+    _detokenizer: Optional[IncrementalDetokenizer] = None  # made by the first `release`
     _stop_floor: int = 0  # a stop string must end past this much text (the text before min_tokens)
 
     @property
@@ -90,21 +91,14 @@ class Request:
             return ids[:-1]
         return ids
 
-    def _decode_new_text(self, tokenizer: TokenizerLike, ids: list[int], final: bool) -> None:
-        """Append the text of new ids to ``text``, decoding only a short window: the text of
-        ``ids[prefix:]`` minus that of ``ids[prefix:read]``. A window that ends inside a
-        multi-byte character (U+FFFD) waits for more ids, unless ``final``."""
-        prefix_text = tokenizer.decode(ids[self._prefix_offset:self._read_offset])
-        full_text = tokenizer.decode(ids[self._prefix_offset:])
-        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
-            self.text += full_text[len(prefix_text):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-
     def release(self, tokenizer: TokenizerLike) -> GenerationChunk:
         """The chunk of new output to send now. A trailing stop token is not shown; the text
         ends before the first stop string; text that could still grow into a stop string is
         held back until it cannot."""
-        self._decode_new_text(tokenizer, self._visible_ids(tokenizer.eos_token_ids), self.finish_reason is not None)
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_ids)
+        self.text += self._detokenizer.new_text(tokenizer, self._visible_ids(tokenizer.eos_token_ids),
+                                                self.finish_reason is not None)
         longest_stop = max((len(s) for s in self.params.stop), default=0)
         cut = -1
         if len(self.output_ids) < self.params.min_tokens:

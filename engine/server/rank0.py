@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from engine.common.generation import EngineError, TokenizerLike
 from engine.runtime.launch import LaunchConfig
+from engine.runtime.model_runner import StartupContext
 from engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
 from engine.runtime.step_cost import measure_step_cost
 from engine.runtime.supervisor import Supervisor
@@ -43,13 +44,6 @@ from engine.server.http.server import DrainingServer, HttpLimits, http_config
 from server_args import ServerArgs
 
 logger = logging.getLogger("engine.launch_server")
-
-
-def startup_summary(seconds: dict[str, float]) -> str:
-    """The start-up part of the startup line: the runner's phases (``startup_s``: weights,
-    fusion setup, KV cache, graphs, warm-up) and their sum."""
-    phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items())
-    return f"start-up {sum(seconds.values()):.1f} s: {phases}"
 
 
 def fusion_summary(status: dict[str, Any]) -> str:
@@ -71,10 +65,14 @@ class ServingParts:
 class Rank0Server:
     """Node 0's TP workers and rank 0 with the HTTP server (the module docstring)."""
 
-    def __init__(self, args: ServerArgs, launch: LaunchConfig, tokenizer: TokenizerLike) -> None:
+    def __init__(self, args: ServerArgs, launch: LaunchConfig, tokenizer: TokenizerLike,
+                 startup: Optional[StartupContext] = None) -> None:
+        """``startup``: the launcher's start-up stages (rank 0's continue them) and the model file
+        it parsed (rank 0 loads from it)."""
         self.args = args
         self.launch = launch
         self.tokenizer = tokenizer
+        self.startup = startup or StartupContext()
         self.model_name = args.served_model_name or args.model_path
         self._watch: Optional[GroupWatch] = None
         self._workers_ended = False
@@ -99,7 +97,8 @@ class Rank0Server:
         stack.callback(self._end_workers)  # also when rank 0's group or model fails to build
         self.supervisor = Supervisor(self.workers)
         self.workers.watch(self.supervisor.fail)
-        rank = build_rank(stack, launch, 0, watch=self._make_watch, peers_done=self._end_workers)
+        rank = build_rank(stack, launch, 0, watch=self._make_watch, peers_done=self._end_workers, startup=self.startup)
+        self.startup.parsed = None  # loaded: the model file's maps can go
         scheduler = self._scheduler(rank)
         body_limit = max_request_bytes(args.max_request_bytes, rank.runner.context_len)
         engine = Engine(scheduler, self.tokenizer, self.model_name, rank.runner.context_len, rank.fusion,
@@ -138,7 +137,8 @@ class Rank0Server:
             warm_up(rank.runner, scheduler.policy.max_extend_tokens)  # before the scheduler's first plan and before /health
         budget = scheduler.policy.budget
         if budget is not None and budget.target_s:  # the step cost, measured once warm
-            cost = measure_step_cost(rank.runner, budget.max_tokens, budget.target_s)
+            with rank.runner.stages.stage("step cost", rank.runner.synchronize):
+                cost = measure_step_cost(rank.runner, budget.max_tokens, budget.target_s)
             budget.start_from(cost)
             logger.info("step cost %.1f ms + %.3f ms per token: %d prompt tokens per step (target %g ms)",
                         cost.fixed_s * 1e3, cost.per_token_s * 1e3, budget.prompt_tokens(0), args.step_time_target_ms)
@@ -166,7 +166,7 @@ class Rank0Server:
         logger.info("serving %s on http://%s:%d (TP %d, %s; %s)", self.model_name, self.args.host, self.args.port,
                     rank.group.world_size, fusion_summary(rank.fusion.status())
                     + ("; deterministic (batch-invariant)" if rank.runner.deterministic else ""),
-                    startup_summary(rank.runner.startup_s))
+                    self.startup.stages.summary())
 
     @staticmethod
     def _stop_scheduler(scheduler: Scheduler, thread: threading.Thread) -> None:

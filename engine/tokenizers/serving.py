@@ -4,12 +4,15 @@ stored in its metadata."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tokenizers import AddedToken
 
 from engine.models.builtin import BUILTIN_MODELS, builtin_config
 from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.weights.gguf_loader import ParsedGGUF
 
 
 def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:
@@ -22,22 +25,29 @@ def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_serving_tokenizer(model_path: str, tokenizer_path: Optional[str] = None) -> Tokenizer:
-    """ValueError naming the path when ``model_path`` (or ``tokenizer_path``) does not exist or
-    holds no tokenizer."""
+def check_paths_exist(model_path: str, tokenizer_path: Optional[str] = None) -> None:
+    """ValueError naming the option when ``model_path`` (unless a built-in model) or
+    ``tokenizer_path`` does not exist."""
     for flag, given in (("--model-path", model_path), ("--tokenizer-path", tokenizer_path)):
         if given and given not in BUILTIN_MODELS and not Path(given).exists():
             raise ValueError(f"{flag} {given!r}: no such file or directory"
                              + (f" (nor a built-in model: {', '.join(BUILTIN_MODELS)})" if flag == "--model-path" else ""))
+
+
+def load_serving_tokenizer(model_path: str, tokenizer_path: Optional[str] = None,
+                           parsed: Optional[ParsedGGUF] = None) -> Tokenizer:
+    """ValueError naming the path when ``model_path`` (or ``tokenizer_path``) does not exist or
+    holds no tokenizer. ``parsed``: the model's GGUF file, parsed already (not parsed again)."""
+    check_paths_exist(model_path, tokenizer_path)
     if tokenizer_path:
         return load_tokenizer(tokenizer_path)
     if model_path in BUILTIN_MODELS:
         return dummy_model_tokenizer(builtin_config(model_path).vocab_size)
     path = Path(model_path)
-    if path.is_file() and path.suffix == ".gguf":
+    if parsed is not None or (path.is_file() and path.suffix == ".gguf"):
         from engine.weights.gguf_tokenizer import load_gguf_tokenizer
 
-        gguf = load_gguf_tokenizer(path)
+        gguf = load_gguf_tokenizer(parsed or path)
         tok = gguf.tokenizer
         name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
         return Tokenizer(tok, name(gguf.bos_token_id), [name(i) for i in gguf.eos_token_ids], gguf.chat_template)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -72,6 +73,31 @@ def gguf_shard_paths(path: Path, reader: GGUFReader) -> list[Path]:
         if not p.is_file():
             raise ModelFileError(p, f"missing: shard of the {count}-file split GGUF {path}")
     return paths
+
+
+@dataclass(frozen=True)
+class ParsedGGUF:
+    """A GGUF model's files, each checked and parsed once (`open_gguf`): the first shard (which
+    holds the metadata, the tokenizer's too) and every shard's reader, in order. The launcher
+    parses the file once and hands this to the tokenizer, the checks and the weights' load."""
+
+    path: Path
+    readers: tuple[tuple[Path, GGUFReader], ...]
+
+    @property
+    def metadata(self) -> GGUFReader:
+        return self.readers[0][1]
+
+
+def parse_gguf(path: Union[str, Path]) -> ParsedGGUF:
+    """Check and parse the GGUF file ``path`` and, for a split GGUF given its first shard, the
+    other shards. `ModelFileError` naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(path, "no such GGUF file")
+    first = open_gguf(path)
+    shard_paths = gguf_shard_paths(path, first)  # before reading metadata: only the first shard has it
+    return ParsedGGUF(path, ((path, first), *((p, open_gguf(p)) for p in shard_paths[1:])))
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,21 +176,19 @@ def _check_tensors(readers: list[tuple[Path, GGUFReader]], config: ModelConfig, 
         raise ModelFileError(path, str(exc)) from None
 
 
-def load_gguf(path: Union[str, Path], dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """Check the file now (`open_gguf`: a complete GGUF file; its config; every tensor's name,
-    type and shape, none missing) and yield the tensors lazily, each checked finite.
+def load_gguf(file: Union[str, Path, ParsedGGUF],
+              dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Check the file now (`parse_gguf`, unless ``file`` is parsed already: a complete GGUF file;
+    its config; every tensor's name, type and shape, none missing) and yield the tensors lazily,
+    each checked finite.
 
     Raises `ModelFileError` naming the file and the problem (`MissingMetadataError` names the
     key, `UnsupportedTensorTypeError` the tensor and its type); while iterating, for a tensor
     with NaN or infinite values.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelFileError(path, "no such GGUF file")
-    first = open_gguf(path)
-    shard_paths = gguf_shard_paths(path, first)  # before reading metadata: only the first shard has it
-    arch = gguf_architecture(first, str(path))
-    readers = [(path, first)] + [(p, open_gguf(p)) for p in shard_paths[1:]]
+    parsed = file if isinstance(file, ParsedGGUF) else parse_gguf(file)
+    path, readers = parsed.path, list(parsed.readers)
+    arch = gguf_architecture(parsed.metadata, str(path))
     config = _config(readers, path)
     moe_names = config.architecture in MOE_NAME_ARCHITECTURES  # experts, router or q/k norms are this file's
     _check_tensors(readers, config, moe_names, path)

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from engine.weights.errors import ModelFileError
 from engine.weights.gguf_file import open_gguf
+from engine.weights.gguf_loader import ParsedGGUF
 from engine.weights.gguf_names import eos_token_ids, field_value
 
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -127,15 +128,15 @@ def _post_processor(tokens: list[str], bos: Optional[int], eos: Optional[int], a
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def load_gguf_tokenizer(path: Union[str, Path]) -> GGUFTokenizer:
-    """Build the tokenizer stored in a GGUF file.
+def load_gguf_tokenizer(file: Union[str, Path, ParsedGGUF]) -> GGUFTokenizer:
+    """Build the tokenizer stored in a GGUF file (parsed here unless ``file`` is parsed already).
 
     Raises `ModelFileError` naming the file: not a complete GGUF file (`open_gguf`), an unsupported
     ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre``, or (`MissingMetadataError`) an absent
     required key (tokens, merges or scores).
     """
-    path = str(path)
-    reader = open_gguf(path)
+    reader = file.metadata if isinstance(file, ParsedGGUF) else open_gguf(file)
+    path = str(file.path if isinstance(file, ParsedGGUF) else file)
     kind = field_value(reader, Keys.Tokenizer.MODEL, path=path)
     tokens: list[str] = field_value(reader, Keys.Tokenizer.LIST, path=path)
     types: list[int] = field_value(reader, Keys.Tokenizer.TOKEN_TYPE, [TokenType.NORMAL] * len(tokens))

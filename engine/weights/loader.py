@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
 from engine.models.config import ModelConfig
-from engine.weights.gguf_loader import load_gguf
+from engine.weights.gguf_loader import ParsedGGUF, load_gguf, parse_gguf
 from engine.weights.safetensors_loader import load_safetensors, read_hf_config
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -39,25 +39,35 @@ def resolve_load_format(model_path: Union[str, Path], load_format: str = "auto")
     )
 
 
-def _config_at(model_path: Union[str, Path]) -> ModelConfig:
+def _config_at(model_path: Union[str, Path], parsed: Optional[ParsedGGUF]) -> ModelConfig:
     """The config of a HF directory or a GGUF file, for dummy weights of that shape."""
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path)[0]
+        return load_gguf(parsed or path)[0]
     return read_hf_config(path)
 
 
+def parse_model_file(model_path: Union[str, Path], load_format: str = "auto") -> Optional[ParsedGGUF]:
+    """The model's GGUF file parsed (`parse_gguf`), for the tokenizer, the checks and the load to
+    share; None for a model that is no GGUF file (a HF directory, a built-in name)."""
+    path = Path(model_path)
+    gguf = load_format == "gguf" or (load_format in ("auto", "dummy") and path.is_file() and path.suffix == ".gguf")
+    return parse_gguf(path) if gguf else None
+
+
 def load_model_weights(
-    model_path: Union[str, Path], load_format: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0
+    model_path: Union[str, Path], load_format: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
+    parsed: Optional[ParsedGGUF] = None,
 ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """The model's config and its full (unsharded) tensors under HF names, cast to ``dtype``,
-    produced lazily one at a time. ``seed`` is used by ``dummy`` only."""
+    produced lazily one at a time. ``seed`` is used by ``dummy`` only; ``parsed``: the GGUF
+    file `parse_model_file` parsed (None: parsed here)."""
     fmt = resolve_load_format(model_path, load_format)
     if fmt == "safetensors":
         return load_safetensors(model_path, dtype)
     if fmt == "gguf":
-        return load_gguf(model_path, dtype)
+        return load_gguf(parsed or model_path, dtype)
     from engine.weights.dummy import dummy_weights
 
-    config = _config_at(model_path)
+    config = _config_at(model_path, parsed)
     return config, dummy_weights(config, seed=seed, dtype=dtype)

@@ -63,10 +63,17 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._bytes: dict[int, bytes] = {}
         self._alone: dict[int, str] = {}
+        self._unknown: set[int] = set()  # ids the tokenizer lacks
 
     def bytes(self, token_id: int) -> bytes:
+        """The token's bytes; none for an id the tokenizer lacks (a row padding the model's
+        vocabulary: decoding leaves it out)."""
         if token_id not in self._bytes:
-            self._bytes[token_id] = self.tokenizer.token_bytes(token_id)
+            try:
+                self._bytes[token_id] = self.tokenizer.token_bytes(token_id)
+            except ValueError:
+                self._bytes[token_id] = b""
+                self._unknown.add(token_id)
         return self._bytes[token_id]
 
     def text(self, token_id: int) -> str:
@@ -86,8 +93,8 @@ class TokenTexts:
         return raw
 
     def is_skipped(self, token_id: int) -> bool:
-        """Whether decoding leaves the token out of a text (a special token)."""
-        return not self.decoded_alone(token_id) and bool(self.bytes(token_id).strip())
+        """Whether decoding leaves the token out of a text (a special token, an id the tokenizer lacks)."""
+        return not self.decoded_alone(token_id) and (bool(self.bytes(token_id).strip()) or token_id in self._unknown)
 
     def shown(self, token_id: int, at_start: bool) -> str:
         """The token's text in the legacy object: its text as it stands in a decoded text
@@ -126,10 +133,11 @@ class TextOffsets:
         self._known: Optional[bytes] = None  # the current text's bytes, when known whole
         self._pos = 0  # bytes of it placed so far
 
-    def begin_text(self, offset: int, known: Optional[str] = None) -> None:
+    def begin_text(self, offset: int, known: Optional[str] = None, at_start: bool = True) -> None:
         """A separately decoded text begins at ``offset``: the echoed prompt (``known``, whole)
-        at 0, or the output after it."""
-        self.chars, self.at_start = offset, True
+        at 0, or the output after it (``at_start``: whether the decoder begins a text with it,
+        i.e. the prompt decodes to nothing; else the output continues the prompt's text)."""
+        self.chars, self.at_start = offset, at_start
         self._known, self._pos = (known.encode("utf-8"), 0) if known is not None else (None, 0)
 
     def place(self, texts: TokenTexts, token_id: int) -> tuple[str, int]:

@@ -1,5 +1,6 @@
 """The SGLang-style routes: POST /generate (text or token ids in, the cumulative text and ids
-streamed out) and POST /flush_cache."""
+streamed out; a sampling field it does not know is refused by name, as the OpenAI routes refuse
+those they cannot honour) and POST /flush_cache."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,9 @@ def add_native_routes(app: FastAPI, server: RequestHandler) -> None:
     async def generate(req: GenerateRequest, request: Request) -> Any:
         fields = req.sampling_params.as_fields()
         server.check(fields)
+        unknown = req.sampling_params.unknown_fields()
+        if unknown:
+            raise APIError(400, f"not supported: {', '.join(unknown)}")
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids")
         ids = await asyncio.to_thread(server.completion_ids, req.text if req.input_ids is None else req.input_ids)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
+from engine.scheduling.detokenizer import output_starts_text
 from engine.server.api.logprobs_format import (
     ChatLogprobs, CompletionLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs,
 )
@@ -105,11 +106,12 @@ class CompletionOutput:
     def _output_legacy(self, ids: list[int], logprobs: list[Optional[TokenLogprob]],
                        text_end: int) -> Optional[CompletionLogprobs]:
         """Output tokens, continuing the offsets (None without logprobs). The engine decodes the
-        output on its own: its text begins after the echo."""
+        output after the prompt's text: it begins after the echo, and a text only where the
+        prompt decodes to nothing."""
         if not self.wants_logprobs:
             return None
         if not self.output_begun:
-            self.offsets.begin_text(len(self.echo_text))
+            self.offsets.begin_text(len(self.echo_text), at_start=output_starts_text(self.texts.tokenizer, self.prompt_ids))
             self.output_begun = True
         return completion_logprobs(self.texts, self.offsets, ids, logprobs, text_end)
 

@@ -245,10 +245,13 @@ class ChatCompletionRequest(SamplingFields):
         return bad + [p for i, m in enumerate(self.messages) for p in m.problems(i)]
 
 
-class GenerateSamplingParams(_Strict):
-    """SGLang's ``sampling_params`` (``max_new_tokens`` instead of ``max_tokens``)."""
+class GenerateSamplingParams(RequestBody):
+    """SGLang's ``sampling_params`` (``max_new_tokens`` instead of ``max_tokens``,
+    ``min_new_tokens`` instead of ``min_tokens``); a field it does not list is refused by name
+    (`unknown_fields`), never ignored."""
 
     max_new_tokens: Optional[Int64] = None
+    min_new_tokens: Optional[Int64] = None
     temperature: Optional[Finite] = None
     top_p: Optional[Finite] = None
     top_k: Optional[Int64] = None
@@ -256,10 +259,19 @@ class GenerateSamplingParams(_Strict):
     stop: Union[Text, list[Text], None] = None
     stop_token_ids: Optional[list[Int64]] = None
     ignore_eos: bool = False
+    presence_penalty: Optional[Finite] = None
+    frequency_penalty: Optional[Finite] = None
+    repetition_penalty: Optional[Finite] = None
+    logit_bias: Optional[dict[str, Finite]] = None
+
+    def unknown_fields(self) -> list[str]:
+        """``"sampling_params.NAME (unknown)"`` for each field this server does not know."""
+        return [f"sampling_params.{name} (unknown)" for name in self.model_extra or {}]
 
     def as_fields(self) -> SamplingFields:
-        values = self.model_dump(exclude={"max_new_tokens"})
-        return SamplingFields(max_tokens=self.max_new_tokens, **values)
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        renamed = {"max_tokens": values.pop("max_new_tokens"), "min_tokens": values.pop("min_new_tokens")}
+        return SamplingFields(**renamed, **values)
 
 
 class GenerateRequest(_Strict):
