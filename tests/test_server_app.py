@@ -160,7 +160,7 @@ def test_chat_streaming(client: TestClient, include_usage: bool) -> None:
 
 
 def test_chat_template_error_is_400(client: TestClient, fake: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_template(messages: list) -> str:
+    def no_template(messages: list, add_generation_prompt: bool = True) -> str:
         raise ValueError("this tokenizer has no chat template")
 
     monkeypatch.setattr(fake.tokenizer, "apply_chat_template", no_template)

@@ -113,7 +113,8 @@ class Rank0Server:
         shutdown = EngineError(503, f"the server shut down before the request finished "
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
         limits = HttpLimits(body_limit, args.request_head_timeout, args.request_body_timeout, args.max_connections)
-        config = http_config(build_app(engine, self.model_name, lifecycle), limits, args.log_level)
+        app = build_app(engine, self.model_name, lifecycle, args.allow_special_tokens_in_messages)
+        config = http_config(app, limits, args.log_level)
         http = DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown),
                               lambda: self._log_serving(rank))
         return ServingParts(rank, scheduler, engine, lifecycle, http)

@@ -30,16 +30,18 @@ from engine.server.api.tokenizer_routes import add_tokenizer_routes
 from engine.server.http.lifecycle import InFlightMiddleware, Lifecycle
 
 
-def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None,
+              allow_special_tokens_in_messages: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``;
-    ``lifecycle`` (default: a new one) counts its requests and says when it drains."""
+    ``lifecycle`` (default: a new one) counts its requests and says when it drains. Special
+    tokens' text in chat messages is tokenized as text unless ``allow_special_tokens_in_messages``."""
     app = FastAPI(title="arfusion")
     lifecycle = lifecycle or Lifecycle()
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)
-    server = RequestHandler(engine, served_model_name, lifecycle)
+    server = RequestHandler(engine, served_model_name, lifecycle, allow_special_tokens_in_messages)
     add_error_handlers(app)
     add_openai_routes(app, server)
     add_native_routes(app, server)
     add_health_routes(app, server)
-    add_tokenizer_routes(app, engine, served_model_name)
+    add_tokenizer_routes(app, engine, served_model_name, allow_special_tokens_in_messages)
     return app

@@ -18,6 +18,7 @@ from engine.server.api.openai_outputs import Collected
 from engine.server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
 from engine.server.http.lifecycle import Lifecycle
 from engine.server.http.streaming import SSE_DONE, sse, until_finished
+from engine.tokenizers.chat_encoding import encode_chat
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
@@ -38,10 +39,12 @@ def api_error(exc: Exception) -> APIError:
 class RequestHandler:
     """Request handling against one `EngineClient` (turns requests into token ids and params)."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str, lifecycle: Lifecycle) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str, lifecycle: Lifecycle,
+                 allow_special_tokens_in_messages: bool = False) -> None:
         self.engine = engine
         self.model = served_model_name
         self.lifecycle = lifecycle
+        self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
 
     def check(self, fields: SamplingFields) -> None:
         """Draining, health, model name and unsupported fields, before any tokenization."""
@@ -81,14 +84,16 @@ class RequestHandler:
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """Messages rendered by the tokenizer's chat template (with the generation prompt), encoded
-        without adding special tokens again (the template already holds them)."""
+        without adding special tokens again (the template already holds them); message text is
+        tokenized as text (`encode_chat`) unless ``allow_special_tokens_in_messages``."""
         if not req.messages:
             raise APIError(400, "messages must not be empty")
         try:
-            text = self.engine.tokenizer.apply_chat_template([m.as_dict() for m in req.messages])
+            ids = encode_chat(self.engine.tokenizer, [m.as_dict() for m in req.messages],
+                              allow_special_tokens=self.allow_special_tokens_in_messages)
         except Exception as exc:  # a template's raise_exception, or no template at all
             raise APIError(400, f"cannot apply the chat template: {exc}") from exc
-        return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False), tokenized=True)
+        return self.check_ids(ids, tokenized=True)
 
     def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int],
                echo: bool = False) -> SamplingParams:
