@@ -11,8 +11,9 @@ on the event loop: a huge prompt delays only its own request. Every error is ans
 ``{"error": {"message", "type", "code"}}`` (`engine.server.api.error_responses`), an `EngineError`
 with its status (400, 500, 503); inside a stream that already started, an error event and then
 ``[DONE]``. While the server drains (`Lifecycle.draining`) new generation requests get 503. A
-client disconnect aborts its request in both modes: streams close the engine's generator when
-they end; a non-streaming request is cancelled as soon as its client leaves.
+client disconnect aborts its request in both modes: a non-streaming request, and a stream
+before its first chunk (while it waits or is prefilled), is cancelled as soon as its client
+leaves; a stream that has started closes the engine's generator when it ends.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Request handling shared by the HTTP route groups: `RequestHandler` turns a request into token
 ids and `SamplingParams` and runs it against one `EngineClient`; an engine failure before the
 first chunk is still an HTTP error (`api_error`); a client that disconnects cancels its
-non-streaming request (`unless_disconnected`, then `ClientGone`); a stream is SSE text ending in
+request (`unless_disconnected`, then `ClientGone`): a non-streaming one at any time, a stream
+before its first chunk (`start_stream`; later, closing the stream aborts it); a stream is SSE text ending in
 ``[DONE]``, with an error event if the engine fails mid-stream (`sse_events`)."""
 from __future__ import annotations
 
@@ -123,10 +124,19 @@ class RequestHandler:
         try:
             chunks = self.engine.generate(ids, params)
             return await chunks.__anext__(), chunks
+        except asyncio.CancelledError:  # its client left (`unless_disconnected`): abort the request
+            if chunks is not None:
+                await chunks.aclose()
+            raise
         except Exception as exc:
             if chunks is not None:
                 await chunks.aclose()
             raise api_error(exc) from exc
+
+    async def start_stream(self, request: Request, ids: list[int], params: SamplingParams) -> Started:
+        """`start` for a stream, cancelled when its client leaves before the first chunk (while
+        the request waits or is prefilled): `ClientGone` then, the request aborted."""
+        return await unless_disconnected(request, self.start(ids, params))
 
     @staticmethod
     async def collect(started: Started) -> Collected:
