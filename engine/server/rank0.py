@@ -131,7 +131,8 @@ class Rank0Server:
         """The scheduler over the warm runner, its step-time budget started from the measured step cost."""
         args = self.args
         scheduler = Scheduler(rank.runner, self.tokenizer, args.max_prefill_tokens, args.seed,
-                              on_failure=lambda why: self.supervisor.fail(f"the scheduler failed: {why}"),
+                              on_failure=lambda why: self.supervisor.fail(f"the scheduler failed: {why}",
+                                                                          scheduler.failure_traceback),
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
                               chunked_prefill_size=args.chunked_prefill_size,
                               step_time_target_s=args.step_time_target_ms / 1000)
