@@ -11,6 +11,7 @@ from engine.server.api import build_app
 from engine.tokenizers.chat_encoding import encode_chat
 from engine.tokenizers.serving import load_serving_tokenizer
 from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
+from server_args import ServerArgs
 from tests.fake_engine import FakeEngine
 from tests.gguf_files import qwen2_chat_file
 
@@ -87,3 +88,8 @@ def test_the_server_encodes_messages_as_text_unless_allowed(allow: bool):
     assert fake.requests[0][0] == tokenized == encode_chat(fake.tokenizer, messages, allow_special_tokens=allow)
     im_start = fake.tokenizer.special_tokens["<|im_start|>"]
     assert tokenized.count(im_start) == (3 if allow else 2)  # user turn and generation prompt (+ forged system)
+
+
+def test_the_trusted_caller_option_is_off_by_default_and_a_flag():
+    assert ServerArgs().allow_special_tokens_in_messages is False
+    assert ServerArgs.from_cli(["--allow-special-tokens-in-messages"]).allow_special_tokens_in_messages is True
