@@ -6,6 +6,7 @@ Starts a server (default: the built-in tiny model) on loopback and measures one 
 streamed tokens per second (a greedy stream of ``--tokens`` tokens, ``ignore_eos``) alone and
 while two other clients send, back to back, each of these abusive requests:
 
+    (control)         the same long stream without stop strings: what two other streams cost anyway
     largest allowed   64 stop strings of 1024 random characters, a long stream (served)
     40,000 stops      40,000 stop strings (refused: 400)
     500,000 chars     one stop string of 500,000 characters (refused: 400)
@@ -57,7 +58,8 @@ def stop_lists(seed: int) -> dict[str, list[str]]:
 
 def abusive_bodies(seed: int) -> dict[str, Optional[dict[str, Any]]]:
     base = {"prompt": "The stop strings are many", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    return {"alone": None, **{name: {**base, "stop": stops} for name, stops in stop_lists(seed).items()}}
+    return {"alone": None, "2 streams, no stop strings (control)": base,
+            **{name: {**base, "stop": stops} for name, stops in stop_lists(seed).items()}}
 
 
 def release_cost_us(stops: list[str], tokens: int = 400) -> Optional[float]:
