@@ -83,6 +83,7 @@ class ServerArgs(BaseModel):
     max_request_bytes: Optional[int] = Field(None, ge=1, description="Largest request body in bytes: a larger one is answered 413 before it is read or parsed (default: 64 bytes per token of the context length, at least 1 MiB)")
     request_head_timeout: float = Field(10.0, gt=0, description="Seconds a client has to send a request's line and headers, counted from the connection (first request) or from the request's first byte (later ones): a head still incomplete then is answered 408 and the connection closed")
     request_body_timeout: float = Field(60.0, gt=0, description="Seconds a client has to send a request's whole body, counted from the end of its headers (a body shorter than its Content-Length, or sent a few bytes at a time): a body still incomplete then is answered 408 and the connection closed")
+    allow_special_tokens_in_messages: bool = Field(False, description="Tokenize special tokens' text in chat messages (content, name) as the special tokens themselves, so that a message can hold control tokens such as <|im_start|>: for trusted callers only (off: only the chat template's own text yields special tokens, message text is tokenized as text)")
     max_connections: int = Field(1000, ge=1, description="Most open HTTP connections: a connection beyond them is answered 503 and closed at once (keep it below the process's open-file limit, ulimit -n)")
 
     @model_validator(mode="after")

@@ -36,12 +36,16 @@ class CharTokenizer:
     bos_token, eos_token = "<s>", "</s>"
     adds_bos = True
     chat_template = "<role>content per message"
+    special_tokens: dict[str, int] = {}  # BOS and EOS have no text that encodes to them
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode("latin-1"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("latin-1")
+
+    def encode_as_text(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         specials = {BOS: self.bos_token, EOS: self.eos_token}

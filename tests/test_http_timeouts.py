@@ -211,3 +211,26 @@ def test_sigterm_with_slow_clients_connected_exits_0_without_a_traceback():
     assert server.proc.returncode == 0, log
     assert all(not isinstance(a, BaseException) and a[0][0] == 503 for a in answers), answers
     assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def test_a_connection_answered_408_frees_its_slot_at_once(logs):
+    """``CONNECTIONS`` silent connections, each answered 408 after the head timeout and then kept
+    open by its client: a new connection is served right after (once lingering for its client's
+    input, a refused connection holds no slot of --max-connections; it held one 5 s more)."""
+    server = InProcessServer(FakeEngine(), LIMITS)
+
+    async def scenario() -> tuple[list[int], int, float]:
+        held = [await asyncio.open_connection(HOST, server.port) for _ in range(CONNECTIONS)]
+        answers = [(await asyncio.wait_for(read_answer(reader), SLACK * HEAD_S))[0] for reader, _ in held]
+        start = time.monotonic()
+        status = (await exchange(server.port, HEALTH))[0][0]
+        for _, writer in held:
+            writer.close()
+        return answers, status, time.monotonic() - start
+
+    try:
+        answers, status, elapsed = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert answers == [408] * CONNECTIONS
+    assert status == 200 and elapsed < 1.0, (status, elapsed)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine.common.sampling_params import SamplingParams
+from engine.runtime.logits_processors import RowState, process_logits
 from engine.runtime.sampler import StepLogits, filtered_sorted_probs, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
@@ -86,3 +87,34 @@ def test_temperatures_too_small_to_divide_by_decode_greedily():
     params = [SamplingParams(temperature=1e-30), SamplingParams(temperature=1e-5)]
     assert all(p.greedy for p in params)
     assert sample(step(logits), params, [gen(1), gen(2)]).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+@pytest.mark.parametrize("top_p", [1e-50, 7e-46, 5e-324, 1.4e-45, 1e-30, 1e-6])
+def test_a_top_p_too_small_for_fp32_decodes_greedily(top_p: float, top_k: int):
+    """Below fp32's smallest subnormal (about 1.4e-45) top_p rounds to 0; it then means its limit,
+    the most likely token alone (it once kept none and picked the least likely token)."""
+    logits = torch.randn(4, 64, generator=gen(11)).repeat(25, 1) * 3
+    params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, seed=s) for s in range(100)]
+    tokens = sample(step(logits), params, [gen(s) for s in range(100)])
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e38, torch.finfo(torch.float32).max, 3.5e38, 1e39, 1.7e308])
+def test_a_temperature_beyond_fp32_is_uniform_over_the_allowed_tokens(temperature: float):
+    """Temperatures at and beyond fp32's largest value (3.4e38; 1e38 just below it) with a
+    min_tokens ban: every allowed token equally likely (within 0.03 over 6000 draws), a banned one
+    never (a temperature of inf once made the ban's -inf / inf a NaN and gave one token always)."""
+    eos, stop_id, vocab = 7, 3, 8
+    logits = torch.randn(1, vocab, generator=gen(12)) * 5
+    params = SamplingParams(temperature=temperature, min_tokens=2, max_tokens=4, stop_token_ids=(stop_id,))
+    processed = logits.clone()
+    process_logits(processed, [params], [RowState(generated=0)], (eos,), None)
+    draws = 6000
+    tokens = sample(step(logits.repeat(draws, 1)), [params] * draws, [gen(13 + i) for i in range(draws)],
+                    processed.repeat(draws, 1))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[eos] == 0 and counts[stop_id] == 0
+    allowed = [t for t in range(vocab) if t not in (eos, stop_id)]
+    torch.testing.assert_close(counts[allowed] / counts.sum(), torch.full((len(allowed),), 1 / len(allowed), dtype=torch.float64),
+                               atol=0.03, rtol=0)

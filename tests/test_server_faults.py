@@ -112,6 +112,9 @@ def test_a_worker_killed_under_load_fails_every_client_and_exits_1():
     print(f"\nkill -9 of rank 1 under load: exit code {server.proc.returncode} after {elapsed:.2f} s; "
           f"clients: {clients(outcomes)}")
     assert_failed_together(server, outcomes, workers, "TP worker rank 1 exited (code -9)")
+    errors = [line for line in server.log_text().splitlines() if " ERROR " in line]
+    assert errors and "TP worker rank 1 exited (code -9)" in errors[0], errors  # the line naming the rank first
+    assert "Traceback" not in server.log_text(), "the collective's traceback is logged at debug level only"
 
 
 def test_a_worker_stopped_for_less_than_dist_timeout_recovers_with_the_same_greedy_output(idling: IdlingServer):

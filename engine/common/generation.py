@@ -47,8 +47,10 @@ class TokenizerLike(Protocol):
     eos_token: Optional[str]
     adds_bos: bool  # encoding text with special tokens puts bos_token first
     chat_template: Optional[str]
+    special_tokens: dict[str, int]  # text -> id of every special (control) token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...  # the raw bytes one token stands for
+    def encode_as_text(self, text: str) -> list[int]: ...  # special tokens' text as plain text
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...

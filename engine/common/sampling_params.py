@@ -19,12 +19,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
+from engine.common.stop_strings import StopStrings
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5  # temperatures up to this decode greedily (dividing by them overflows fp32)
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| of one token, as OpenAI bounds it
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids per request (a min_tokens ban covers each one, every step)
+# Stop strings: OpenAI takes at most 4; these bound the automaton a request builds (`StopStrings`:
+# linear in the total length, 64 KiB of characters at most) and the text a stream may hold back.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        bad = next((s for s in self.stop if not 0 < len(s) <= MAX_STOP_STRING_CHARS), None)
+        if bad is not None:
+            raise ValueError(f"stop: every stop string must have 1 to {MAX_STOP_STRING_CHARS} characters, "
+                             f"got one of {len(bad)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
@@ -78,6 +90,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @cached_property
+    def stop_strings(self) -> StopStrings:
+        """The automaton that finds ``stop`` in the output (`StopStrings`), built at first use."""
+        return StopStrings(self.stop)
 
     @cached_property
     def stop_token_set(self) -> frozenset[int]:

@@ -6,11 +6,18 @@ they have penalties, a logit bias or a min_tokens ban (`engine.runtime.logits_pr
 Other rows need the step's full fp32 logits ``[B, vocab]`` (gathered when the step's plan asked
 for them, ``StepPlan.gather_logits``), processed the same way first:
 ``softmax(logits / temperature)`` restricted to the ``top_k`` largest and then to the smallest
-set whose probability reaches ``top_p`` (the token that crosses ``top_p`` is kept), renormalised, and sampled by inverse CDF: the first token of
+set whose probability reaches ``top_p`` (the token that crosses ``top_p`` is kept, so the most
+likely token always is), renormalised, and sampled by inverse CDF: the first token of
 the sorted distribution whose cumulative probability exceeds ``u * total``. ``u`` comes from
 the request's own ``torch.Generator`` on the CPU (seeded from its ``seed``, else from the
 engine's seed and its id), so a seeded request gives the same tokens whatever else is in the
 batch, while the filtering and the search run for all rows at once on the GPU.
+
+Edge values mean their limits: a ``top_p`` too small for fp32 (below 1.4e-45 it rounds to 0)
+keeps the most likely token alone (greedy); a temperature beyond fp32's largest finite value
+(3.4e38, which would divide into inf, and a banned token's -inf / inf into NaN) is that largest
+value, which makes every allowed token equally likely (|logit| / 3.4e38 rounds to 0) and keeps a
+banned one at probability 0.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import torch
 
 from engine.common.sampling_params import SamplingParams
 from engine.runtime.logprobs import TokenLogprobs
+
+FP32_MAX = torch.finfo(torch.float32).max  # temperatures above it divide as it does (see above)
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ def filtered_sorted_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
-    keep_p = before < top_p[:, None]
+    keep_p = (before < top_p[:, None]) | (rank == 0)
     return sorted_probs * (keep_k & keep_p), order
 
 
@@ -72,7 +81,7 @@ def sample(step: StepLogits, params: Sequence[SamplingParams], generators: Seque
         return tokens
     dev = logits.device
     sub = [params[i] for i in rows]
-    temperature = torch.tensor([p.temperature for p in sub], device=dev, dtype=torch.float32)
+    temperature = torch.tensor([min(p.temperature, FP32_MAX) for p in sub], device=dev, dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in sub], device=dev)
     top_p = torch.tensor([p.top_p for p in sub], device=dev, dtype=torch.float32)
     uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(dev)

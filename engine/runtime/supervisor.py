@@ -40,13 +40,18 @@ class Supervisor:
         responses not sent yet."""
         self._fail_all, self._in_flight = fail_all, in_flight
 
-    def fail(self, reason: str) -> NoReturn:
-        """Bring the server down because of ``reason`` (any thread; never returns)."""
+    def fail(self, reason: str, detail: Optional[str] = None) -> NoReturn:
+        """Bring the server down because of ``reason`` (any thread; never returns). ``detail``
+        (a traceback) follows the one line naming the culprit: at debug level when a worker is
+        to blame (a collective's error on the other ranks says only that a peer is gone), else
+        at error level (a fault of rank 0's own)."""
         if not self._once.acquire(blocking=False):
             threading.Event().wait()  # another thread is already bringing the server down
         culprit = self.workers.wait_for_failure(CULPRIT_WAIT_S)
         message = reason if culprit is None or culprit == reason else f"{culprit} ({reason})"
         logger.error("%s: shutting the server down", message)
+        if detail is not None:
+            logger.log(logging.ERROR if culprit is None else logging.DEBUG, "the failure's traceback:\n%s", detail)
         if self._fail_all is not None:
             ended = self._fail_all(EngineError(500, f"{culprit or reason}; the server is shutting down"))
             deadline = time.monotonic() + ANSWER_WAIT_S

@@ -41,6 +41,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens scored so far
     _detokenizer: Optional[IncrementalDetokenizer] = None  # made by the first `release`
     _stop_floor: int = 0  # a stop string must end past this much text (the text before min_tokens)
+    _stop_state: int = 0  # the stop-string automaton's state after ``text[:_stop_scanned]``
+    _stop_scanned: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -91,28 +93,35 @@ class Request:
             return ids[:-1]
         return ids
 
+    def _find_stop(self) -> Optional[int]:
+        """Where the text is cut for a stop string: the start of the first one to end in the text
+        not yet scanned, past ``_stop_floor`` (the longest of those ending at the same place);
+        None for none. Scans only the new text, with the request's one `StopStrings` automaton."""
+        if not self.params.stop:
+            return None
+        self._stop_state, cut = self.params.stop_strings.scan(self._stop_state, self.text, self._stop_scanned,
+                                                              self._stop_floor)
+        self._stop_scanned = len(self.text)
+        return cut
+
     def release(self, tokenizer: TokenizerLike) -> GenerationChunk:
         """The chunk of new output to send now. A trailing stop token is not shown; the text
-        ends before the first stop string; text that could still grow into a stop string is
-        held back until it cannot."""
+        ends before the first stop string to end in it; text that could still grow into a stop
+        string (the automaton state's depth) is held back until it cannot."""
         if self._detokenizer is None:
             self._detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_ids)
         self.text += self._detokenizer.new_text(tokenizer, self._visible_ids(tokenizer.eos_token_ids),
                                                 self.finish_reason is not None)
-        longest_stop = max((len(s) for s in self.params.stop), default=0)
-        cut = -1
         if len(self.output_ids) < self.params.min_tokens:
             self._stop_floor = len(self.text)
-        else:
-            search_from = max(0, len(self.released_text) - longest_stop)
-            hits = (self.text.find(s, max(search_from, self._stop_floor - len(s) + 1)) for s in self.params.stop)
-            cut = min((at for at in hits if at != -1), default=-1)
-        if cut != -1:
+        cut = self._find_stop()
+        if cut is not None:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
             releasable = self.text
         elif self.finish_reason is None:
-            releasable = self.text[: max(len(self.released_text), len(self.text) - max(longest_stop - 1, 0))]
+            held = self.params.stop_strings.depth[self._stop_state] if self.params.stop else 0
+            releasable = self.text[: max(len(self.released_text), len(self.text) - held)]
         else:
             releasable = self.text
         delta = releasable[len(self.released_text):]

@@ -30,8 +30,10 @@ with its first token. A request of ``max_tokens`` 0 ends after its prefill, its 
 Isolation: a fault while sampling or taking in the tokens of one request fails that request
 alone (its client gets `EngineError` 500) and the step goes on for the others. A fault of a
 whole step (the forward, a collective) stops the scheduler: ``on_failure`` is told (the
-launcher brings the server down), then every request left gets `EngineError` 500. A scheduler
-that was stopped ends the requests left with `EngineError` 503.
+launcher brings the server down, and logs the one line that names the culprit, say a TP worker
+that died, first), then every request left gets `EngineError` 500; the fault's traceback is
+logged at debug level here and kept in ``failure_traceback``. A scheduler that was stopped ends
+the requests left with `EngineError` 503.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -72,7 +75,8 @@ class LaunchedStep:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
-                 on_failure: Callable[[str], None] = lambda reason: None, overlap: bool = True,
+                 on_failure: Callable[[str], None] = lambda reason: logger.error("scheduler failed: %s", reason),
+                 overlap: bool = True,
                  heartbeat_s: float = 30.0, chunked_prefill_size: int = -1, step_time_target_s: float = 0.0,
                  timer: Optional[StepTimer] = None) -> None:
         self.runner = runner
@@ -89,6 +93,7 @@ class Scheduler:
         self._inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self._stopped = threading.Event()
         self.failure: Optional[str] = None
+        self.failure_traceback: Optional[str] = None  # the failed step's traceback
         self._on_failure = on_failure  # the launcher brings the server down (peers may wait on us)
         self.steps = 0
         self.heartbeat_s = heartbeat_s
@@ -141,7 +146,8 @@ class Scheduler:
                     self._heartbeat()
         except Exception as exc:  # fail loudly: every waiting client gets an error, the server reports unhealthy
             self.failure = f"{type(exc).__name__}: {exc}"
-            logger.exception("scheduler failed; the server stops serving")
+            self.failure_traceback = traceback.format_exc()
+            logger.debug("scheduler failed; the server stops serving", exc_info=True)  # on_failure logs the error
             self._stopped.set()
         finally:
             if self.failure is not None:

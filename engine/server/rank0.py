@@ -112,7 +112,8 @@ class Rank0Server:
         shutdown = EngineError(503, f"the server shut down before the request finished "
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
         limits = HttpLimits(body_limit, args.request_head_timeout, args.request_body_timeout, args.max_connections)
-        config = http_config(build_app(engine, self.model_name, lifecycle), limits, args.log_level)
+        app = build_app(engine, self.model_name, lifecycle, args.allow_special_tokens_in_messages)
+        config = http_config(app, limits, args.log_level)
         http = DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown),
                               lambda: self._log_serving(rank))
         return ServingParts(rank, scheduler, engine, lifecycle, http)
@@ -129,7 +130,8 @@ class Rank0Server:
         """The scheduler over the warm runner, its step-time budget started from the measured step cost."""
         args = self.args
         scheduler = Scheduler(rank.runner, self.tokenizer, args.max_prefill_tokens, args.seed,
-                              on_failure=lambda why: self.supervisor.fail(f"the scheduler failed: {why}"),
+                              on_failure=lambda why: self.supervisor.fail(f"the scheduler failed: {why}",
+                                                                          scheduler.failure_traceback),
                               overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
                               chunked_prefill_size=args.chunked_prefill_size,
                               step_time_target_s=args.step_time_target_ms / 1000)

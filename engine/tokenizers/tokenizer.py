@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -88,6 +89,24 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The special (control) tokens' texts and ids: the added tokens marked special."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    @cached_property
+    def _text_only(self) -> HFTokenizer:
+        """A copy of the tokenizer that splits special tokens' texts like any other text (made at
+        first use, after any tokens were added; a copy, so that no shared flag flips between threads)."""
+        copy = HFTokenizer.from_str(self.tokenizer.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special token: a special token's text in it (say
+        ``<|im_end|>``) is tokenized as the characters it is made of; nothing is added."""
+        return self._text_only.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a UTF-8 character, possibly): a byte-level

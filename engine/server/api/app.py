@@ -11,8 +11,9 @@ on the event loop: a huge prompt delays only its own request. Every error is ans
 ``{"error": {"message", "type", "code"}}`` (`engine.server.api.error_responses`), an `EngineError`
 with its status (400, 500, 503); inside a stream that already started, an error event and then
 ``[DONE]``. While the server drains (`Lifecycle.draining`) new generation requests get 503. A
-client disconnect aborts its request in both modes: streams close the engine's generator when
-they end; a non-streaming request is cancelled as soon as its client leaves.
+client disconnect aborts its request in both modes: a non-streaming request, and a stream
+before its first chunk (while it waits or is prefilled), is cancelled as soon as its client
+leaves; a stream that has started closes the engine's generator when it ends.
 """
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ from engine.server.api.tokenizer_routes import add_tokenizer_routes
 from engine.server.http.lifecycle import InFlightMiddleware, Lifecycle
 
 
-def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None,
+              allow_special_tokens_in_messages: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``served_model_name``;
-    ``lifecycle`` (default: a new one) counts its requests and says when it drains."""
+    ``lifecycle`` (default: a new one) counts its requests and says when it drains. Special
+    tokens' text in chat messages is tokenized as text unless ``allow_special_tokens_in_messages``."""
     app = FastAPI(title="arfusion")
     lifecycle = lifecycle or Lifecycle()
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)
-    server = RequestHandler(engine, served_model_name, lifecycle)
+    server = RequestHandler(engine, served_model_name, lifecycle, allow_special_tokens_in_messages)
     add_error_handlers(app)
     add_openai_routes(app, server)
     add_native_routes(app, server)
     add_health_routes(app, server)
-    add_tokenizer_routes(app, engine, served_model_name)
+    add_tokenizer_routes(app, engine, served_model_name, allow_special_tokens_in_messages)
     return app

@@ -37,7 +37,7 @@ def add_native_routes(app: FastAPI, server: RequestHandler) -> None:
         if not req.stream:
             out = await unless_disconnected(request, server.complete(ids, params))
             return body(out.text, out.token_ids, out.last)
-        started = await server.start(ids, params)
+        started = await server.start_stream(request, ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
             text, output_ids = "", []

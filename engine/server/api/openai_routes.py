@@ -39,7 +39,7 @@ def add_openai_routes(app: FastAPI, server: RequestHandler) -> None:
             out = await unless_disconnected(request, server.complete(ids, params))
             choice = await asyncio.to_thread(output.whole, out) if output.extra else output.whole(out)
             return response([choice], Usage.of(out.last.prompt_tokens, out.last.completion_tokens))
-        started = await server.start(ids, params)
+        started = await server.start_stream(request, ids, params)
 
         async def events(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[CompletionResponse]:
             async for chunk in chunks:
@@ -67,7 +67,7 @@ def add_openai_routes(app: FastAPI, server: RequestHandler) -> None:
                                 logprobs=logprobs)
             return ChatCompletionResponse(id=rid, created=created, model=server.model, choices=[choice],
                                           usage=Usage.of(out.last.prompt_tokens, out.last.completion_tokens))
-        started = await server.start(ids, params)
+        started = await server.start_stream(request, ids, params)
 
         def chunk_of(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=server.model, choices=choices, usage=usage)

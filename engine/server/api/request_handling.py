@@ -1,7 +1,8 @@
 """Request handling shared by the HTTP route groups: `RequestHandler` turns a request into token
 ids and `SamplingParams` and runs it against one `EngineClient`; an engine failure before the
 first chunk is still an HTTP error (`api_error`); a client that disconnects cancels its
-non-streaming request (`unless_disconnected`, then `ClientGone`); a stream is SSE text ending in
+request (`unless_disconnected`, then `ClientGone`): a non-streaming one at any time, a stream
+before its first chunk (`start_stream`; later, closing the stream aborts it); a stream is SSE text ending in
 ``[DONE]``, with an error event if the engine fails mid-stream (`sse_events`)."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.server.api.openai_outputs import Collected
 from engine.server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
 from engine.server.http.lifecycle import Lifecycle
 from engine.server.http.streaming import SSE_DONE, sse, until_finished
+from engine.tokenizers.chat_encoding import encode_chat
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads
@@ -38,10 +40,12 @@ def api_error(exc: Exception) -> APIError:
 class RequestHandler:
     """Request handling against one `EngineClient` (turns requests into token ids and params)."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str, lifecycle: Lifecycle) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str, lifecycle: Lifecycle,
+                 allow_special_tokens_in_messages: bool = False) -> None:
         self.engine = engine
         self.model = served_model_name
         self.lifecycle = lifecycle
+        self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
 
     def check(self, fields: SamplingFields) -> None:
         """Draining, health, model name and unsupported fields, before any tokenization."""
@@ -81,14 +85,16 @@ class RequestHandler:
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """Messages rendered by the tokenizer's chat template (with the generation prompt), encoded
-        without adding special tokens again (the template already holds them)."""
+        without adding special tokens again (the template already holds them); message text is
+        tokenized as text (`encode_chat`) unless ``allow_special_tokens_in_messages``."""
         if not req.messages:
             raise APIError(400, "messages must not be empty")
         try:
-            text = self.engine.tokenizer.apply_chat_template([m.as_dict() for m in req.messages])
+            ids = encode_chat(self.engine.tokenizer, [m.as_dict() for m in req.messages],
+                              allow_special_tokens=self.allow_special_tokens_in_messages)
         except Exception as exc:  # a template's raise_exception, or no template at all
             raise APIError(400, f"cannot apply the chat template: {exc}") from exc
-        return self.check_ids(self.engine.tokenizer.encode(text, add_special_tokens=False), tokenized=True)
+        return self.check_ids(ids, tokenized=True)
 
     def params(self, fields: SamplingFields, prompt_len: int, max_tokens: Optional[int],
                echo: bool = False) -> SamplingParams:
@@ -109,15 +115,28 @@ class RequestHandler:
             raise APIError(400, str(exc)) from exc
 
     async def start(self, ids: list[int], params: SamplingParams) -> Started:
-        """Submit and wait for the first chunk, so that an engine failure is still an HTTP error."""
+        """Submit and wait for the first chunk, so that an engine failure is still an HTTP error.
+        The stop-string automaton is built first, in a worker thread (up to tens of milliseconds
+        for the longest lists), not in the thread that runs every request's steps."""
+        if params.stop:
+            await asyncio.to_thread(lambda: params.stop_strings)
         chunks = None
         try:
             chunks = self.engine.generate(ids, params)
             return await chunks.__anext__(), chunks
+        except asyncio.CancelledError:  # its client left (`unless_disconnected`): abort the request
+            if chunks is not None:
+                await chunks.aclose()
+            raise
         except Exception as exc:
             if chunks is not None:
                 await chunks.aclose()
             raise api_error(exc) from exc
+
+    async def start_stream(self, request: Request, ids: list[int], params: SamplingParams) -> Started:
+        """`start` for a stream, cancelled when its client leaves before the first chunk (while
+        the request waits or is prefilled): `ClientGone` then, the request aborted."""
+        return await unless_disconnected(request, self.start(ids, params))
 
     @staticmethod
     async def collect(started: Started) -> Collected:

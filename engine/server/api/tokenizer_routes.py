@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from engine.server.api.engine_client import EngineClient
 from engine.server.api.logprobs_format import TokenTexts
 from engine.server.api.protocol import APIError, ChatMessage, Int64, Text, RequestBody
+from engine.tokenizers.chat_encoding import encode_chat
 
 
 class TokenizeCompletionRequest(RequestBody):
@@ -58,8 +59,10 @@ class DetokenizeRequest(RequestBody):
     tokens: list[Int64]
 
 
-def add_tokenizer_routes(app: FastAPI, engine: EngineClient, served_model_name: str) -> None:
-    """Add /tokenize, /detokenize and /tokenizer_info for ``engine``'s tokenizer to ``app``."""
+def add_tokenizer_routes(app: FastAPI, engine: EngineClient, served_model_name: str,
+                         allow_special_tokens_in_messages: bool = False) -> None:
+    """Add /tokenize, /detokenize and /tokenizer_info for ``engine``'s tokenizer to ``app``;
+    messages are encoded as /v1/chat/completions encodes them (`encode_chat`)."""
     tokenizer = engine.tokenizer
 
     def check_model(model: Optional[str]) -> None:
@@ -70,11 +73,10 @@ def add_tokenizer_routes(app: FastAPI, engine: EngineClient, served_model_name: 
         if isinstance(req, TokenizeCompletionRequest):
             return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         try:
-            text = tokenizer.apply_chat_template([m.as_dict() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt)
+            return encode_chat(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt,
+                               req.add_special_tokens, allow_special_tokens_in_messages)
         except Exception as exc:  # a template's raise_exception, or no template at all
             raise APIError(400, f"cannot apply the chat template: {exc}") from exc
-        return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     @app.post("/tokenize")
     async def tokenize(req: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> dict[str, Any]:

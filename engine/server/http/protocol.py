@@ -21,7 +21,8 @@ connection reset.
   the client still sends is dropped unparsed, until the client closes or ``DRAIN_S`` seconds have
   passed (``SHUTDOWN_DRAIN_S`` at shutdown, within uvicorn's graceful shutdown time). Closing a
   socket with unread input sends a reset, which can destroy the answer before the client reads
-  it (a 200 KB header got a reset, not an answer).
+  it (a 200 KB header got a reset, not an answer). A lingering connection no longer counts
+  towards ``max_connections``: it has had its answer, and its socket closes within ``DRAIN_S``.
 
 Pass ``functools.partial(LimitedH11Protocol, head_timeout_s=..., max_connections=...)`` as
 uvicorn's ``http`` with ``h11_max_incomplete_event_size=MAX_HEAD_BYTES``
@@ -163,6 +164,7 @@ class _LingeringTransport:
             self._transport.close()
             return
         self._lingering = True
+        self._protocol.connections.discard(self._protocol)  # its slot of --max-connections is free now
         self._transport.write_eof()  # FIN once the answer is out; the client's input still arrives
         self._transport.resume_reading()
         asyncio.get_running_loop().call_later(self.drain_s, self._transport.close)

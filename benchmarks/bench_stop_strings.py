@@ -1,0 +1,182 @@
+"""Does a request with a flood of stop strings slow down other clients' streams?
+
+    python -m benchmarks.bench_stop_strings [--tokens 200] [--repeats 3] [-- server flags]
+
+Starts a server (default: the built-in tiny model) on loopback and measures one client's
+streamed tokens per second (a greedy stream of ``--tokens`` tokens, ``ignore_eos``) alone and
+while two other clients send, back to back, each of these abusive requests:
+
+    (control)         the same long stream without stop strings: what two other streams cost anyway
+    largest allowed   64 stop strings of 1024 random characters, a long stream (served)
+    40,000 stops      40,000 stop strings (refused: 400)
+    500,000 chars     one stop string of 500,000 characters (refused: 400)
+
+The scenarios take turns, ``--repeats`` rounds. Prints a table of the victim's median tokens/s
+per scenario and its ratio to the median alone. On a loaded machine the end-to-end rates are
+noisy, so it also measures what a stop list costs the thread that runs every request: the
+median time of one `Request.release` (one token's detokenization and stop-string check) of a
+request with each list (a list the server refuses is constructed directly where the checkout
+allows it, else reported refused). Both tables go to ``--out`` as JSON. Run it in another
+checkout (``PYTHONPATH=that/checkout``) for that code's numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+
+from engine.common.sampling_params import SamplingParams
+from engine.scheduling.request import Request
+from engine.tokenizers.tokenizer import build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stop_lists(seed: int) -> dict[str, list[str]]:
+    """The abusive stop lists by scenario name (the largest the server allows: 64 x 1024)."""
+    rng = random.Random(seed)
+    chars = [chr(c) for c in range(33, 127)]
+    return {
+        "largest allowed (64 x 1024 chars)": ["".join(rng.choice(chars) for _ in range(1024)) for _ in range(64)],
+        "40,000 stops": [f"stop {i}" for i in range(40_000)],
+        "500,000 chars": ["x" * 500_000],
+    }
+
+
+def abusive_bodies(seed: int) -> dict[str, Optional[dict[str, Any]]]:
+    base = {"prompt": "The stop strings are many", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    return {"alone": None, "2 streams, no stop strings (control)": base,
+            **{name: {**base, "stop": stops} for name, stops in stop_lists(seed).items()}}
+
+
+def release_cost_us(stops: list[str], tokens: int = 400) -> Optional[float]:
+    """Median microseconds of one `Request.release` over ``tokens`` random byte tokens of a
+    request with ``stops`` (none matches: bytes 0x80-0xff); None when the params are refused."""
+    try:
+        params = SamplingParams(max_tokens=tokens, stop=tuple(stops))
+    except ValueError:
+        return None
+    tokenizer = build_tiny_tokenizer()
+    rng = random.Random(1)
+    req = Request([1, 2], params, emit=lambda chunk: None)
+    times = []
+    for _ in range(tokens):
+        req.output_ids.append(rng.randrange(0x80, 0x100))
+        start = time.perf_counter()
+        req.release(tokenizer)
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+async def stream_rate(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
+    """Tokens per second of one greedy stream, from its first event to its last."""
+    body = {"prompt": "Hello there", "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                times.append(time.monotonic())
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+async def abuse(session: aiohttp.ClientSession, url: str, body: dict[str, Any], stop: asyncio.Event) -> int:
+    """Send ``body`` back to back until ``stop``; returns how many were sent."""
+    sent = 0
+    while not stop.is_set():
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            async for _ in resp.content:
+                if stop.is_set():
+                    break
+        sent += 1
+    return sent
+
+
+async def scenario(url: str, body: Optional[dict[str, Any]], tokens: int) -> tuple[float, int]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        stop = asyncio.Event()
+        abusers = [asyncio.ensure_future(abuse(session, url, body, stop)) for _ in range(2 if body else 0)]
+        await asyncio.sleep(1.0 if body else 0)  # the abusive requests are running
+        rate = await stream_rate(session, url, tokens)
+        stop.set()
+        return rate, sum(await asyncio.gather(*abusers))
+
+
+def start_server(port: int, flags: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise TimeoutError("the server did not become healthy within 300 s")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=200, help="tokens of the measured stream (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per scenario, median taken (default: %(default)s)")
+    p.add_argument("--out", default="bench_stop_strings.json", help="result file (default: %(default)s)")
+    p.add_argument("--release-only", action="store_true", help="only the Request.release table (no server)")
+    p.add_argument("server_flags", nargs="*", help="flags for engine.launch_server (after --)")
+    args = p.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    rows = serving_rows(url, port, args) if not args.release_only else []
+    costs = {"no stop strings": release_cost_us([])} | {name: release_cost_us(stops) for name, stops in stop_lists(0).items()}
+    print(f"\n{'stop list':36} {'one release, us':>16}")
+    for name, cost in costs.items():
+        print(f"{name:36} {'refused' if cost is None else f'{cost:.1f}':>16}")
+    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "server_flags": args.server_flags,
+                                          "rows": rows, "release_us": costs}, indent=2) + "\n")
+
+
+def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The victim's rates per scenario (printed as a table)."""
+    proc = start_server(port, args.server_flags)
+    try:
+        bodies = abusive_bodies(0)
+        asyncio.run(scenario(url, None, 16))  # warm up
+        rates: dict[str, list[float]] = {name: [] for name in bodies}
+        sent: dict[str, int] = {name: 0 for name in bodies}
+        for _ in range(args.repeats):
+            for name in bodies:  # the scenarios take turns: a change of the machine's load hits all
+                rate, n = asyncio.run(scenario(url, bodies[name], args.tokens))
+                rates[name].append(rate)
+                sent[name] += n
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    alone = statistics.median(rates["alone"])
+    rows = [{"scenario": name, "victim_tokens_per_s": round(statistics.median(r), 2), "ratio": round(statistics.median(r) / alone, 3),
+             "runs": [round(x, 2) for x in r], "abusive_requests_sent": sent[name]} for name, r in rates.items()]
+    print(f"{'scenario':36} {'victim tok/s':>12} {'vs alone':>9} {'abusive sent':>13}")
+    for row in rows:
+        print(f"{row['scenario']:36} {row['victim_tokens_per_s']:12.1f} {row['ratio']:9.3f} {row['abusive_requests_sent']:13d}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
