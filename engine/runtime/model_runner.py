@@ -13,6 +13,7 @@ else is in its batch, and the fusion op keeps to its deterministic strategies.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -35,6 +36,7 @@ from engine.runtime.step_progress import StepProgress
 from engine.weights.dummy import dummy_weights
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 from layers.batch_invariant import batch_invariant_mode, set_enabled
+from layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class RunnerSettings:
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    mxfp4_experts: str = "auto"  # MXFP4 experts: "keep", "dequantize" or "auto" (`keep_mxfp4`)
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -66,17 +69,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def keep_mxfp4(choice: str, device: torch.device) -> bool:
+    """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto" (keep on a
+    GPU with triton, where the weight-only MXFP4 MoE kernel runs; the CPU path dequantizes each
+    expert at every use, so there it pays to dequantize once at load)."""
+    if choice == "auto":
+        return device.type == "cuda" and triton_available()
+    return choice == "keep"
+
+
 def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device):
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
-    generated on ``device`` (fast for 8B shapes on a GPU)."""
+    generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes). A
+    config with MXFP4 experts gets ``keep_mxfp4`` from ``settings.mxfp4_experts``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
-        config = builtin_config(settings.model_path)
+        config = _expert_form(builtin_config(settings.model_path), settings, device)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from engine.weights.loader import load_model_weights
 
-    return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed)
+    config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed)
+    return _expert_form(config, settings, device), weights
+
+
+def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
+    if config.expert_format != "mxfp4":
+        return config
+    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
 
 
 def check_model_files(settings: RunnerSettings) -> ModelConfig:

@@ -21,9 +21,10 @@ residual add and the next RMSNorm, the combine folded into that reduction's inpu
 
 Kept in MXFP4 the experts hold ``w13_blocks [E, 2I_r, H/32, 16]``, ``w13_scales [E, 2I_r,
 H/32]``, ``w2_blocks [E, H, I_r/32, 16]``, ``w2_scales [E, H, I_r/32]`` (uint8; I_r a multiple of
-32): 4.25 bits a weight instead of 16. On a GPU with triton the MXFP4 experts run
-layers/moe/kernels/triton_mxfp4_moe.py (dequantized in registers, bf16 dots); elsewhere this
-module's torch code, which dequantizes each expert's weights as it runs it (the reference).
+32): 4.25 bits a weight instead of 16. On a GPU with triton the experts of either form run
+layers/moe/kernels/triton_mxfp4_moe.py (MXFP4 dequantized in registers, dots in the
+activations' dtype); elsewhere this module's torch code, which dequantizes each MXFP4 expert's
+weights as it runs it (the reference).
 """
 from __future__ import annotations
 
@@ -142,10 +143,10 @@ class GptOssExperts(nn.Module):
         return self.w13_weight[expert], self.w2_weight[expert]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.mxfp4 and x.is_cuda and triton_available():
-            from layers.moe.kernels.triton_mxfp4_moe import mxfp4_moe
+        if x.is_cuda and triton_available():
+            from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
-            return mxfp4_moe(x, self, topk_weights, topk_ids)
+            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids)
         return self.forward_torch(x, topk_weights, topk_ids)
 
     def forward_torch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
