@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from layers import batch_invariant
 from layers.kernels.triton_support import triton_available
 from layers.linear import check_shape, default_weight_loader, divide
 from layers.moe.mxfp4 import GROUP, dequantize_mxfp4
@@ -75,7 +76,7 @@ class GptOssRouter(nn.Module):
         self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.addmm(self.bias.float(), hidden_states.float(), self.weight.float().T)
+        logits = batch_invariant.linear(hidden_states.float(), self.weight.float(), self.bias.float())
         return route_topk_softmax(logits, self.top_k)
 
 
@@ -151,7 +152,9 @@ class GptOssExperts(nn.Module):
 
     def forward_torch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The reference: one matmul pair per expert that has tokens (reads the per-expert counts
-        back to the host), each expert output rounded to x's dtype, then `combine_topk`."""
+        back to the host), each expert output rounded to x's dtype, then `combine_topk`. In
+        batch-invariant mode the matmuls are `batch_invariant.linear` and the combine a fixed
+        tree over the k rows: every token's bits are its own on the CPU."""
         tokens, top_k = topk_ids.shape
         if tokens == 0:
             return x.new_empty(0, self.hidden_size)
@@ -165,12 +168,14 @@ class GptOssExperts(nn.Module):
                 continue
             slots = order[start:start + count]
             w13, w2 = self.expert_weights(expert, x.dtype)
-            gate_up = torch.addmm(self.w13_bias[expert], x[slots // top_k], w13.T)
+            gate_up = batch_invariant.linear(x[slots // top_k], w13, self.w13_bias[expert])
             act = clamped_swiglu(gate_up[:, :self.local], gate_up[:, self.local:], self.alpha, self.limit)
-            down = act @ w2.T
-            y[slots] = down + self.w2_bias[expert] if self.tp_rank == 0 else down
+            y[slots] = batch_invariant.linear(act, w2, self.w2_bias[expert] if self.tp_rank == 0 else None)
             start += count
-        return combine_topk(y.view(tokens, top_k, -1), topk_weights)
+        y = y.view(tokens, top_k, -1)
+        if batch_invariant.enabled():  # the k rows of a token by a fixed tree: its bits are its own
+            return batch_invariant.tree_sum((topk_weights[:, :, None] * y.float()).transpose(1, 2)).to(x.dtype)
+        return combine_topk(y, topk_weights)
 
 
 class GptOssMoeBlock(nn.Module):
