@@ -37,29 +37,79 @@ import triton.language as tl
 from layers.moe.align import ExpertBlocks, align_by_expert
 from layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from layers.moe.kernels.triton_align import align_by_expert_triton
-from layers.moe.kernels.triton_fused_moe import MoEBlockConfig, default_block_config
+from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+
+
+def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
+    """Tiles by the mean rows per expert (``num_slots / num_experts``). Decode-sized groups (at
+    most 16): 16-row blocks and 32-column tiles, so that even one token's k experts give
+    k * (2880 / 32) = 360 programs streaming weights on 132 SMs; larger groups taller blocks and
+    64-column tiles. block_k 128: 64 bytes of each MXFP4 row per step (bf16 form: 256)."""
+    rows_per_expert = num_slots / num_experts
+    if rows_per_expert <= 16:
+        return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
+                              num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
+                              num_warps=4, num_stages=3)
+    return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
+                          num_warps=8, num_stages=3)
 
 
 @triton.jit
-def _weight_tile(w_ptr, scales_ptr, expert, rows, offs_k, k0, row_mask, k_limit, stride_we, stride_wn,
-                 stride_se, stride_sn, MXFP4: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile of weight rows ``rows`` (output features), columns
-    k0 + offs_k, in fp32: loaded (bf16 weights) or dequantized from MXFP4 (module docstring)."""
-    k = k0 + offs_k
-    mask = (k < k_limit)[:, None] & row_mask[None, :]
+def _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, kb0, half_k, stride_wn, stride_sn, BLOCK_KH: tl.constexpr):
+    """The even-k and odd-k weights of output rows ``rows`` (int64) over the bytes kb0 ..
+    kb0 + BLOCK_KH - 1 of each row (k = 2 * byte, 2 * byte + 1): two ``[BLOCK_N, BLOCK_KH]``
+    fp32 tiles, dequantized as the module docstring says. The bytes load contiguous along k."""
+    kb = kb0 + tl.arange(0, BLOCK_KH)
+    mask = row_mask[:, None] & (kb < half_k)[None, :]
+    byte = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0).to(tl.uint16)
+    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + (kb // 16)[None, :], mask=mask, other=0).to(tl.int32)
+    factor = ((scale + 14) << 23).to(tl.float32, bitcast=True)  # 2^(scale - 127) * 2^14
+    even = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+    odd = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return even.to(tl.float32) * factor, odd.to(tl.float32) * factor
+
+
+@triton.jit
+def _dot_nk(a, w_nk, acc):
+    """``acc + a @ w_nk^T`` (``a [M, K]`` of the activations' dtype, ``w_nk [N, K]``): the dot in
+    a's dtype (fp32 at IEEE precision), fp32 accumulation."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, tl.trans(w_nk).to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w_nk).to(a.dtype), acc)
+
+
+@triton.jit
+def _load_act(a_base, a_valid, k0, k_size, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """The activations of one K-tile, rows at ``a_base`` (pointers ``[BLOCK_M, 1]``), invalid rows
+    and k >= k_size as zeros. MXFP4: its even and odd columns (``[BLOCK_M, BLOCK_K / 2]`` each,
+    matching the low and high nibbles); bf16 form: the whole tile, twice."""
     if MXFP4:
-        byte = tl.load(w_ptr + expert * stride_we + rows[None, :].to(tl.int64) * stride_wn + (k // 2)[:, None],
-                       mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
-        exponent = (code >> 1) & 3
-        mantissa = (code & 1).to(tl.float32)
-        magnitude = tl.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * tl.exp2((exponent - 1).to(tl.float32)))
-        value = tl.where(code >= 8, -magnitude, magnitude)
-        scale = tl.load(scales_ptr + expert * stride_se + rows[None, :].to(tl.int64) * stride_sn + (k // 32)[:, None],
-                        mask=mask, other=127)
-        return value * tl.exp2(scale.to(tl.float32) - 127.0)
-    return tl.load(w_ptr + expert * stride_we + rows[None, :].to(tl.int64) * stride_wn + k[:, None], mask=mask,
-                   other=0.0).to(tl.float32)
+        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        mask = a_valid[:, None] & (k_even < k_size)[None, :]
+        return (tl.load(a_base + k_even[None, :], mask=mask, other=0.0),
+                tl.load(a_base + (k_even + 1)[None, :], mask=mask, other=0.0))
+    k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_base + k[None, :], mask=a_valid[:, None] & (k < k_size)[None, :], other=0.0)
+    return a, a
+
+
+@triton.jit
+def _accumulate(a_first, a_second, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
+                BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """``acc`` plus one K-tile of ``A @ W[rows]^T`` (``a_first, a_second`` from `_load_act`;
+    ``w_ptr``, ``scales_ptr`` at one expert; ``rows`` int64 output rows): MXFP4 two dots, even
+    columns against low nibbles and odd against high; bf16 form one dot on the ``[BLOCK_N,
+    BLOCK_K]`` tile, loaded contiguous along k."""
+    if MXFP4:
+        w_even, w_odd = _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size // 2, stride_wn, stride_sn,
+                                      BLOCK_K // 2)
+        return _dot_nk(a_second, w_odd, _dot_nk(a_first, w_even, acc))
+    k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < k_size)[None, :],
+                other=0.0)
+    return _dot_nk(a_first, w, acc)
 
 
 @triton.jit
@@ -76,27 +126,22 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
-    tokens = (slots // TOPK).to(tl.int64)
+    x_base = x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
     offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
+    gate_rows = offs_n.to(tl.int64)
+    up_rows = gate_rows + inter
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dot_ty = act_ptr.dtype.element_ty
     for k0 in range(0, hidden, BLOCK_K):
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + (k0 + offs_k)[None, :],
-                    mask=valid[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
-        gate_w = _weight_tile(w_ptr, scales_ptr, expert, offs_n, offs_k, k0, n_mask, hidden, stride_we, stride_wn,
-                              stride_se, stride_sn, MXFP4)
-        up_w = _weight_tile(w_ptr, scales_ptr, expert, inter + offs_n, offs_k, k0, n_mask, hidden, stride_we,
-                            stride_wn, stride_se, stride_sn, MXFP4)
-        if dot_ty == tl.float32:
-            acc_gate = tl.dot(a, gate_w, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, up_w, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, gate_w.to(dot_ty), acc_gate)
-            acc_up = tl.dot(a, up_w.to(dot_ty), acc_up)
+        a_first, a_second = _load_act(x_base, valid, k0, hidden, BLOCK_K, MXFP4)
+        acc_gate = _accumulate(a_first, a_second, w_expert, s_expert, gate_rows, n_mask, k0, hidden, stride_wn,
+                               stride_sn, acc_gate, BLOCK_K, MXFP4)
+        acc_up = _accumulate(a_first, a_second, w_expert, s_expert, up_rows, n_mask, k0, hidden, stride_wn,
+                             stride_sn, acc_up, BLOCK_K, MXFP4)
+    dot_ty = act_ptr.dtype.element_ty
     gate_b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     up_b = tl.load(bias_ptr + expert * stride_be + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     gate = (acc_gate + gate_b[None, :]).to(dot_ty).to(tl.float32)
@@ -122,24 +167,20 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, scratch_ptr, topk_weights
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
+    act_base = act_ptr + offs_m.to(tl.int64)[:, None] * stride_act
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
     offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dot_ty = act_ptr.dtype.element_ty
     for k0 in range(0, inter, BLOCK_K):
-        a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_act + (k0 + offs_k)[None, :],
-                    mask=valid[:, None] & (k0 + offs_k < inter)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, scales_ptr, expert, offs_n, offs_k, k0, n_mask, inter, stride_we, stride_wn,
-                         stride_se, stride_sn, MXFP4)
-        if dot_ty == tl.float32:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(dot_ty), acc)
+        a_first, a_second = _load_act(act_base, valid, k0, inter, BLOCK_K, MXFP4)
+        acc = _accumulate(a_first, a_second, w_expert, s_expert, rows, n_mask, k0, inter, stride_wn, stride_sn, acc,
+                          BLOCK_K, MXFP4)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(dot_ty).to(tl.float32)  # the expert's output in the dtype, as the reference rounds it
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)  # the expert's output in the dtype, as the reference rounds it
     slots64 = slots.to(tl.int64)
     routing = tl.load(topk_weights_ptr + slots64, mask=valid, other=0.0)
     tl.store(scratch_ptr + slots64[:, None] * stride_scratch + offs_n[None, :], y * routing[:, None],
@@ -151,7 +192,8 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles
-    (`triton_fused_moe.default_block_config` by default; block_k a multiple of 32)."""
+    (`experts_block_config` by default; block_k a multiple of 32, block_n and block_k / 2 at
+    least 16)."""
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -162,7 +204,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
-    cfg = config or default_block_config(num_slots, num_experts)
+    cfg = config or experts_block_config(num_slots, num_experts)
     if experts.mxfp4 and (cfg.block_k_gate_up % 32 or cfg.block_k_down % 32):
         raise ValueError(f"MXFP4 tiles need block_k multiples of 32, got {cfg.block_k_gate_up}, {cfg.block_k_down}")
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
