@@ -11,12 +11,22 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
     combine   out[t] = sum_j p[t * k + j]                                  fp32 in slot order (one
               torch reduction over [T, k, H]), rounded once: deterministic
 
-MXFP4 in registers: a K-tile of BLOCK_K (a multiple of 32) weights of output row n reads the
-bytes ``blocks[e, n, k / 32, (k % 32) / 2]`` and the scales ``scales[e, n, k / 32]``; code =
-the low nibble for even k, the high one for odd k; E2M1 by arithmetic (sign bit 3, exponent
-bits 2..1, mantissa bit 0: e = 0 gives m / 2, else (1 + m / 2) * 2^(e - 1)), times
-2^(scale - 127), in fp32, then cast to the activations' dtype for the dot. Weight bytes read
-per expert: half a byte per weight and a byte per 32, about 3.8x fewer than bf16.
+MXFP4 in registers: a K-tile of BLOCK_K (a multiple of 32) columns of BLOCK_N output rows reads
+each row's ``BLOCK_K / 2`` bytes ``blocks[e, n, k / 32, (k % 32) / 2]`` as one tile contiguous
+along k (coalesced, every byte once) and the scales ``scales[e, n, k / 32]`` beside them; the
+low nibbles are the even-k weights, the high nibbles the odd-k ones, so the activations' even
+and odd columns go into two dots per K-tile. E2M1 by bit operations, no exp2: code c (sign bit
+3, exponent bits 2..1, mantissa bit 0) placed as ``(c & 7) << 9 | (c & 8) << 12`` is the fp16
+E2M1[c] * 2^-14 (e = 0 lands on fp16's subnormals: m / 2 * 2^-14, exact), and the fp32 whose
+bits are ``(scale + 14) << 23`` is 2^(scale - 127) * 2^14; their product (fp32) is the weight,
+exact, then cast to the activations' dtype for the dot. Scale bytes up to 240 (2^113), so all
+real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight bytes read per expert: half a byte per
+weight and a byte per 32, about 3.8x fewer than bf16. bf16-form weights load as ``[BLOCK_N,
+BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
+
+Deterministic run to run (fixed tiles per shape, each output element summed in one program in
+a fixed order, the combine a fixed torch reduction, no atomics); not batch-invariant (the tiles
+follow the rows per expert, as the README's deterministic section says of the MoE kernels).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
 weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
@@ -42,16 +52,18 @@ from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
 
 def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
     """Tiles by the mean rows per expert (``num_slots / num_experts``). Decode-sized groups (at
-    most 16): 16-row blocks and 32-column tiles, so that even one token's k experts give
-    k * (2880 / 32) = 360 programs streaming weights on 132 SMs; larger groups taller blocks and
-    64-column tiles. block_k 128: 64 bytes of each MXFP4 row per step (bf16 form: 256)."""
+    most 16): 16-row blocks and 32-column tiles, so that even one token's 4 experts give
+    4 * 2880 / 32 = 360 programs streaming weights over 132 SMs; larger groups taller blocks,
+    64-column tiles and 8 warps (4 warps spill at 32 x 64 x 128). block_k 128: 64 bytes of each
+    MXFP4 row per step. Register counts checked by compiling for sm90; speeds not yet measured
+    on a GPU (benchmarks/kernels/bench_mxfp4_moe.py)."""
     rows_per_expert = num_slots / num_experts
     if rows_per_expert <= 16:
         return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                               num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                              num_warps=4, num_stages=3)
+                              num_warps=8, num_stages=3)
     return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                           num_warps=8, num_stages=3)
 
@@ -76,8 +88,10 @@ def _dot_nk(a, w_nk, acc):
     """``acc + a @ w_nk^T`` (``a [M, K]`` of the activations' dtype, ``w_nk [N, K]``): the dot in
     a's dtype (fp32 at IEEE precision), fp32 accumulation."""
     if a.dtype == tl.float32:
-        return tl.dot(a, tl.trans(w_nk).to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(w_nk).to(a.dtype), acc)
+        acc = tl.dot(a, tl.trans(w_nk).to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w_nk).to(a.dtype), acc)
+    return acc
 
 
 @triton.jit
@@ -88,11 +102,13 @@ def _load_act(a_base, a_valid, k0, k_size, BLOCK_K: tl.constexpr, MXFP4: tl.cons
     if MXFP4:
         k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
         mask = a_valid[:, None] & (k_even < k_size)[None, :]
-        return (tl.load(a_base + k_even[None, :], mask=mask, other=0.0),
-                tl.load(a_base + (k_even + 1)[None, :], mask=mask, other=0.0))
-    k = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(a_base + k[None, :], mask=a_valid[:, None] & (k < k_size)[None, :], other=0.0)
-    return a, a
+        first = tl.load(a_base + k_even[None, :], mask=mask, other=0.0)
+        second = tl.load(a_base + (k_even + 1)[None, :], mask=mask, other=0.0)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        first = tl.load(a_base + k[None, :], mask=a_valid[:, None] & (k < k_size)[None, :], other=0.0)
+        second = first
+    return first, second
 
 
 @triton.jit
@@ -105,11 +121,13 @@ def _accumulate(a_first, a_second, w_ptr, scales_ptr, rows, row_mask, k0, k_size
     if MXFP4:
         w_even, w_odd = _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size // 2, stride_wn, stride_sn,
                                       BLOCK_K // 2)
-        return _dot_nk(a_second, w_odd, _dot_nk(a_first, w_even, acc))
-    k = k0 + tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < k_size)[None, :],
-                other=0.0)
-    return _dot_nk(a_first, w, acc)
+        acc = _dot_nk(a_second, w_odd, _dot_nk(a_first, w_even, acc))
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < k_size)[None, :],
+                    other=0.0)
+        acc = _dot_nk(a_first, w, acc)
+    return acc
 
 
 @triton.jit
