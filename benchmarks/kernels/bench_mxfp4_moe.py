@@ -11,6 +11,10 @@ share of 4.8 TB/s reached; and, against `GptOssExperts.forward_torch` on the sam
 relative RMS error of the first call's output (bf16 roundings in another order: about 5e-3).
 
     python -m benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --json out/bench_mxfp4_moe.json
+
+``--tiles`` times other tiles too (each ``BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,WARPS,STAGES``,
+e.g. ``16,64,128,64,128,4,4``), one row per tile set after the default tiles' row ("default":
+`experts_block_config`).
 """
 from __future__ import annotations
 
@@ -53,9 +57,26 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
 
 
-def bench(experts, tokens: int, seed: int) -> dict:
-    """One row: time, bytes, bandwidth share and error at ``tokens`` (module docstring)."""
-    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+def parse_tiles(text: str):
+    """``"16,32,128,32,128,4,4"`` -> a `MoEBlockConfig` (fields in its order)."""
+    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+
+    values = [int(v) for v in text.split(",")]
+    if len(values) != 7:
+        raise argparse.ArgumentTypeError(f"--tiles needs 7 integers BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,"
+                                         f"WARPS,STAGES, got {text!r}")
+    return MoEBlockConfig(*values)
+
+
+def bench(experts, tokens: int, seed: int, config=None) -> dict:
+    """One row: time, bytes, bandwidth share and error at ``tokens`` (module docstring), with the
+    tiles ``config`` (a `MoEBlockConfig`; None: the kernel's default)."""
+    from functools import partial
+
+    from layers.moe.kernels.triton_mxfp4_moe import experts_block_config
+    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton as run
+
+    gpt_oss_experts_triton = partial(run, config=config)
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = experts.num_experts
@@ -86,7 +107,8 @@ def bench(experts, tokens: int, seed: int) -> dict:
     active = statistics.mean(torch.unique(i).numel() for i in ids)
     nbytes = active * expert_bytes(experts)
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
-    return {"tokens": tokens, "us": us, "active_experts": active, "bytes": nbytes, "floor_us": floor_us,
+    used = config or experts_block_config(tokens * TOP_K, experts.num_experts)
+    return {"tokens": tokens, "tiles": "default" if config is None else "given", "config": used.__dict__, "us": us, "active_experts": active, "bytes": nbytes, "floor_us": floor_us,
             "bandwidth_share": floor_us / us, "rel_rms_error": error}
 
 
@@ -95,6 +117,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--weights", choices=("mxfp4", "bf16"), default="mxfp4")
+    parser.add_argument("--tiles", type=parse_tiles, nargs="*", default=[],
+                        help="more tile sets to time, each BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,WARPS,STAGES")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -105,15 +129,16 @@ def main() -> None:
     rows = []
     try:
         print(f"{'model':>13} {'weights':>7} {'tokens':>6} {'us':>9} {'experts':>7} {'MB read':>8} {'floor us':>8} "
-              f"{'% 4.8TB/s':>9} {'rel rms':>8}")
+              f"{'% 4.8TB/s':>9} {'rel rms':>8}  tiles (m, n/k gate_up, n/k down, warps, stages)")
         for model in args.models:
             experts = make_experts(MODELS[model], args.weights == "mxfp4", seed=0)
             for tokens in args.tokens:
-                row = {"model": model, "weights": args.weights, **bench(experts, tokens, seed=tokens)}
-                rows.append(row)
-                print(f"{model:>13} {args.weights:>7} {tokens:>6} {row['us']:>9.1f} {row['active_experts']:>7.1f} "
-                      f"{row['bytes'] / 1e6:>8.1f} {row['floor_us']:>8.1f} {100 * row['bandwidth_share']:>8.1f}% "
-                      f"{row['rel_rms_error']:>8.1e}", flush=True)
+                for config in [None, *args.tiles]:
+                    row = {"model": model, "weights": args.weights, **bench(experts, tokens, tokens, config)}
+                    rows.append(row)
+                    print(f"{model:>13} {args.weights:>7} {tokens:>6} {row['us']:>9.1f} {row['active_experts']:>7.1f} "
+                          f"{row['bytes'] / 1e6:>8.1f} {row['floor_us']:>8.1f} {100 * row['bandwidth_share']:>8.1f}% "
+                          f"{row['rel_rms_error']:>8.1e}  {row['tiles']} {tuple(row['config'].values())}", flush=True)
             del experts
             torch.cuda.empty_cache()
     finally:
