@@ -54,7 +54,7 @@ def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
     """Tiles by the mean rows per expert (``num_slots / num_experts``). Decode-sized groups (at
     most 16): 16-row blocks and 32-column tiles, so that even one token's 4 experts give
     4 * 2880 / 32 = 360 programs streaming weights over 132 SMs; larger groups taller blocks,
-    64-column tiles and 8 warps (4 warps spill at 32 x 64 x 128). block_k 128: 64 bytes of each
+    64-column tiles and 8 warps (with 4, gate/up at 32 x 64 x 128 needs 224 registers a thread). block_k 128: 64 bytes of each
     MXFP4 row per step. Register counts checked by compiling for sm90; speeds not yet measured
     on a GPU (benchmarks/kernels/bench_mxfp4_moe.py)."""
     rows_per_expert = num_slots / num_experts
@@ -69,15 +69,20 @@ def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
 
 
 @triton.jit
-def _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, kb0, half_k, stride_wn, stride_sn, BLOCK_KH: tl.constexpr):
-    """The even-k and odd-k weights of output rows ``rows`` (int64) over the bytes kb0 ..
-    kb0 + BLOCK_KH - 1 of each row (k = 2 * byte, 2 * byte + 1): two ``[BLOCK_N, BLOCK_KH]``
-    fp32 tiles, dequantized as the module docstring says. The bytes load contiguous along k."""
+def _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, kb0, half_k, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                  BLOCK_KH: tl.constexpr):
+    """The even-k and odd-k weights of output rows ``rows`` (int64, ``BLOCK_N`` of them) over the
+    bytes kb0 .. kb0 + BLOCK_KH - 1 of each row (k = 2 * byte, 2 * byte + 1): two ``[BLOCK_N,
+    BLOCK_KH]`` fp32 tiles, dequantized as the module docstring says. The bytes load contiguous
+    along k; each scale once (``[BLOCK_N, BLOCK_KH / 16]``), broadcast over its 16 bytes."""
     kb = kb0 + tl.arange(0, BLOCK_KH)
     mask = row_mask[:, None] & (kb < half_k)[None, :]
     byte = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0).to(tl.uint16)
-    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + (kb // 16)[None, :], mask=mask, other=0).to(tl.int32)
+    groups = kb0 // 16 + tl.arange(0, BLOCK_KH // 16)
+    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + groups[None, :],
+                    mask=row_mask[:, None] & (groups < half_k // 16)[None, :], other=0).to(tl.int32)
     factor = ((scale + 14) << 23).to(tl.float32, bitcast=True)  # 2^(scale - 127) * 2^14
+    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [BLOCK_N, BLOCK_KH // 16, 16]), [BLOCK_N, BLOCK_KH])
     even = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
     odd = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
     return even.to(tl.float32) * factor, odd.to(tl.float32) * factor
@@ -120,7 +125,7 @@ def _accumulate(a_first, a_second, w_ptr, scales_ptr, rows, row_mask, k0, k_size
     BLOCK_K]`` tile, loaded contiguous along k."""
     if MXFP4:
         w_even, w_odd = _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size // 2, stride_wn, stride_sn,
-                                      BLOCK_K // 2)
+                                      rows.shape[0], BLOCK_K // 2)
         acc = _dot_nk(a_second, w_odd, _dot_nk(a_first, w_even, acc))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
