@@ -16,7 +16,9 @@ Per batch size and setting: one prefill of ``batch x input_len`` tokens (timed u
 reach the host), then ``output_len - 1`` greedy decode steps (CUDA-graph replays on GPU), each
 reading the last step's tokens on the device, with the host taking each step's tokens in one
 step late as the server's overlap schedule does (``--disable-overlap-schedule``: right away).
-TPOT = the median interval between consecutive steps' tokens reaching the host.
+TPOT = the median interval between consecutive steps' tokens reaching the host. Beside it, the
+memory floor of a step at the middle of the decode (engine/step_floor.py: the bytes rank 0 reads
+per step at 4.8 TB/s, H200's HBM) and TPOT / floor.
 Each (setting, batch size) first runs once untimed (allocator blocks, kernel compiles), then
 ``--repeats`` times; the median is reported.
 """
@@ -47,7 +49,7 @@ MODES = ("off", "on")  # --deterministic
 # sizes it sets itself (context and batch from --input-len, --output-len and --batch-size; the
 # fused two-shot buffer keeps a server's default of max_prefill_tokens rows).
 BENCH_FIELDS = (
-    "model_path", "load_format", "dtype", "device", "seed",
+    "model_path", "load_format", "dtype", "device", "seed", "mxfp4_experts",
     "tp_size", "dist_timeout",
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
@@ -144,6 +146,8 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                   configs: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """Each (setting, mode) of ``runs_of`` in turn (the fusion op reconfigured between them),
     each batch size measured untimed once, then ``--repeats`` times."""
+    from engine.step_floor import decode_step_bytes, floor_ms
+
     results = []
     for setting, deterministic in runs_of:
         config = replace(configs[setting], deterministic=deterministic)
@@ -163,6 +167,7 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                 "shared_gpu": group.shared_gpu_note,
                 "prefill_ms": statistics.median(r["prefill_ms"] for r in runs),
                 "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+                "floor_ms": floor_ms(decode_step_bytes(runner.model, bs, args.input_len + args.output_len // 2)),
             })
             if args.profile and runner.device.type == "cuda":
                 from engine.step_profile import format_profile, profile_decode_steps
@@ -203,12 +208,14 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     compared = [(_label(s, d), _label("off", d)) for d in modes for s in args.fusion if s != "off"] \
         if "off" in args.fusion else []
     costs = [(_label(s, True), _label(s, False)) for s in args.fusion] if len(set(modes)) == 2 else []
-    head = ([f"prefill {s}" for s in measured] + [f"TPOT {s}" for s in measured]
+    head = ([f"prefill {s}" for s in measured] + [f"TPOT {s}" for s in measured] + ["floor"]
+            + [f"TPOT/floor {s}" for s in measured]
             + [f"TPOT gain {s}" for s, _ in compared] + [f"prefill gain {s}" for s, _ in compared]
             + [f"TPOT det/default {s}" for _, s in costs] + [f"prefill det/default {s}" for _, s in costs])
     schedule = "no overlap" if server.disable_overlap_schedule else "overlap"
     lines = [f"model={server.model_path} tp={server.tp_size} input_len={args.input_len} output_len={args.output_len} "
-             f"{schedule} (ms; gain = 1 - setting / off; det/default = batch-invariant mode / default mode)",
+             f"{schedule} (ms; floor = bytes a decode step reads / 4.8 TB/s; gain = 1 - setting / off; "
+             "det/default = batch-invariant mode / default mode)",
              f"{'batch':>5} " + " ".join(f"{h:>17}" for h in head)]
     for bs in args.batch_size:
         def cell(label: str, key: str) -> str:
@@ -223,7 +230,13 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
             default, r = by.get((base, bs)), by.get((label, bs))
             return f"{r[key] / default[key]:.3f}x" if default and r else "-"
 
-        cells = ([cell(s, "prefill_ms") for s in measured] + [cell(s, "tpot_ms") for s in measured]
+        def over_floor(label: str) -> str:
+            r = by.get((label, bs))
+            return f"{r['tpot_ms'] / r['floor_ms']:.2f}x" if r else "-"
+
+        floor = next((f"{r['floor_ms']:.3f}" for (_, b), r in by.items() if b == bs), "-")
+        cells = ([cell(s, "prefill_ms") for s in measured] + [cell(s, "tpot_ms") for s in measured] + [floor]
+                 + [over_floor(s) for s in measured]
                  + [gain(s, b, "tpot_ms") for s, b in compared] + [gain(s, b, "prefill_ms") for s, b in compared]
                  + [ratio(s, b, "tpot_ms") for s, b in costs] + [ratio(s, b, "prefill_ms") for s, b in costs])
         shared = any(r.get("shared_gpu") for (_, b), r in by.items() if b == bs)

@@ -66,6 +66,7 @@ def runner_settings(args: ServerArgs) -> RunnerSettings:
     """What each rank's `ModelRunner` needs from the server options."""
     return RunnerSettings(
         model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, seed=args.seed,
+        mxfp4_experts=args.mxfp4_experts,
         context_length=args.context_length, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph, fusion=fusion_config(args),

@@ -38,6 +38,7 @@ from torch import nn
 
 from layers import batch_invariant
 from layers.batch_invariant_attention import attend_sequence
+from layers.sink_attention import attend_with_sinks
 from layers.kernels.triton_support import triton_available
 
 # Batch-invariant mode on GPU: decode splits every sequence's keys into this many chunks (their
@@ -79,9 +80,14 @@ def _sequence_slots(batch: AttentionBatch) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Attention of this rank's ``num_heads`` query heads over its ``num_kv_heads`` KV heads."""
+    """Attention of this rank's ``num_heads`` query heads over its ``num_kv_heads`` KV heads.
+    ``sinks``: a learned fp32 logit per local query head that joins every softmax's denominator
+    (gpt-oss; a parameter ``sinks [num_heads]`` the model loads); ``sliding_window`` W > 0: a
+    query sees only the W latest keys, itself included. Either one routes to
+    layers/sink_attention.py's math (the Triton kernels' ``sinks`` / ``window`` on GPU)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sinks: bool = False,
+                 sliding_window: int = 0, device: Optional[torch.device] = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -90,6 +96,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.max_scores = MAX_SCORES  # the torch paths' largest intermediate, in elements (see MAX_SCORES)
+        self.sliding_window = sliding_window
+        self.sinks = (nn.Parameter(torch.empty(num_heads, dtype=torch.float32, device=device), requires_grad=False)
+                      if sinks else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -120,8 +129,9 @@ class Attention(nn.Module):
 
             splits = DETERMINISTIC_DECODE_SPLITS if batch_invariant.enabled() else None
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
-                                    num_splits=splits, row_ids=batch.row_ids)
-        if batch_invariant.enabled():
+                                    num_splits=splits, row_ids=batch.row_ids, sinks=self.sinks,
+                                    window=self.sliding_window)
+        if batch_invariant.enabled() or self._sink_or_window:
             return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._decode_torch(q, k_cache, v_cache, batch)
 
@@ -160,14 +170,25 @@ class Attention(nn.Module):
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
                                     self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len,
-                                    mask_all=batch_invariant.enabled())
-        if batch_invariant.enabled():
+                                    mask_all=batch_invariant.enabled(), sinks=self.sinks, window=self.sliding_window)
+        if batch_invariant.enabled() or self._sink_or_window:
             return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._extend_torch(q, k_cache, v_cache, batch)
 
+    @property
+    def _sink_or_window(self) -> bool:
+        return self.sinks is not None or self.sliding_window > 0
+
+    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     q_pos: torch.Tensor) -> torch.Tensor:
+        """`attend_sequence`, or `attend_with_sinks` with this layer's sinks / window."""
+        if self._sink_or_window:
+            return attend_with_sinks(q, keys, values, q_pos, self.scale, self.sinks, self.sliding_window)
+        return attend_sequence(q, keys, values, q_pos, self.scale)
+
     def _attend_per_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              batch: AttentionBatch) -> torch.Tensor:
-        """Batch-invariant mode off the Triton path, by `attend_sequence`: a decode batch in one
+        """Batch-invariant mode (or sinks / a window) off the Triton path, by `_attend_rows`: a decode batch in one
         call (each row over its own keys, padded to the longest sequence, or on a GPU to the
         table's width), an extend batch one sequence at a time (its new queries, the last
         ``extend_lens[i]`` of ``seq_lens[i]``)."""
@@ -175,14 +196,13 @@ class Attention(nn.Module):
         if batch.is_decode:  # on a GPU the whole width: no host sync, so a CUDA graph can capture it
             longest = seq_slots.shape[1] if q.is_cuda else int(batch.seq_lens.max())
             slots = seq_slots[:, :longest]
-            return attend_sequence(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1, self.scale)
+            return self._attend_rows(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1)
         out = torch.empty_like(q)
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
             slots = seq_slots[i, :seq_len]
             positions = torch.arange(seq_len - new, seq_len, device=q.device)
-            out[start:start + new] = attend_sequence(q[start:start + new], k_cache[slots], v_cache[slots], positions,
-                                                     self.scale)
+            out[start:start + new] = self._attend_rows(q[start:start + new], k_cache[slots], v_cache[slots], positions)
             start += new
         return out
 

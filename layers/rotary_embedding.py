@@ -15,6 +15,20 @@ Llama-3 scaling (``rope_scaling = {"rope_type": "llama3", "factor", "low_freq_fa
     otherwise                        (1 - s) * inv_freq / factor + s * inv_freq,
                                      s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
 
+YaRN (``rope_type "yarn"``: ``factor`` s, ``original_max_position_embeddings`` L, ``beta_fast``
+(32), ``beta_slow`` (1), ``truncate`` (True)) blends interpolated and original frequencies by a
+linear ramp over the dims (gpt-oss: theta 150000, s 32, L 4096, truncate False):
+
+    corr(r)  = d * ln(L / (2*pi*r)) / (2 * ln(theta))          the dim that turns r times over L
+    lo, hi   = corr(beta_fast), corr(beta_slow)                floored / ceiled when truncate,
+                                                               clipped to [0, d-1]
+    ramp_i   = clamp((i - lo) / (hi - lo), 0, 1)               i = 0..d/2-1
+    inv_freq = inv_freq / s * ramp + inv_freq * (1 - ramp)
+
+and scales cos and sin by ``attention_factor`` (default 0.1 * ln(s) + 1): q and k both, so the
+scores by its square, which `RotaryEmbedding.score_factor` hands to the attention's softmax
+scale instead of rotating scaled vectors.
+
 Angles are computed from the positions at every call (fp32), so no position table bounds the
 context and the op has static shapes for CUDA graphs.
 """
@@ -52,6 +66,34 @@ def llama3_scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> to
     return torch.where(wavelen < original / high, inv_freq, scaled)
 
 
+def yarn_scale_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's blend of ``inv_freq`` and ``inv_freq / factor`` (see the module docstring)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def corr(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = corr(float(scaling.get("beta_fast") or 32)), corr(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(rope_scaling: Optional[dict[str, Any]]) -> float:
+    """The factor cos and sin are scaled by: YaRN's ``attention_factor`` (default 0.1 * ln(factor)
+    + 1, 1 for factor <= 1); 1 for every other type."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 def scaled_inv_freq(head_dim: int, theta: float, rope_scaling: Optional[dict[str, Any]]) -> torch.Tensor:
     """inv_freq for a model's config; ValueError for a scaling type this module does not implement."""
     inv_freq = rope_inv_freq(head_dim, theta)
@@ -62,7 +104,9 @@ def scaled_inv_freq(head_dim: int, theta: float, rope_scaling: Optional[dict[str
         return inv_freq
     if kind == "llama3":
         return llama3_scale_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+    if kind == "yarn":
+        return yarn_scale_inv_freq(inv_freq, head_dim, theta, rope_scaling)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, yarn)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,6 +117,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("inv_freq", scaled_inv_freq(head_dim, rope_theta, rope_scaling).to(device), persistent=False)
+        # q.k scales by the square of the factor on cos and sin (YaRN); the attention applies it
+        self.score_factor = rope_attention_factor(rope_scaling) ** 2
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of ``positions[:, None] * inv_freq``: ``[T, head_dim/2]`` each, fp32."""

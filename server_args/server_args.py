@@ -37,10 +37,11 @@ class ServerArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
     # Model
-    model_path: str = Field("tiny", description="HF model directory, a .gguf file, or a built-in config with dummy weights (tiny, llama3-8b, qwen2.5-0.5b, tiny-moe, qwen3-30b-a3b, mixtral-8x7b)")
+    model_path: str = Field("tiny", description="HF model directory, a .gguf file, or a built-in config with dummy weights (tiny, llama3-8b, qwen2.5-0.5b, tiny-moe, qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b, gpt-oss-120b)")
     tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory or tokenizer.json (default: from the model)")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    mxfp4_experts: Literal["auto", "keep", "dequantize"] = Field("auto", description="MoE experts stored in MXFP4 (gpt-oss): keep them MXFP4 in memory (a weight-only MXFP4 MoE kernel, 4.25 bits a weight) or dequantize them to --dtype at load (auto: keep on a GPU with triton, dequantize elsewhere)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
     context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, cut to what the KV cache holds, with the reason logged)")
     served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")

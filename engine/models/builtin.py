@@ -9,6 +9,10 @@
                   8 experts of intermediate 128, top-2 renormalized; experts split over TP 1, 2, 4
     qwen3-30b-a3b Qwen3-30B-A3B's shapes (48 layers, 128 experts of 768, top-8, head_dim 128)
     mixtral-8x7b  Mixtral-8x7B's shapes (32 layers, 8 experts of 14336, top-2)
+    gpt-oss-20b   gpt-oss-20b's shapes (24 layers, hidden 2880, 64 heads x 64 and 8 KV heads,
+                  sliding window 128 on every other layer, YaRN, 32 experts of 2880, top-4), its
+                  experts in MXFP4 (kept, or dequantized at load: --mxfp4-experts)
+    gpt-oss-120b  gpt-oss-120b's shapes (36 layers, 128 experts): about 65 GB with MXFP4 experts
 """
 from __future__ import annotations
 
@@ -114,6 +118,37 @@ MIXTRAL_8X7B = ModelConfig(
 )
 
 
+GPT_OSS_20B = ModelConfig(
+    architecture="GptOssForCausalLM",
+    hidden_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=2880,
+    vocab_size=201088,
+    rms_norm_eps=1e-5,
+    rope_theta=150000.0,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096},
+    max_position_embeddings=131072,
+    attention_bias=True,
+    bos_token_id=199998,
+    eos_token_ids=(200002, 199999, 200012),
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=2880,
+    sliding_window=128,
+    layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)),
+    expert_format="mxfp4",
+)
+
+GPT_OSS_120B = dataclasses.replace(
+    GPT_OSS_20B, num_hidden_layers=36, num_experts=128,
+    layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)),
+)
+
+
 def tiny_moe_config() -> ModelConfig:
     """The tiny model with Qwen3-MoE's blocks: 8 experts of intermediate 128, top 2."""
     return dataclasses.replace(tiny_config(), architecture="Qwen3MoeForCausalLM", rms_norm_eps=1e-6, num_experts=8,
@@ -127,6 +162,8 @@ _BUILTIN: dict[str, Callable[[], ModelConfig]] = {
     "tiny-moe": tiny_moe_config,
     "qwen3-30b-a3b": lambda: QWEN3_30B_A3B,
     "mixtral-8x7b": lambda: MIXTRAL_8X7B,
+    "gpt-oss-20b": lambda: GPT_OSS_20B,
+    "gpt-oss-120b": lambda: GPT_OSS_120B,
 }
 BUILTIN_MODELS = tuple(_BUILTIN)
 

@@ -8,6 +8,7 @@ import torch
 
 from engine.models.block_decoder import BlockDecoderForCausalLM
 from engine.models.config import ModelConfig
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[BlockDecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

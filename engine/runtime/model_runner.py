@@ -14,6 +14,7 @@ else is in its batch, and the fusion op keeps to its deterministic strategies.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from engine.weights.dummy import dummy_weights
 from engine.weights.gguf_loader import ParsedGGUF
 from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 from layers.batch_invariant import batch_invariant_mode, set_enabled
+from layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class RunnerSettings:
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    mxfp4_experts: str = "auto"  # MXFP4 experts: "keep", "dequantize" or "auto" (`keep_mxfp4`)
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -77,18 +80,37 @@ class StartupContext:
     parsed: Optional[ParsedGGUF] = None
 
 
+def keep_mxfp4(choice: str, device: torch.device) -> bool:
+    """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto" (keep on a
+    GPU with triton, where the weight-only MXFP4 MoE kernel runs; the CPU path dequantizes each
+    expert at every use, so there it pays to dequantize once at load)."""
+    if choice == "auto":
+        return device.type == "cuda" and triton_available()
+    return choice == "keep"
+
+
 def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device,
                             parsed: Optional[ParsedGGUF] = None):
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
-    generated on ``device`` (fast for 8B shapes on a GPU); ``parsed``: the GGUF file parsed already."""
+    generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
+    ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
+    from ``settings.mxfp4_experts``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
-        config = builtin_config(settings.model_path)
+        config = _expert_form(builtin_config(settings.model_path), settings, device)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from engine.weights.loader import load_model_weights
 
-    return load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed, parsed)
+    config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed,
+                                         parsed)
+    return _expert_form(config, settings, device), weights
+
+
+def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
+    if config.expert_format != "mxfp4":
+        return config
+    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:

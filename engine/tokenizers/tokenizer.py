@@ -10,6 +10,7 @@ for a vocabulary-parallel embedding).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from functools import cached_property
@@ -40,6 +41,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a template beside tokenizer_config.json (transformers >= 4.43 writes it so)
 SPIECE_SPACE = "\u2581"  # SentencePiece's word-start mark
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -65,6 +67,7 @@ class Tokenizer:
         if chat_template is not None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(chat_template)
 
     def _token_id(self, token: str) -> int:
@@ -139,6 +142,12 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
+def _strftime_now(fmt: str) -> str:
+    """The template global HF's ``apply_chat_template`` provides: the local time now, formatted
+    (gpt-oss's template puts the date in its system message)."""
+    return datetime.datetime.now().strftime(fmt)
+
+
 def gpt2_bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: printable bytes map to their own character, the other
     bytes, in order, to chr(256), chr(257), ..."""
@@ -173,7 +182,8 @@ def _token_text(token: Union[str, dict, None]) -> Optional[str]:
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     """A HF tokenizer from a ``tokenizer.json`` file or a directory holding one. From the
     directory, if present: ``tokenizer_config.json`` (bos_token, eos_token, chat_template) and
-    ``generation_config.json`` (eos_token_id: extra stop ids such as Llama-3's <|eot_id|>)."""
+    ``generation_config.json`` (eos_token_id: extra stop ids such as Llama-3's <|eot_id|>); the
+    chat template from ``chat_template.jinja`` when tokenizer_config.json has none (gpt-oss)."""
     path = Path(path)
     directory = path if path.is_dir() else path.parent
     file = directory / "tokenizer.json" if path.is_dir() else path
@@ -192,6 +202,8 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
             if token is not None and token not in eos_tokens:
                 eos_tokens.append(token)
     template = config.get("chat_template")
+    if template is None and (directory / CHAT_TEMPLATE_FILE).is_file():  # gpt-oss ships its template so
+        template = (directory / CHAT_TEMPLATE_FILE).read_text()
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return Tokenizer(tk, bos, eos_tokens, template)

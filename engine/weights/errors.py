@@ -33,9 +33,12 @@ def truncation(size: int, ends: list[tuple[int, str]]) -> Optional[str]:
 
 def finite_cast(tensor: torch.Tensor, dtype: torch.dtype, name: str, path: Union[str, Path]) -> torch.Tensor:
     """``tensor.to(dtype)`` (a new tensor unless the dtype already matches), checked to hold only
-    finite values when ``dtype`` is a floating type. `ModelFileError` naming the file and the
+    finite values when ``dtype`` is a floating type; an integer tensor (MXFP4 blocks and scales)
+    is returned as it is. `ModelFileError` naming the file and the
     tensor: how many values of the file are NaN or infinite, or, when the file's values are
     finite, how many exceed the range of ``dtype``."""
+    if not tensor.is_floating_point():
+        return tensor
     out = tensor.to(dtype)
     if not out.is_floating_point() or bool(torch.isfinite(out).all()):
         return out

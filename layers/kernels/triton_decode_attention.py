@@ -68,18 +68,21 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, qk_scale_log2,
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
-                  context,
+                  context, window,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_ROW_IDS: tl.constexpr):
+                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
-    start = split * chunk
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    start = lo + split * chunk
     if start < seq_len:
         end = tl.minimum(start + chunk, seq_len)
         slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
@@ -91,6 +94,10 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, q
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
+        if HAS_SINKS:  # split 0 holds the sink: a key of logit sinks[h] and value 0, weight 2^(m - m) = 1
+            if split == 0:
+                m = tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+                l = tl.full([GROUP_PAD], 1.0, tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for n0 in range(start, end, BLOCK):
             offs = n0 + offs_n
@@ -116,14 +123,17 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, q
 
 
 @triton.jit
-def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context,
+def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context, window,
                     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
-    ran = tl.cdiv(seq_len, chunk)  # splits whose chunk started before seq_len
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    ran = tl.cdiv(seq_len - lo, chunk)  # splits whose chunk started before seq_len
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < ran
@@ -187,17 +197,32 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to
         raise ValueError("seq_lens and row_ids must be contiguous")
 
 
+def check_sinks(sinks: Optional[torch.Tensor], heads: int, device: torch.device, window: int) -> None:
+    """``sinks``: None or fp32 ``[heads]`` on ``device``, contiguous; ``window`` >= 0."""
+    if sinks is not None and (sinks.shape != (heads,) or sinks.dtype != torch.float32 or sinks.device != device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous fp32 [{heads}] tensor on {device}, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
-                     row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
+                     row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None,
+                     sinks: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
     only; returns a new tensor of q's dtype. ``num_splits`` and ``block`` (keys per block, a
     power of two >= 16; BLOCK_N when only ``num_splits`` is given) override the shape-based
-    choice (tests, tuning). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
-    sync); values of seq_lens above C are clamped to C."""
+    choice (tests, tuning). ``sinks [H]`` (fp32 logits) join every head's softmax denominator as a
+    key of value 0 (split 0 starts its sums with it); ``window`` W > 0 keeps the last W keys only
+    (the splits cut ``[max(n_b - W, 0), n_b)``): layers/sink_attention.py's math. Requires 1 <=
+    seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would sync); values of seq_lens above C
+    are clamped to C."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
+    check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -217,18 +242,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
-        out, scale * math.log2(math.e),
+        out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1), context,
+        req_to_token.stride(0), out.stride(0), out.stride(1), context, window,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_ROW_IDS=row_ids is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if splits > 1:
         _combine_kernel[(batch, heads)](
-            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context,
+            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
             HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK=block, num_warps=4,
+            BLOCK=block, HAS_WINDOW=window > 0, num_warps=4,
         )
     return out
 

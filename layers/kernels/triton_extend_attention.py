@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.triton_decode_attention import check_sinks
 from layers.kernels.triton_slot_rows import sequence_slot_row
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -78,12 +79,13 @@ class BlockConfig(NamedTuple):
 
 @triton.jit
 def _attend_block(acc, l, m, q, K, V, slot_row, n0, end, q_pos, kvh, qk_scale_log2,
-                  stride_ks, stride_kh, stride_vs, stride_vh,
+                  stride_ks, stride_kh, stride_vs, stride_vh, window,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """One online-softmax step over keys [n0, n0 + BLOCK_N): returns the updated (acc, l, m).
     CAUSAL: keys at or past ``end`` are not loaded and a row sees only keys at or before its
-    position ``q_pos``; else every key of the block is valid and visible."""
+    position ``q_pos`` (and, HAS_WINDOW, after ``q_pos - window``: a block may then hold no key
+    of a row, whose sums it leaves as they were); else every key of the block is valid and visible."""
     offs = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if CAUSAL:
@@ -97,22 +99,31 @@ def _attend_block(acc, l, m, q, K, V, slot_row, n0, end, q_pos, kvh, qk_scale_lo
         v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :])
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
-        x = tl.where(valid[None, :] & (offs[None, :] <= q_pos[:, None]), x, float("-inf"))
+        visible = valid[None, :] & (offs[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs[None, :] > q_pos[:, None] - window)
+        x = tl.where(visible, x, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(x - m_new[:, None])
+    if HAS_WINDOW:  # a row that has seen no key yet keeps m = -inf: exponents from 0, not -inf - -inf
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_base)
+        p = tl.exp2(x - m_base[:, None])
+    else:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(x - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l, m_new
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, ExtendStarts, qk_scale_log2,
+def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, ExtendStarts, Sinks, qk_scale_log2,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-                   stride_rb,
+                   stride_rb, window,
                    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr, UNMASKED_STEP: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr, UNMASKED_STEP: tl.constexpr,
+                   HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     t0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_T  # the last blocks first
     kvh = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -134,17 +145,23 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, RowIds, SeqLens, ExtendLens, Extend
         q_pos = prefix + token
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink: a key of logit sinks[h] and value 0, weight 2^(m - m) = 1
+            m = tl.load(Sinks + head, mask=in_group < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+            l = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         full_end = (prefix + t0) // BLOCK_N * BLOCK_N * UNMASKED_STEP  # 0: every block masked
         for n0 in range(0, full_end, BLOCK_N):
             acc, l, m = _attend_block(acc, l, m, q, K, V, slot_row, n0, full_end, q_pos, kvh, qk_scale_log2,
-                                      stride_ks, stride_kh, stride_vs, stride_vh,
-                                      HEAD_DIM, BLOCK_N, False, DOT_PRECISION)
+                                      stride_ks, stride_kh, stride_vs, stride_vh, window,
+                                      HEAD_DIM, BLOCK_N, False, DOT_PRECISION, False)
+        masked_start = full_end
+        if HAS_WINDOW:  # from the block of the first row's first visible key (blocks stay aligned at key 0)
+            masked_start = tl.maximum(prefix + t0 - window + 1, 0) // BLOCK_N * BLOCK_N
         end = tl.minimum(seq_len, prefix + t0 + BLOCK_T)
-        for n0 in range(full_end, end, BLOCK_N):
+        for n0 in range(masked_start, end, BLOCK_N):
             acc, l, m = _attend_block(acc, l, m, q, K, V, slot_row, n0, end, q_pos, kvh, qk_scale_log2,
-                                      stride_ks, stride_kh, stride_vs, stride_vh,
-                                      HEAD_DIM, BLOCK_N, True, DOT_PRECISION)
+                                      stride_ks, stride_kh, stride_vs, stride_vh, window,
+                                      HEAD_DIM, BLOCK_N, True, DOT_PRECISION, HAS_WINDOW)
         out_rows = (q_start + token) * stride_ot + head * stride_oh
         tl.store(Out + out_rows[:, None] + offs_d[None, :], (acc / l[:, None]).to(Out.dtype.element_ty),
                  mask=row_mask[:, None])
@@ -225,7 +242,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
                      row_ids: Optional[torch.Tensor] = None, max_extend_len: Optional[int] = None,
                      block_m: Optional[int] = None, block_n: Optional[int] = None,
-                     mask_all: bool = False) -> torch.Tensor:
+                     mask_all: bool = False, sinks: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """``out [T, H, D]``: causal attention of the T packed new tokens (``q [T, H*D]`` or
     ``[T, H, D]``, last dim contiguous, any token/head strides) over ``k_cache``/``v_cache``
     ``[num_slots, KVH, D]`` through ``req_to_token [B, C]`` (or ``[R, C]`` read at ``row_ids [B]``),
@@ -235,9 +252,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max(extend_lens) that sizes the grid without a host sync (its lengths are then not checked);
     None reads it from the device, once. ``block_m``/``block_n`` (powers of two >= 16) override
     `choose_block_config` (tests, tuning). ``mask_all``: every key block through the masked step
-    (batch-invariant mode; the module docstring). Requires 0 <= row_ids[i] < R and slots < num_slots
-    (not checked: that would read the tables)."""
+    (batch-invariant mode; the module docstring). ``sinks [H]`` (fp32 logits: a key of value 0 in
+    every row's softmax, its sums start with it) and ``window`` W > 0 (a row sees the W keys up
+    to its own; every block goes through the masked step, from the block of the program's first
+    visible key): layers/sink_attention.py's math. Requires 0 <= row_ids[i] < R and slots <
+    num_slots (not checked: that would read the tables)."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, extend_lens, row_ids)
+    check_sinks(sinks, q.shape[1] if q.dim() == 3 else q.shape[1] // k_cache.shape[2], q.device, window)
     tokens = q.shape[0]
     kv_heads, dim = k_cache.shape[1:]
     q = q.unflatten(1, (-1, dim)) if q.dim() == 2 else q
@@ -261,13 +282,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_extend_len, block_t), kv_heads * head_chunks, seq_lens.shape[0])
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, extend_lens if row_ids is None else row_ids, seq_lens, extend_lens,
-        extend_starts, scale * math.log2(math.e),
+        extend_starts, extend_starts if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), req_to_token.stride(0),
+        out.stride(0), out.stride(1), req_to_token.stride(0), window,
         GROUP=group, HEADS=heads_per_program, HEAD_CHUNKS=head_chunks, HEAD_DIM=dim,
         BLOCK_M=config.block_m, BLOCK_T=block_t, BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_ROW_IDS=row_ids is not None,
-        UNMASKED_STEP=0 if mask_all else 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        UNMASKED_STEP=0 if mask_all or window > 0 else 1, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

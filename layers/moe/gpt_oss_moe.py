@@ -1,0 +1,191 @@
+"""gpt-oss's MoE MLP: a router with a bias choosing top-k on its logits, softmax over the k,
+and experts with biases and a clamped SwiGLU, split over the TP ranks; weights in bf16 or kept
+in MXFP4 (layers/moe/mxfp4.py).
+
+    logits = h @ W_r^T + b_r                         fp32 [T, E]
+    ids    = the top_k largest logits                descending; equal logits: the lower expert first
+    w      = softmax(logits[ids])                    over the k chosen only (fp32)
+
+    gate, up = x @ W_gate[e]^T + b_gate[e], x @ W_up[e]^T + b_up[e]
+    a        = (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g),   g = clamp(gate, max=L)
+    y        = a @ W_down[e]^T + b_down[e]
+    out[t]   = sum_j w[t, j] * y[t, j]               fp32 products and sum, rounded once
+
+(alpha 1.702, L 7). The checkpoint interleaves gate and up: row 2i of ``gate_up_proj`` is
+gate_i, row 2i + 1 up_i (in its out-by-in form). Rank r of tp holds the intermediate features
+[r*I/tp, (r+1)*I/tp) of every expert, gate rows then up rows (``w13 [E, 2I_r, H]``, as
+`layers.moe.MoEExperts`), and the matching columns of down (``w2 [E, H, I_r]``); gate/up biases
+are split the same way, the down bias is added by rank 0 only (a row-parallel bias), so the sum
+over ranks of each rank's ``out`` is the full output, which the caller reduces (fused with the
+residual add and the next RMSNorm, the combine folded into that reduction's input).
+
+Kept in MXFP4 the experts hold ``w13_blocks [E, 2I_r, H/32, 16]``, ``w13_scales [E, 2I_r,
+H/32]``, ``w2_blocks [E, H, I_r/32, 16]``, ``w2_scales [E, H, I_r/32]`` (uint8; I_r a multiple of
+32): 4.25 bits a weight instead of 16. On a GPU with triton the experts of either form run
+layers/moe/kernels/triton_mxfp4_moe.py (MXFP4 dequantized in registers, dots in the
+activations' dtype); elsewhere this module's torch code, which dequantizes each MXFP4 expert's
+weights as it runs it (the reference).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from layers import batch_invariant
+from layers.kernels.triton_support import triton_available
+from layers.linear import check_shape, default_weight_loader, divide
+from layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from layers.moe.torch_experts import combine_topk
+from layers.parallel_state import get_tp_group
+
+# shard ids of the checkpoint's expert tensors, all in their out-by-in form [E, out, in(...)]
+EXPERT_TENSORS = ("gate_up", "gate_up_bias", "down", "down_bias", "gate_up_blocks", "gate_up_scales",
+                  "down_blocks", "down_scales")
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``: the k largest logits (a
+    stable descending sort: equal ones in expert order), softmax over them."""
+    logits = logits.float()
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return torch.softmax(logits.gather(-1, ids), dim=-1), ids.to(torch.int32)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``;
+    a new tensor of gate's dtype."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+class GptOssRouter(nn.Module):
+    """``forward(h [T, H]) -> (weights fp32 [T, k], ids int32 [T, k])`` (module docstring);
+    weight ``[E, H]`` and bias ``[E]`` replicated on every rank, logits in fp32."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device]) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = batch_invariant.linear(hidden_states.float(), self.weight.float(), self.bias.float())
+        return route_topk_softmax(logits, self.top_k)
+
+
+class GptOssExperts(nn.Module):
+    """``forward(x [T, H], weights fp32 [T, k], ids [T, k]) ->`` this rank's partial MoE output
+    (a new ``[T, H]``), module docstring. ``mxfp4``: keep the weights in MXFP4."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
+                 mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        super().__init__()
+        group = get_tp_group()
+        self.tp_rank, self.tp_size = group.rank, group.world_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
+        local = self.local = divide(intermediate_size, self.tp_size, "expert intermediate size")
+        if mxfp4 and (local % GROUP or hidden_size % GROUP):
+            raise ValueError(f"MXFP4 experts need the hidden size ({hidden_size}) and each rank's intermediate size "
+                             f"({intermediate_size} / tp {self.tp_size} = {local}) to be multiples of {GROUP}; "
+                             "dequantize them to bf16 at load instead")
+        e, h = num_experts, hidden_size
+        if mxfp4:
+            self.w13_blocks = self._param((e, 2 * local, h // GROUP, GROUP // 2), torch.uint8, device)
+            self.w13_scales = self._param((e, 2 * local, h // GROUP), torch.uint8, device)
+            self.w2_blocks = self._param((e, h, local // GROUP, GROUP // 2), torch.uint8, device)
+            self.w2_scales = self._param((e, h, local // GROUP), torch.uint8, device)
+        else:
+            self.w13_weight = self._param((e, 2 * local, h), dtype, device)
+            self.w2_weight = self._param((e, h, local), dtype, device)
+        self.w13_bias = self._param((e, 2 * local), dtype, device)
+        self.w2_bias = self._param((e, h), dtype, device)
+
+    def _param(self, shape: tuple[int, ...], dtype: Optional[torch.dtype], device: Optional[torch.device]) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        return param
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        """This rank's part of a full checkpoint tensor (``shard_id`` in `EXPERT_TENSORS`, each in
+        its out-by-in form): gate/up rows de-interleaved (gate_i = row 2i, up_i = row 2i + 1) and
+        the rank's intermediate features taken; down's columns (its groups of 32 for blocks and
+        scales) taken; down's bias whole. ValueError with both shapes on a mismatch."""
+        e, h, full, local, r = self.num_experts, self.hidden_size, self.intermediate_size, self.local, self.tp_rank
+        if shard_id not in EXPERT_TENSORS:
+            raise ValueError(f"expert tensor must be one of {EXPERT_TENSORS}, got {shard_id!r}")
+        if shard_id.startswith("gate_up"):
+            tail = {"gate_up": (h,), "gate_up_bias": (), "gate_up_blocks": (h // GROUP, GROUP // 2),
+                    "gate_up_scales": (h // GROUP,)}[shard_id]
+            check_shape(loaded, (e, 2 * full) + tail)
+            rows = loaded.unflatten(1, (full, 2)).narrow(1, r * local, local)  # [E, I_r, 2, ...]
+            param.data.copy_(torch.cat((rows[:, :, 0], rows[:, :, 1]), dim=1))
+        elif shard_id == "down_bias":
+            check_shape(loaded, (e, h))
+            param.data.copy_(loaded)
+        else:
+            per = {"down": 1, "down_blocks": GROUP, "down_scales": GROUP}[shard_id]
+            tail = {"down": (), "down_blocks": (GROUP // 2,), "down_scales": ()}[shard_id]
+            check_shape(loaded, (e, h, full // per) + tail)
+            param.data.copy_(loaded.narrow(2, r * local // per, local // per))
+
+    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [2I_r, H], w2 [H, I_r])`` of one expert in ``dtype`` (dequantized when MXFP4)."""
+        if self.mxfp4:
+            return (dequantize_mxfp4(self.w13_blocks[expert], self.w13_scales[expert], dtype),
+                    dequantize_mxfp4(self.w2_blocks[expert], self.w2_scales[expert], dtype))
+        return self.w13_weight[expert], self.w2_weight[expert]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton_available():
+            from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+
+            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids)
+        return self.forward_torch(x, topk_weights, topk_ids)
+
+    def forward_torch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The reference: one matmul pair per expert that has tokens (reads the per-expert counts
+        back to the host), each expert output rounded to x's dtype, then `combine_topk`. In
+        batch-invariant mode the matmuls are `batch_invariant.linear` and the combine a fixed
+        tree over the k rows: every token's bits are its own on the CPU."""
+        tokens, top_k = topk_ids.shape
+        if tokens == 0:
+            return x.new_empty(0, self.hidden_size)
+        flat = topk_ids.flatten().long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        y = x.new_empty(tokens * top_k, self.hidden_size)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            slots = order[start:start + count]
+            w13, w2 = self.expert_weights(expert, x.dtype)
+            gate_up = batch_invariant.linear(x[slots // top_k], w13, self.w13_bias[expert])
+            act = clamped_swiglu(gate_up[:, :self.local], gate_up[:, self.local:], self.alpha, self.limit)
+            y[slots] = batch_invariant.linear(act, w2, self.w2_bias[expert] if self.tp_rank == 0 else None)
+            start += count
+        y = y.view(tokens, top_k, -1)
+        if batch_invariant.enabled():  # the k rows of a token by a fixed tree: its bits are its own
+            return batch_invariant.tree_sum((topk_weights[:, :, None] * y.float()).transpose(1, 2)).to(x.dtype)
+        return combine_topk(y, topk_weights)
+
+
+class GptOssMoeBlock(nn.Module):
+    """The MLP of a gpt-oss layer: ``[T, H]`` (reduced, normed) -> this rank's partial output."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, alpha: float,
+                 limit: float, mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+        super().__init__()
+        self.router = GptOssRouter(hidden_size, num_experts, top_k, dtype, device)
+        self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha, limit, mxfp4, dtype, device)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states, *self.router(hidden_states))

@@ -1,0 +1,161 @@
+"""gpt-oss on the GPU: its kernels in bf16 against their references, the model's CUDA-graph
+decode against eager, and TP2 (two GPUs, or two ranks sharing one) against TP1.
+
+Kernels (one GPU): the experts' Triton kernel (layers/moe/kernels/triton_mxfp4_moe.py) with MXFP4
+and bf16-form weights at gpt-oss-20b's expert shapes (hidden 2880, intermediate 2880, 8 of its 32
+experts to keep the test short, top-4), 1 / 32 / 512 tokens, against `GptOssExperts.forward_torch`
+on the same bf16 weights: relative RMS error at most 1e-2 (bf16: one rounding of each product
+chain in a different order), then captured in a CUDA graph and replayed with new routing (the
+same bits as eager). The decode and extend attention kernels with sinks and a 128-key window at
+head dim 64, 8 query heads per KV head, bf16, against layers/sink_attention.py in fp32:
+tests/tolerances.py's bf16.
+
+Model: ``gpt-oss-20b`` (dummy weights, MXFP4 experts kept), teacher-forced logits of 4 prompts
+of 160 tokens (longer than the window) and 24 decode steps, TP1 vs TP2 with fusion on
+(flashinfer): greedy agreement >= 0.9 and mean relative error <= 5e-2 (bf16, different summation
+orders in the reductions and the split heads).
+"""
+import pytest
+import torch
+
+from tests.dist_utils import gpu_world_size, run_distributed
+from tests.tolerances import TOLERANCES
+
+pytest.importorskip("triton")
+
+PROMPTS, PROMPT_LEN, STEPS = 4, 160, 24
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
+
+
+def _experts_rank(rank, world, mxfp4):
+    from layers.moe.gpt_oss_moe import GptOssExperts
+    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+    from tests.test_gpt_oss_moe_triton import fill_experts
+
+    experts = GptOssExperts(8, 2880, 2880, 1.702, 7.0, mxfp4, torch.bfloat16, None)
+    fill_experts(experts, 5)
+    experts.cuda()
+    with torch.no_grad():  # weights of dummy size: activations of order one, as in the model
+        for name in ("w13_weight", "w2_weight"):
+            if hasattr(experts, name):
+                getattr(experts, name).mul_(0.05)
+    out = {}
+    g = torch.Generator().manual_seed(9)
+    for tokens in (1, 32, 512):
+        x = torch.randn(tokens, 2880, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)]).to(torch.int32).cuda()
+        weights = torch.softmax(torch.randn(tokens, 4, generator=g), -1).cuda()
+        fast = gpt_oss_experts_triton(x, experts, weights, ids)
+        out[tokens] = _rel_rms(fast, experts.forward_torch(x, weights, ids))
+    x = torch.randn(32, 2880, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.zeros(32, 4, dtype=torch.int32, device="cuda")
+    weights = torch.full((32, 4), 0.25, device="cuda")
+    gpt_oss_experts_triton(x, experts, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpt_oss_experts_triton(x, experts, weights, ids)
+    ids.copy_(torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(32)]).to(torch.int32))
+    graph.replay()
+    out["graph"] = torch.equal(captured, gpt_oss_experts_triton(x, experts, weights, ids))
+    return out
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mxfp4", [True, False])
+def test_experts_kernel_matches_reference(mxfp4):
+    r = run_distributed(_experts_rank, world_size=1, args=(mxfp4,), device_kind="cuda", timeout_s=400)[0]
+    print(f"\nmxfp4={mxfp4}: relative RMS error by tokens {r}")
+    assert all(r[t] <= 1e-2 for t in (1, 32, 512)), r
+    assert r["graph"], "a CUDA-graph replay with new routing gives the eager result"
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("window", [0, 128])
+def test_attention_kernels_with_sinks_and_window(window):
+    from layers.kernels.triton_decode_attention import decode_attention
+    from layers.kernels.triton_extend_attention import extend_attention
+    from layers.sink_attention import attend_with_sinks
+
+    rtol, atol = TOLERANCES[torch.bfloat16]
+    g = torch.Generator().manual_seed(window)
+    kv_heads, heads, dim, lengths = 2, 16, 64, [300, 129, 40]
+    slots = sum(lengths)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(torch.bfloat16).cuda()
+    perm = torch.randperm(slots, generator=g)
+    table = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(lengths):
+        table[i, :n], start = perm[start:start + n], start + n
+    table, seq_lens = table.cuda(), torch.tensor(lengths).cuda()
+    sinks = (torch.randn(heads, generator=g) * 2).cuda()
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(torch.bfloat16).cuda()
+    out = decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, sinks=sinks, window=window)
+    for i, n in enumerate(lengths):
+        ref = attend_with_sinks(q[i:i + 1].float(), k_cache[table[i, :n]].float(), v_cache[table[i, :n]].float(),
+                                torch.tensor([n - 1], device="cuda"), 0.125, sinks, window)
+        torch.testing.assert_close(out[i:i + 1].float(), ref, rtol=rtol, atol=atol)
+    extend_lens = torch.tensor([n - n // 4 for n in lengths]).cuda()
+    qe = torch.randn(int(extend_lens.sum()), heads, dim, generator=g).to(torch.bfloat16).cuda()
+    oute = extend_attention(qe, k_cache, v_cache, table, seq_lens, extend_lens, 0.125, sinks=sinks, window=window)
+    start = 0
+    for i, (n, new) in enumerate(zip(lengths, extend_lens.tolist())):
+        ref = attend_with_sinks(qe[start:start + new].float(), k_cache[table[i, :n]].float(),
+                                v_cache[table[i, :n]].float(), torch.arange(n - new, n, device="cuda"), 0.125, sinks, window)
+        torch.testing.assert_close(oute[start:start + new].float(), ref, rtol=rtol, atol=atol)
+        start += new
+
+
+def _teacher_forced(runner, prompts, tokens):
+    from engine.scheduling.static_batch import StaticBatch
+
+    batch = StaticBatch(runner, prompts, STEPS + 1)
+    out = [batch.prefill(gather_logits=True).full.clone()]
+    for step in range(STEPS):
+        out.append(batch.decode(tokens[step], gather_logits=True).full.clone())
+    return torch.stack(out)
+
+
+def _model_rank(rank, world, tokens):
+    from engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from engine.scheduling.static_batch import StaticBatch, random_prompts
+    from fusion import FusionConfig
+    from layers.parallel_state import get_tp_group
+
+    settings = RunnerSettings(model_path="gpt-oss-20b", dtype="bfloat16", context_length=PROMPT_LEN + STEPS + 8,
+                              max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, kv_slots=2048,
+                              mxfp4_experts="keep",
+                              fusion=FusionConfig(enabled=world > 1, backend="flashinfer", max_tokens=1024))
+    runner = ModelRunner(settings, get_tp_group())
+    try:
+        prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
+        if tokens is None:  # TP1: its own greedy stream
+            batch = StaticBatch(runner, prompts, STEPS + 1)
+            steps = [batch.prefill(gather_logits=True).full.clone()]
+            tokens = [steps[-1].argmax(-1).tolist()]
+            for _ in range(STEPS):
+                steps.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
+                tokens.append(steps[-1].argmax(-1).tolist())
+            return {"logits": torch.stack(steps).cpu(), "tokens": tokens}
+        return {"logits": _teacher_forced(runner, prompts, tokens).cpu(), "active": runner.fusion.active}
+    finally:
+        runner.destroy()
+
+
+@pytest.mark.tp_ranks(gpu_world_size())
+@pytest.mark.timeout(1200)
+def test_tp2_agrees_with_tp1():
+    tp1 = run_distributed(_model_rank, world_size=1, args=(None,), device_kind="cuda", timeout_s=600)[0]
+    tp2 = run_distributed(_model_rank, world_size=gpu_world_size(), args=(tp1["tokens"],), device_kind="cuda",
+                          timeout_s=600)[0]
+    a, b = tp2["logits"], tp1["logits"]
+    agreement = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    rel = ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)).mean().item()
+    print(f"\ngpt-oss-20b TP{gpu_world_size()} vs TP1: agreement {agreement:.3f}, mean relative error {rel:.2e}, "
+          f"fusion active {tp2['active']}")
+    assert tp2["active"]
+    assert agreement >= 0.9 and rel <= 5e-2

@@ -1,0 +1,85 @@
+"""gpt-oss against transformers' ``GptOssForCausalLM`` on the CPU, fp32: the tiny random model of
+tests/gpt_oss_checkpoints.py loaded from its bf16 and its MXFP4 checkpoint (MXFP4 experts
+dequantized at load and kept in MXFP4), at TP1 and at TP2 over gloo with fusion on (torch
+backend), through tests/model_scenario.py's steps: a prefill with a prompt chunked after a cached
+prefix, a mixed step and 8 greedy decode steps, prompts longer than the sliding window.
+
+Every logits row against transformers' logits at that (sequence, position), from one forward over
+the whole final sequence: max |ours - theirs| <= 1e-3 * max |theirs| (RELATIVE); the greedy
+tokens equal transformers' argmax. Also: our quantizer's blocks and scales dequantize, in
+transformers' own ``convert_moe_packed_tensors``, to the values our dequantizer gives, bit for bit.
+"""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from engine.models.registry import build_model  # noqa: E402
+from engine.weights.safetensors_loader import load_safetensors  # noqa: E402
+from layers.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from tests.dist_utils import make_fusion, run_distributed  # noqa: E402
+from tests.gpt_oss_checkpoints import build_checkpoints  # noqa: E402
+from tests.model_scenario import PROMPTS, run_scenario  # noqa: E402
+
+RELATIVE = 1e-3
+DECODE_STEPS = 8
+NUM_SLOTS = 96
+FORMS = ["bf16", "mxfp4-dequantized", "mxfp4-kept"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return build_checkpoints(tmp_path_factory.mktemp("gpt-oss"))
+
+
+def _worker(rank: int, world: int, paths: dict) -> dict:
+    import dataclasses
+
+    results = {}
+    for form, path in paths.items():
+        config, weights = load_safetensors(path, torch.float32)
+        config = dataclasses.replace(config, keep_mxfp4=form == "mxfp4-kept")
+        fusion = make_fusion(config.hidden_size, **({"enabled": True, "backend": "torch"} if world > 1 else {}))
+        model = build_model(config, fusion)
+        model.load_weights(weights)
+        results[form] = run_scenario(model, fusion, NUM_SLOTS, DECODE_STEPS)
+    return results
+
+
+def _check_against_transformers(hf_model, result: dict) -> None:
+    tokens = result["tokens"]
+    with torch.no_grad():
+        theirs = [hf_model(torch.tensor([seq])).logits[0] for seq in tokens]
+    expected = torch.stack([theirs[s][pos] for s, pos in result["rows"]])
+    ours = result["logits"]
+    error = (ours - expected).abs().max() / expected.abs().max()
+    assert error <= RELATIVE, f"max |ours - transformers| = {error:.2e} of max |transformers|"
+    for s, seq in enumerate(tokens):  # each generated token is transformers' argmax at the position before it
+        generated = [pos for t, pos in result["rows"] if t == s and len(PROMPTS[s]) <= pos + 1 < len(seq)]
+        assert len(generated) >= DECODE_STEPS
+        assert [seq[pos + 1] for pos in generated] == [int(theirs[s][pos].argmax()) for pos in generated]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_logits_and_greedy_tokens_match_transformers(checkpoints, world):
+    hf_model, bf16_dir, mxfp4_dir = checkpoints
+    paths = {"bf16": str(bf16_dir), "mxfp4-dequantized": str(mxfp4_dir), "mxfp4-kept": str(mxfp4_dir)}
+    results = run_distributed(_worker, world_size=world, args=(paths,), timeout_s=400)
+    for form in FORMS:
+        _check_against_transformers(hf_model, results[0][form])
+        if world > 1:
+            assert results[0][form]["fused"] > 0, "fusion on: some reductions run fused"
+            assert results[0][form]["tokens"] == results[1][form]["tokens"]
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 64), (2, 5, 96)])
+def test_quantizer_round_trips_through_transformers_dequantization(shape):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 0.3
+    blocks, scales = quantize_mxfp4(weight)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert torch.equal(ours, theirs)
+    assert (ours - weight).abs().max() <= weight.abs().max() / 6  # a step of E2M1 near its top, at most
