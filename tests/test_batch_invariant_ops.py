@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from layers import batch_invariant as bi
-from layers.batch_invariant_attention import attend_sequence
+from layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
 from tests.dist_utils import run_under_triton_interpreter
 from tests.tolerances import TOLERANCES
 
@@ -103,34 +103,58 @@ def _attention_reference(q, keys, values, q_pos, scale):
     return torch.einsum("htn,nhd->thd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
 
 
-def test_attention_matches_torch_and_rows_depend_on_their_prefix_only():
-    heads, kv_heads, dim, n = 8, 4, 16, 150
+@pytest.mark.parametrize("max_scores", [1 << 16, 1 << 24])  # a few queries per GEMM tile, or all
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 16), (14, 2, 64)])
+def test_attention_matches_torch_and_rows_depend_on_their_prefix_only(max_scores, heads, kv_heads, dim):
+    n = 600  # three key blocks
     q = _seeded(n, heads, dim, seed=12)
     keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
     pos = torch.arange(n)
     out = attend_sequence(q, keys, values, pos, 0.25)
     torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)
-    # a prefill chunk, a single decode row, and more keys past the rows' positions: the same bits
-    for start, end, keys_seen in ((0, 64, 64), (64, 128, 128), (100, 101, 101), (149, 150, 150), (10, 20, 150)):
-        part = attend_sequence(q[start:end], keys[:keys_seen], values[:keys_seen], pos[start:end], 0.25)
+    # prefill chunks, single decode rows (at a block's edges too), more keys past the rows' positions
+    for start, end, keys_seen in ((0, 64, 64), (64, 128, 128), (100, 101, 101), (255, 256, 256), (256, 257, 257),
+                                  (599, 600, 600), (10, 20, 600), (300, 600, 600), (0, 600, 600)):
+        part = attend_sequence(q[start:end], keys[:keys_seen], values[:keys_seen], pos[start:end], 0.25,
+                               max_scores=max_scores)
         assert torch.equal(part, out[start:end]), (start, end, keys_seen)
 
 
-def test_a_decode_batch_of_padded_sequences_gives_each_row_its_own_bits():
+@pytest.mark.parametrize("max_scores", [1, 20000, 1 << 24])
+def test_a_decode_batch_gives_each_row_its_own_bits_and_a_prompt_row_the_same(max_scores):
     heads, kv_heads, dim = 8, 4, 16
-    lens = [1, 40, 129, 7, 64]
-    longest = max(lens)
-    keys = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=20 + n), (0, 0, 0, 0, 0, longest - n), value=float("nan"))
-                        for n in lens])  # [B, longest, KVH, D], NaN past each sequence's length
-    values = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=40 + n), (0, 0, 0, 0, 0, longest - n), value=1e30)
-                          for n in lens])
+    lens = [1, 40, 300, 7, 256, 257, 64]
+    slots, start = [], 1
+    for n in lens:
+        slots.append(list(range(start, start + n)) + [0] * (max(lens) - n))
+        start += n
+    k_cache = _seeded(start, kv_heads, dim, seed=20)
+    v_cache = _seeded(start, kv_heads, dim, seed=21)
+    k_cache[0], v_cache[0] = float("nan"), 1e30  # the table's padding slot: never read into a row's result
+    seq_slots, seq_lens = torch.tensor(slots), torch.tensor(lens)
     q = _seeded(len(lens), heads, dim, seed=15)
-    batched = attend_sequence(q, keys, values, torch.tensor(lens) - 1, 0.25)
+    batched = attend_decode(q, k_cache, v_cache, seq_slots, seq_lens, 0.25, max_scores)
     for i, n in enumerate(lens):
-        alone = attend_sequence(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)
-        assert torch.equal(batched[i:i + 1], alone), n
-        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys[i, :n], values[i, :n],
-                                                               torch.tensor([n - 1]), 0.25), rtol=1e-5, atol=1e-5)
+        keys, values = k_cache[seq_slots[i, :n]], v_cache[seq_slots[i, :n]]
+        alone = attend_decode(q[i:i + 1], k_cache, v_cache, seq_slots[i:i + 1, :n], seq_lens[i:i + 1], 0.25)
+        prompt_row = attend_sequence(q[i:i + 1], keys, values, torch.tensor([n - 1]), 0.25)
+        assert torch.equal(batched[i:i + 1], alone) and torch.equal(alone, prompt_row), n
+        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys, values, torch.tensor([n - 1]), 0.25),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_recipe_matches_torch_and_rows_depend_on_their_prefix_only():
+    """`attend_elementwise` (a CUDA device's path off the Triton kernels), run here on the CPU."""
+    heads, kv_heads, dim, n = 8, 4, 16, 150
+    q = _seeded(n, heads, dim, seed=12)
+    keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
+    pos = torch.arange(n)
+    out = attend_elementwise(q, keys, values, pos, 0.25)
+    torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)
+    padded = torch.stack([F.pad(keys[:101], (0, 0, 0, 0, 0, 49), value=float("nan"))])
+    part = attend_elementwise(q[100:101], padded, torch.stack([F.pad(values[:101], (0, 0, 0, 0, 0, 49))]),
+                              pos[100:101], 0.25)
+    assert torch.equal(part, out[100:101])
 
 
 MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
