@@ -163,7 +163,7 @@ MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
 def _interpreted_matmul(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: per (n, k) and config, the max error against torch and
     the row counts whose row 0 changes bits."""
-    from layers.kernels.triton_bi_matmul import MatmulConfig, choose_config, matmul
+    from layers.kernels.triton_bi_matmul import MatmulConfig, default_config as choose_config, matmul
 
     results = {}
     for n, k in MATMUL_SHAPES:
@@ -193,9 +193,58 @@ def test_triton_matmul_matches_torch_and_is_row_invariant(interpreted_matmul, n,
     assert error < 1e-4 and bad == []
 
 
-def test_the_matmul_config_depends_on_n_and_k_only():
+# a table entry whose row tile changes with M (16, then 32, then 64 rows) over one K plan
+SYNTHETIC_TABLE = {"buckets": [16, 100], "configs": {"96,200": {"block_k": 32, "splits": 2, "block_n": 32, "tiles": [
+    [16, 4, 1], [32, 2, 2], [64, 4, 1]]}}}
+TABLE_ROWS = (1, 7, 64, 128, 512)
+
+
+def _interpreted_table(rank: int, world_size: int) -> dict:
+    """In the TRITON_INTERPRET=1 child: for every entry of the synthetic table and of the repo's
+    (each K plan and its tiles applied to a small 96 x 200 weight), whether rows 0-6 have the
+    same bits at every M of TABLE_ROWS (each M with its bucket's tile), and the max error."""
+    from layers.kernels.bi_matmul_table import load_table, parse_table
+    from layers.kernels.triton_bi_matmul import MatmulConfig, matmul
+
+    entries = list(parse_table(SYNTHETIC_TABLE).values()) + list(load_table().values())
+    w, b, x = _seeded(96, 200, seed=30), _seeded(96, seed=31), _seeded(max(TABLE_ROWS), 200, seed=32)
+    results = []
+    for entry in dict.fromkeys(entries):
+        outs = []
+        for m in TABLE_ROWS:
+            block_m, warps, stages = entry.tile(m)
+            outs.append(matmul(x[:m], w, b, MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps,
+                                                         stages)))
+        error = (outs[-1] - F.linear(x, w, b)).abs().max().item()
+        results.append((tuple(entry), error, [m for m, o in zip(TABLE_ROWS, outs) if not torch.equal(o[:7], outs[-1][:min(m, 7)])]))
+    return {"results": results}
+
+
+@pytest.mark.timeout(600)
+def test_every_table_config_gives_a_row_the_same_bits_at_any_batch():
     pytest.importorskip("triton")
-    from layers.kernels.triton_bi_matmul import MAX_SPLITS, choose_config
+    for entry, error, bad in run_under_triton_interpreter(_interpreted_table)["results"]:
+        assert error < 1e-4 and bad == [], (entry, error, bad)
+
+
+def test_the_table_fixes_the_k_plan_per_shape_and_the_tile_per_bucket(monkeypatch):
+    pytest.importorskip("triton")
+    from layers.kernels import triton_bi_matmul
+    from layers.kernels.bi_matmul_table import parse_table
+
+    monkeypatch.setattr(triton_bi_matmul, "load_table", lambda: parse_table(SYNTHETIC_TABLE))
+    configs = {m: triton_bi_matmul.choose_config(96, 200, m) for m in (1, 16, 17, 100, 101, 4096)}
+    assert {(c.block_k, c.splits) for c in configs.values()} == {(32, 2)}
+    assert [c.block_m for c in configs.values()] == [16, 16, 32, 32, 64, 64]
+    assert triton_bi_matmul.choose_config(4096, 4096, 7) == triton_bi_matmul.default_config(4096, 4096)
+    with pytest.raises(ValueError, match="need 3 tiles"):
+        parse_table({"buckets": [16, 100], "configs": {"1,1": {"block_k": 32, "splits": 1, "block_n": 32,
+                                                               "tiles": [[16, 4, 1]]}}})
+
+
+def test_the_default_matmul_config_depends_on_n_and_k_only():
+    pytest.importorskip("triton")
+    from layers.kernels.triton_bi_matmul import MAX_SPLITS, default_config as choose_config
 
     decode = choose_config(4096, 4096)
     assert decode.splits > 1 and decode.splits <= MAX_SPLITS  # 64 column tiles: split K for the SMs

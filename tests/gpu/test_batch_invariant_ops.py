@@ -1,6 +1,6 @@
 """The batch-invariant ops on one GPU, bf16, llama3-8b shapes: the Triton matmul against cuBLAS
 (tolerance) and row-invariant in bits for M = 1 ... 2048, eager and in a CUDA graph; decode
-attention with the fixed split count: a sequence's output bits the same alone and in a batch of
+attention with fixed keys per split: a sequence's output bits the same alone and in a batch of
 64 (other lengths beside it); extend attention: a prompt's rows the same whole, in chunks of
 64, and batched with other prompts; the log-softmax and the layer's RMSNorm row-invariant."""
 from types import SimpleNamespace
