@@ -19,17 +19,19 @@ static shapes (the sequences' keys gathered to ``[B, max_context, ...]`` and mas
 both in pieces of bounded size (`MAX_SCORES`), so a long prompt's attention takes bounded memory
 on a CPU as the Triton kernels do on a GPU.
 
-Batch-invariant mode (`layers.batch_invariant`): on GPU, decode takes a fixed number of splits
-(`DETERMINISTIC_DECODE_SPLITS`, so a sequence's key chunks depend on its length only, not on
-the batch) and extend takes every key block through its masked step (``mask_all``: one program
+Batch-invariant mode (`layers.batch_invariant`): on GPU, decode splits each sequence's keys into
+chunks of a fixed size (`DETERMINISTIC_KEYS_PER_SPLIT`: a sequence's split count depends on its
+own length only, not on the batch, and the splits are added in order) and extend takes every key block through its masked step (``mask_all``: one program
 per block of a sequence's tokens, over keys in blocks of a size fixed by dtype and head dim,
 aligned at key 0, each block by one instruction sequence: a row's blocks and their order depend
 on its position only, and blocks past it leave its running sums exactly as they were). On CPU
-both run `layers.batch_invariant_attention.attend_sequence`, whose rows depend on nothing else
-(a prompt row and the same position decoded give the same bits).
+both run layers/batch_invariant_attention.py (fixed-shape GEMMs over key blocks aligned at key
+0, the blocks added by a fixed tree), whose rows depend on nothing else (a prompt row and the
+same position decoded give the same bits), in pieces within `MAX_SCORES` as the default path.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Protocol
 
 import torch
@@ -37,13 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers import batch_invariant
-from layers.batch_invariant_attention import attend_sequence
+from layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
 from layers.sink_attention import attend_with_sinks
 from layers.kernels.triton_support import triton_available
 
-# Batch-invariant mode on GPU: decode splits every sequence's keys into this many chunks (their
-# size a function of the sequence's length alone), whatever the batch
-DETERMINISTIC_DECODE_SPLITS = 16
+# Batch-invariant mode on GPU: decode splits every sequence's keys into chunks of this many keys
+# (ceil(length / this) splits: fewer for short sequences, more for long ones), whatever the batch
+DETERMINISTIC_KEYS_PER_SPLIT = 256
 # The torch paths compute attention in pieces whose largest intermediate (extend: the scores of
 # a chunk of queries, [num_heads, queries, keys]; decode: a chunk of rows' keys expanded to every
 # query head, [rows, num_heads, context, head_dim]) holds at most this many elements: 64 MiB in
@@ -127,9 +129,9 @@ class Attention(nn.Module):
         if self._uses_triton(q):
             from layers.kernels.triton_decode_attention import decode_attention
 
-            splits = DETERMINISTIC_DECODE_SPLITS if batch_invariant.enabled() else None
+            keys_per_split = DETERMINISTIC_KEYS_PER_SPLIT if batch_invariant.enabled() else None
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
-                                    num_splits=splits, row_ids=batch.row_ids, sinks=self.sinks,
+                                    row_ids=batch.row_ids, keys_per_split=keys_per_split, sinks=self.sinks,
                                     window=self.sliding_window)
         if batch_invariant.enabled() or self._sink_or_window:
             return self._attend_per_sequence(q, k_cache, v_cache, batch)
@@ -179,30 +181,37 @@ class Attention(nn.Module):
     def _sink_or_window(self) -> bool:
         return self.sinks is not None or self.sliding_window > 0
 
-    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     q_pos: torch.Tensor) -> torch.Tensor:
-        """`attend_sequence`, or `attend_with_sinks` with this layer's sinks / window."""
-        if self._sink_or_window:
-            return attend_with_sinks(q, keys, values, q_pos, self.scale, self.sinks, self.sliding_window)
-        return attend_sequence(q, keys, values, q_pos, self.scale)
-
     def _attend_per_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              batch: AttentionBatch) -> torch.Tensor:
-        """Batch-invariant mode (or sinks / a window) off the Triton path, by `_attend_rows`: a decode batch in one
-        call (each row over its own keys, padded to the longest sequence, or on a GPU to the
-        table's width), an extend batch one sequence at a time (its new queries, the last
-        ``extend_lens[i]`` of ``seq_lens[i]``)."""
+        """Batch-invariant mode, or sinks / a window, off the Triton path: with sinks or a window
+        by `attend_with_sinks` (a decode batch in one call, each row over its own keys padded to
+        the longest sequence, or on a GPU to the table's width); otherwise
+        (layers/batch_invariant_attention.py) on a CPU a decode batch by `attend_decode` and an
+        extend batch one sequence at a time by `attend_sequence`, both within ``max_scores``, and
+        on a CUDA device by `attend_elementwise`, a decode batch in one call over the table's whole
+        width (no host sync, so a CUDA graph can capture it). An extend batch goes one sequence at
+        a time (its new queries, the last ``extend_lens[i]`` of ``seq_lens[i]``)."""
         seq_slots = _sequence_slots(batch)
-        if batch.is_decode:  # on a GPU the whole width: no host sync, so a CUDA graph can capture it
-            longest = seq_slots.shape[1] if q.is_cuda else int(batch.seq_lens.max())
-            slots = seq_slots[:, :longest]
-            return self._attend_rows(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1)
+        if self._sink_or_window:
+            attend = functools.partial(attend_with_sinks, scale=self.scale, sinks=self.sinks,
+                                       window=self.sliding_window)
+            if batch.is_decode:  # on a GPU the whole width: no host sync, so a CUDA graph can capture it
+                longest = seq_slots.shape[1] if q.is_cuda else int(batch.seq_lens.max())
+                slots = seq_slots[:, :longest]
+                return attend(q, k_cache[slots], v_cache[slots], batch.seq_lens - 1)
+        elif batch.is_decode and q.is_cuda:
+            return attend_elementwise(q, k_cache[seq_slots], v_cache[seq_slots], batch.seq_lens - 1, self.scale)
+        elif batch.is_decode:
+            return attend_decode(q, k_cache, v_cache, seq_slots, batch.seq_lens, self.scale, self.max_scores)
+        else:
+            attend = (functools.partial(attend_elementwise, scale=self.scale) if q.is_cuda else
+                      functools.partial(attend_sequence, scale=self.scale, max_scores=self.max_scores))
         out = torch.empty_like(q)
         start = 0
         for i, (seq_len, new) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
             slots = seq_slots[i, :seq_len]
             positions = torch.arange(seq_len - new, seq_len, device=q.device)
-            out[start:start + new] = self._attend_rows(q[start:start + new], k_cache[slots], v_cache[slots], positions)
+            out[start:start + new] = attend(q[start:start + new], k_cache[slots], v_cache[slots], positions)
             start += new
         return out
 

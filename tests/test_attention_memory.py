@@ -116,3 +116,69 @@ def test_a_long_prompts_attention_takes_memory_of_the_bound_not_of_its_length_sq
     peak = int(child.stdout.strip())
     whole_scores = 8 * tokens * tokens * 4
     assert peak <= 6 * MAX_SCORES * 4 < whole_scores, f"peak {peak / 2**20:.0f} MiB"
+
+
+_DETERMINISTIC_CHILD = """
+import torch
+from engine.models.forward_batch import ForwardBatch
+from layers.attention import Attention
+from layers.batch_invariant import batch_invariant_mode
+
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+
+rows, context, heads, kv_heads, d = {rows}, {context}, 8, 4, 64
+g = torch.Generator().manual_seed(0)
+slots = rows * context + 1
+k_cache, v_cache = torch.randn(slots, kv_heads, d, generator=g), torch.randn(slots, kv_heads, d, generator=g)
+if rows == 1:  # a whole prompt
+    batch = ForwardBatch.from_lists([[0] * context], [list(range(1, context + 1))])
+else:  # a decode batch: one long sequence, the others of 33 tokens
+    lens = [context] + [33] * (rows - 1)
+    seq_slots = [list(range(1 + i * context, 1 + i * context + n)) for i, n in enumerate(lens)]
+    batch = ForwardBatch.from_lists([[0]] * rows, seq_slots)
+q = torch.randn(batch.num_tokens, heads * d, generator=g)
+attn = Attention(heads, kv_heads, d, d ** -0.5)
+before = status("VmRSS")
+with batch_invariant_mode(True):
+    out = attn.attend(q, k_cache, v_cache, batch)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("rows, context", [(1, 4096), (64, 4096)])
+def test_deterministic_attention_takes_memory_of_the_bound(rows, context):
+    """Batch-invariant mode's torch path (layers/batch_invariant_attention.py) in a child process:
+    a 4096-token prompt, and a decode batch of 64 rows beside one of 4096 tokens (padding every
+    row to the longest in fp32 and expanding the keys to every query head would take 64 * 4096
+    * 8 * 64 * 4 bytes = 512 MiB for the keys alone): the peak stays within a few pieces'
+    scores (the scores and their weights, the gathered keys and values of one piece)."""
+    child = subprocess.run([sys.executable, "-c", _DETERMINISTIC_CHILD.format(rows=rows, context=context)],
+                           capture_output=True, text=True, timeout=300, check=True)
+    peak = int(child.stdout.strip())
+    assert peak <= 6 * MAX_SCORES * 4, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_deterministic_prefill_reads_the_causal_keys_only(monkeypatch):
+    """A prompt's query groups each read the key blocks up to their last query: the products
+    formed sum to about T^2 / 2 (plus a block and a group per group), not T^2."""
+    from layers import batch_invariant_attention as bia
+    from layers.batch_invariant import batch_invariant_mode
+
+    calls: list[tuple[int, int]] = []
+    real = bia._attend_blocks
+
+    def recording(q, q_pos, keys, values, scale):
+        calls.append((q.shape[1], keys.shape[1]))
+        return real(q, q_pos, keys, values, scale)
+
+    monkeypatch.setattr(bia, "_attend_blocks", recording)
+    tokens = 800
+    q, k_cache, v_cache, batch = _case(0, [[0] * tokens], [tokens])
+    attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    attn.max_scores = 1 << 16
+    with batch_invariant_mode(True):
+        attn.attend(q, k_cache, v_cache, batch)
+    queries = max(t for t, _ in calls)
+    assert sum(t for t, _ in calls) == tokens and len(calls) == -(-tokens // queries)
+    assert sum(t * n for t, n in calls) <= tokens * (tokens + queries) / 2

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from layers import batch_invariant as bi
-from layers.batch_invariant_attention import attend_sequence
+from layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
 from tests.dist_utils import run_under_triton_interpreter
 from tests.tolerances import TOLERANCES
 
@@ -103,34 +103,58 @@ def _attention_reference(q, keys, values, q_pos, scale):
     return torch.einsum("htn,nhd->thd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
 
 
-def test_attention_matches_torch_and_rows_depend_on_their_prefix_only():
-    heads, kv_heads, dim, n = 8, 4, 16, 150
+@pytest.mark.parametrize("max_scores", [1 << 16, 1 << 24])  # a few queries per GEMM tile, or all
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 16), (14, 2, 64)])
+def test_attention_matches_torch_and_rows_depend_on_their_prefix_only(max_scores, heads, kv_heads, dim):
+    n = 600  # three key blocks
     q = _seeded(n, heads, dim, seed=12)
     keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
     pos = torch.arange(n)
     out = attend_sequence(q, keys, values, pos, 0.25)
     torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)
-    # a prefill chunk, a single decode row, and more keys past the rows' positions: the same bits
-    for start, end, keys_seen in ((0, 64, 64), (64, 128, 128), (100, 101, 101), (149, 150, 150), (10, 20, 150)):
-        part = attend_sequence(q[start:end], keys[:keys_seen], values[:keys_seen], pos[start:end], 0.25)
+    # prefill chunks, single decode rows (at a block's edges too), more keys past the rows' positions
+    for start, end, keys_seen in ((0, 64, 64), (64, 128, 128), (100, 101, 101), (255, 256, 256), (256, 257, 257),
+                                  (599, 600, 600), (10, 20, 600), (300, 600, 600), (0, 600, 600)):
+        part = attend_sequence(q[start:end], keys[:keys_seen], values[:keys_seen], pos[start:end], 0.25,
+                               max_scores=max_scores)
         assert torch.equal(part, out[start:end]), (start, end, keys_seen)
 
 
-def test_a_decode_batch_of_padded_sequences_gives_each_row_its_own_bits():
+@pytest.mark.parametrize("max_scores", [1, 20000, 1 << 24])
+def test_a_decode_batch_gives_each_row_its_own_bits_and_a_prompt_row_the_same(max_scores):
     heads, kv_heads, dim = 8, 4, 16
-    lens = [1, 40, 129, 7, 64]
-    longest = max(lens)
-    keys = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=20 + n), (0, 0, 0, 0, 0, longest - n), value=float("nan"))
-                        for n in lens])  # [B, longest, KVH, D], NaN past each sequence's length
-    values = torch.stack([F.pad(_seeded(n, kv_heads, dim, seed=40 + n), (0, 0, 0, 0, 0, longest - n), value=1e30)
-                          for n in lens])
+    lens = [1, 40, 300, 7, 256, 257, 64]
+    slots, start = [], 1
+    for n in lens:
+        slots.append(list(range(start, start + n)) + [0] * (max(lens) - n))
+        start += n
+    k_cache = _seeded(start, kv_heads, dim, seed=20)
+    v_cache = _seeded(start, kv_heads, dim, seed=21)
+    k_cache[0], v_cache[0] = float("nan"), 1e30  # the table's padding slot: never read into a row's result
+    seq_slots, seq_lens = torch.tensor(slots), torch.tensor(lens)
     q = _seeded(len(lens), heads, dim, seed=15)
-    batched = attend_sequence(q, keys, values, torch.tensor(lens) - 1, 0.25)
+    batched = attend_decode(q, k_cache, v_cache, seq_slots, seq_lens, 0.25, max_scores)
     for i, n in enumerate(lens):
-        alone = attend_sequence(q[i:i + 1], keys[i, :n], values[i, :n], torch.tensor([n - 1]), 0.25)
-        assert torch.equal(batched[i:i + 1], alone), n
-        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys[i, :n], values[i, :n],
-                                                               torch.tensor([n - 1]), 0.25), rtol=1e-5, atol=1e-5)
+        keys, values = k_cache[seq_slots[i, :n]], v_cache[seq_slots[i, :n]]
+        alone = attend_decode(q[i:i + 1], k_cache, v_cache, seq_slots[i:i + 1, :n], seq_lens[i:i + 1], 0.25)
+        prompt_row = attend_sequence(q[i:i + 1], keys, values, torch.tensor([n - 1]), 0.25)
+        assert torch.equal(batched[i:i + 1], alone) and torch.equal(alone, prompt_row), n
+        torch.testing.assert_close(alone, _attention_reference(q[i:i + 1], keys, values, torch.tensor([n - 1]), 0.25),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_recipe_matches_torch_and_rows_depend_on_their_prefix_only():
+    """`attend_elementwise` (a CUDA device's path off the Triton kernels), run here on the CPU."""
+    heads, kv_heads, dim, n = 8, 4, 16, 150
+    q = _seeded(n, heads, dim, seed=12)
+    keys, values = _seeded(n, kv_heads, dim, seed=13), _seeded(n, kv_heads, dim, seed=14)
+    pos = torch.arange(n)
+    out = attend_elementwise(q, keys, values, pos, 0.25)
+    torch.testing.assert_close(out, _attention_reference(q, keys, values, pos, 0.25), rtol=1e-5, atol=1e-5)
+    padded = torch.stack([F.pad(keys[:101], (0, 0, 0, 0, 0, 49), value=float("nan"))])
+    part = attend_elementwise(q[100:101], padded, torch.stack([F.pad(values[:101], (0, 0, 0, 0, 0, 49))]),
+                              pos[100:101], 0.25)
+    assert torch.equal(part, out[100:101])
 
 
 MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
@@ -139,7 +163,7 @@ MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
 def _interpreted_matmul(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: per (n, k) and config, the max error against torch and
     the row counts whose row 0 changes bits."""
-    from layers.kernels.triton_bi_matmul import MatmulConfig, choose_config, matmul
+    from layers.kernels.triton_bi_matmul import MatmulConfig, default_config as choose_config, matmul
 
     results = {}
     for n, k in MATMUL_SHAPES:
@@ -169,9 +193,58 @@ def test_triton_matmul_matches_torch_and_is_row_invariant(interpreted_matmul, n,
     assert error < 1e-4 and bad == []
 
 
-def test_the_matmul_config_depends_on_n_and_k_only():
+# a table entry whose row tile changes with M (16, then 32, then 64 rows) over one K plan
+SYNTHETIC_TABLE = {"buckets": [16, 100], "configs": {"96,200": {"block_k": 32, "splits": 2, "block_n": 32, "tiles": [
+    [16, 4, 1], [32, 2, 2], [64, 4, 1]]}}}
+TABLE_ROWS = (1, 7, 64, 128, 512)
+
+
+def _interpreted_table(rank: int, world_size: int) -> dict:
+    """In the TRITON_INTERPRET=1 child: for every entry of the synthetic table and of the repo's
+    (each K plan and its tiles applied to a small 96 x 200 weight), whether rows 0-6 have the
+    same bits at every M of TABLE_ROWS (each M with its bucket's tile), and the max error."""
+    from layers.kernels.bi_matmul_table import load_table, parse_table
+    from layers.kernels.triton_bi_matmul import MatmulConfig, matmul
+
+    entries = list(parse_table(SYNTHETIC_TABLE).values()) + list(load_table().values())
+    w, b, x = _seeded(96, 200, seed=30), _seeded(96, seed=31), _seeded(max(TABLE_ROWS), 200, seed=32)
+    results = []
+    for entry in dict.fromkeys(entries):
+        outs = []
+        for m in TABLE_ROWS:
+            block_m, warps, stages = entry.tile(m)
+            outs.append(matmul(x[:m], w, b, MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps,
+                                                         stages)))
+        error = (outs[-1] - F.linear(x, w, b)).abs().max().item()
+        results.append((tuple(entry), error, [m for m, o in zip(TABLE_ROWS, outs) if not torch.equal(o[:7], outs[-1][:min(m, 7)])]))
+    return {"results": results}
+
+
+@pytest.mark.timeout(600)
+def test_every_table_config_gives_a_row_the_same_bits_at_any_batch():
     pytest.importorskip("triton")
-    from layers.kernels.triton_bi_matmul import MAX_SPLITS, choose_config
+    for entry, error, bad in run_under_triton_interpreter(_interpreted_table)["results"]:
+        assert error < 1e-4 and bad == [], (entry, error, bad)
+
+
+def test_the_table_fixes_the_k_plan_per_shape_and_the_tile_per_bucket(monkeypatch):
+    pytest.importorskip("triton")
+    from layers.kernels import triton_bi_matmul
+    from layers.kernels.bi_matmul_table import parse_table
+
+    monkeypatch.setattr(triton_bi_matmul, "load_table", lambda: parse_table(SYNTHETIC_TABLE))
+    configs = {m: triton_bi_matmul.choose_config(96, 200, m) for m in (1, 16, 17, 100, 101, 4096)}
+    assert {(c.block_k, c.splits) for c in configs.values()} == {(32, 2)}
+    assert [c.block_m for c in configs.values()] == [16, 16, 32, 32, 64, 64]
+    assert triton_bi_matmul.choose_config(4096, 4096, 7) == triton_bi_matmul.default_config(4096, 4096)
+    with pytest.raises(ValueError, match="need 3 tiles"):
+        parse_table({"buckets": [16, 100], "configs": {"1,1": {"block_k": 32, "splits": 1, "block_n": 32,
+                                                               "tiles": [[16, 4, 1]]}}})
+
+
+def test_the_default_matmul_config_depends_on_n_and_k_only():
+    pytest.importorskip("triton")
+    from layers.kernels.triton_bi_matmul import MAX_SPLITS, default_config as choose_config
 
     decode = choose_config(4096, 4096)
     assert decode.splits > 1 and decode.splits <= MAX_SPLITS  # 64 column tiles: split K for the SMs

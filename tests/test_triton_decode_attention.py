@@ -201,6 +201,38 @@ def test_rows_shorter_than_the_splits(interpreted, case):
     assert interpreted[case] is None, interpreted[case]
 
 
+FIXED_SPLIT_BATCHES = (1, 7, 64)
+
+
+def _interpreted_fixed_splits(rank: int, world_size: int) -> dict:
+    """In the TRITON_INTERPRET=1 child: batch-invariant mode's fixed keys per split (64 keys, 16-key
+    blocks). The last row (300 keys: 5 splits) alone, among the last 7 rows and among 64, each
+    with the table as wide as the batch's longest row (as an eager step gathers it) and 40 wider
+    (as a CUDA graph's table): its output and whether each equals the first bit for bit. The
+    other rows hold up to 64 keys (one split each: the interpreter runs every program)."""
+    q, k_cache, v_cache, req_to_token, seq_lens = make_case(64, 2, 1, 16, 300, torch.float32, torch.int64, seed=5)
+    req_to_token[req_to_token == PAD_SLOT] = 0
+    seq_lens[:-1] = (seq_lens[:-1] - 1) % 64 + 1
+    outs = []
+    for batch in FIXED_SPLIT_BATCHES:
+        rows = slice(64 - batch, 64)
+        width = int(seq_lens[rows].max())
+        for table in (req_to_token[rows, :width], torch.nn.functional.pad(req_to_token[rows], (0, 40))):
+            out = decode_attention(q[rows], k_cache, v_cache, table.contiguous(), seq_lens[rows], 0.3, keys_per_split=64,
+                                   block=16)
+            outs.append((batch, out[-1]))
+    expected = decode_attention_reference(q[-1:], k_cache, v_cache, req_to_token[-1:], seq_lens[-1:], 0.3)[0]
+    return {"error": max((o - expected).abs().max().item() for _, o in outs),
+            "equal": {batch: torch.equal(o, outs[0][1]) for batch, o in outs}}
+
+
+@pytest.mark.timeout(600)
+def test_fixed_keys_per_split_gives_a_row_the_same_bits_at_any_batch():
+    result = run_under_triton_interpreter(_interpreted_fixed_splits)
+    assert result["error"] < 1e-5
+    assert result["equal"] == {batch: True for batch in FIXED_SPLIT_BATCHES}
+
+
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
     (1, 4, 8192, (64, 64)),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
     (1, 4, 128, (2, 64)),  # at most one split per 64-key block of the width
@@ -231,6 +263,8 @@ def test_bad_inputs_raise_clear_errors():
     for message, args in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             decode_attention(*args, scale=0.125)
+    with pytest.raises(ValueError, match="keys_per_split must be a positive multiple of the block"):
+        decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, 0.125, keys_per_split=100)
     for block in (8, 96):
         with pytest.raises(ValueError, match="block must be a power of two >= 16"):
             decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, 0.125, num_splits=1, block=block)

@@ -64,7 +64,7 @@ def main() -> None:
             xs = [x_all[:m]] * calls
             t_ref = time_us(lambda x, w: F.linear(x, w), xs, ws[:calls])
             t_bi = time_us(matmul, xs, ws[:calls])
-            cfg = choose_config(n, k)
+            cfg = choose_config(n, k, m)
             results.append({"shape": name, "n": n, "k": k, "m": m, "cublas_us": t_ref, "bi_us": t_bi,
                             "config": cfg._asdict(), "row_invariant": invariant, "close_to_cublas": close})
             print(f"{name:>14} {m:>6} {t_ref:>10.1f} {t_bi:>8.1f} {t_bi / t_ref:>6.2f}  {tuple(cfg)}"

@@ -9,11 +9,13 @@ each a ``tl.dot`` loop over BLOCK_K-wide blocks in increasing k; the partial sum
 added in the fixed order s = 0, 1, ..., S-1 by a second kernel, which adds the bias in fp32 and
 rounds once to the output dtype (S = 1: the first kernel does that itself).
 
-Why it is row-invariant: the tile (BLOCK_M, BLOCK_N, BLOCK_K), the warps and stages and S are
-functions of (N, K) only (`choose_config`), never of M. A row is one row of a BLOCK_M tile;
-tensor-core products accumulate each output element over k inside the instruction, with no
-exchange between rows; rows past M load zeros and are not stored. So the sequence of operations
-that yields y[m, n] is the same for every M. cuBLAS instead picks its kernel, its tile and its
+Why it is row-invariant: BLOCK_K and S, which fix the order of the sums over K, are functions of
+(N, K) only (`choose_config`), never of M. A row is one row of a BLOCK_M tile; tensor-core
+products accumulate each output element over k inside the instruction, with no exchange between
+rows; rows past M load zeros and are not stored. So the sequence of additions that yields y[m,
+n] is the same for every M. The row tile (BLOCK_M, warps, stages) may follow M where the
+measured table (layers/kernels/bi_matmul_table.py) says so; its tuner keeps only tiles that give
+the rows the same bits, and tests check every entry at several M. cuBLAS instead picks its kernel, its tile and its
 split-K by M (a decode batch of 1 and of 32 round differently), which is why the default mode's
 GEMMs are not batch-invariant.
 
@@ -37,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels.bi_matmul_table import load_table
+
 TARGET_PROGRAMS = 256  # about two programs per SM of an H200 at M <= BLOCK_M
 MAX_SPLITS = 8
 MIN_SPLIT_K = 512  # a split keeps at least this many K columns
@@ -51,10 +55,20 @@ class MatmulConfig(NamedTuple):
     num_stages: int
 
 
-def choose_config(n: int, k: int) -> MatmulConfig:
-    """The tiling for an ``[M, k] x [k, n]`` product, from (n, k) only: 64 x 64 x 128 tiles and
-    the fewest K splits (a power of two, at most MAX_SPLITS, each at least MIN_SPLIT_K columns)
-    that give TARGET_PROGRAMS programs per BLOCK_M rows."""
+def choose_config(n: int, k: int, m: int = 1) -> MatmulConfig:
+    """The tiling for an ``[m, k] x [k, n]`` product: the measured table's entry for (n, k)
+    (BLOCK_K, S and BLOCK_N from (n, k), BLOCK_M, warps and stages from m's bucket) when it has one, else `default_config`."""
+    entry = load_table().get((n, k))
+    if entry is None:
+        return default_config(n, k)
+    block_m, warps, stages = entry.tile(m)
+    return MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps, stages)
+
+
+def default_config(n: int, k: int) -> MatmulConfig:
+    """The rule for a shape the table lacks, from (n, k) only: 64 x 64 x 128 tiles and the
+    fewest K splits (a power of two, at most MAX_SPLITS, each at least MIN_SPLIT_K columns) that
+    give TARGET_PROGRAMS programs per BLOCK_M rows."""
     block_m, block_n, block_k = 64, 64, 128
     tiles = triton.cdiv(n, block_n)
     splits = 1
@@ -123,7 +137,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
         raise ValueError("x and weight need a contiguous last dimension, bias must be contiguous")
     (m, k), n = x.shape, weight.shape[0]
-    cfg = config or choose_config(n, k)
+    cfg = config or choose_config(n, k, m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -31,6 +31,12 @@ Combine kernel, grid (B, H), over the ceil(n_b / chunk_b) <= NUM_SPLITS splits t
 
 (every w_s lies in (0, 1] and one is 1: no overflow, no 0/0).
 
+Batch-invariant mode passes ``keys_per_split``: chunk_b is that fixed size, so row b takes
+ceil(n_b / keys_per_split) splits (fewer for short rows, more for long ones; never a function
+of the batch), the grid is ceil(C / keys_per_split) splits, and the combine adds splits 0, 1,
+... in order (a loop, not a tree over the grid's padded split count), so a row's bits depend on
+its own keys only.
+
 Launch choice (`choose_launch`), from shapes only (B, KVH, the width C of req_to_token, the SM
 count): floor(WAVES * SMs / (B * KVH)) splits of BLOCK_N keys, i.e. about WAVES programs per
 SM, at most one split per block of C, between 1 and MAX_SPLITS; mid-size batches
@@ -73,7 +79,8 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
                   context, window,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  FIXED_CHUNK: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,7 +88,10 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    if FIXED_CHUNK > 0:
+        chunk = FIXED_CHUNK
+    else:
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
     start = lo + split * chunk
     if start < seq_len:
         end = tl.minimum(start + chunk, seq_len)
@@ -125,23 +135,38 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
 @triton.jit
 def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context, window,
                     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    FIXED_CHUNK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
-    ran = tl.cdiv(seq_len - lo, chunk)  # splits whose chunk started before seq_len
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < ran
-    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
-    lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
-    o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    if FIXED_CHUNK > 0:  # splits 0, 1, ..., ran - 1 added in that order: the grid's size changes no bit
+        ran = tl.cdiv(seq_len - lo, FIXED_CHUNK)
+        first = (b * NUM_HEADS + h) * NUM_SPLITS
+        top = tl.load(PartLse + first)
+        for s in range(1, ran):
+            top = tl.maximum(top, tl.load(PartLse + first + s))
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        den = tl.zeros([HEAD_DIM], tl.float32)
+        for s in range(0, ran):
+            w = tl.exp2(tl.load(PartLse + first + s) - top)
+            acc += w * tl.load(PartOut + (first + s) * HEAD_DIM + offs_d)
+            den += w
+        out = acc / den
+    else:
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+        ran = tl.cdiv(seq_len - lo, chunk)  # splits whose chunk started before seq_len
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < ran
+        row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+        lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
+        o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
@@ -210,30 +235,38 @@ def check_sinks(sinks: Optional[torch.Tensor], heads: int, device: torch.device,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                      row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None,
-                     sinks: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
+                     keys_per_split: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                     window: int = 0) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
     only; returns a new tensor of q's dtype. ``num_splits`` and ``block`` (keys per block, a
     power of two >= 16; BLOCK_N when only ``num_splits`` is given) override the shape-based
-    choice (tests, tuning). ``sinks [H]`` (fp32 logits) join every head's softmax denominator as a
-    key of value 0 (split 0 starts its sums with it); ``window`` W > 0 keeps the last W keys only
-    (the splits cut ``[max(n_b - W, 0), n_b)``): layers/sink_attention.py's math. Requires 1 <=
-    seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would sync); values of seq_lens above C
-    are clamped to C."""
+    choice (tests, tuning). ``keys_per_split`` (a multiple of the block; batch-invariant mode)
+    fixes each split's keys instead: row b takes ceil(its keys / keys_per_split) splits (its own
+    length's, whatever the batch or the width C), the grid ceil(C / keys_per_split), and the
+    combine adds the splits one by one in order. ``sinks [H]`` (fp32 logits) join every head's
+    softmax denominator as a key of value 0 (split 0 starts its sums with it); ``window`` W > 0
+    keeps the last W keys only (the splits cut ``[max(n_b - W, 0), n_b)``):
+    layers/sink_attention.py's math. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not
+    checked: that would sync); values of seq_lens above C are clamped to C."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     context = req_to_token.shape[1]
-    if num_splits is None:
+    if keys_per_split is not None:
+        splits, block = -(-context // keys_per_split), block or BLOCK_N
+    elif num_splits is None:
         splits, chosen_block = choose_launch(batch, kv_heads, context, _sm_count(q.device))
         block = block or chosen_block
     else:
         splits, block = num_splits, block or BLOCK_N
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16 (tl.dot), got {block}")
+    if keys_per_split is not None and (keys_per_split < block or keys_per_split % block):
+        raise ValueError(f"keys_per_split must be a positive multiple of the block ({block}), got {keys_per_split}")
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
         part_out = part_lse = out
@@ -248,13 +281,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FIXED_CHUNK=keys_per_split or 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if splits > 1:
         _combine_kernel[(batch, heads)](
             part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
             HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK=block, HAS_WINDOW=window > 0, num_warps=4,
+            BLOCK=block, HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, num_warps=4,
         )
     return out
 
