@@ -106,7 +106,7 @@ def test_text_that_cannot_begin_a_stop_string_is_released_at_once():
 def test_too_many_or_too_long_stop_strings_are_refused_naming_the_field(stop, field_error: str, url: str):
     client = TestClient(build_app(FakeEngine(context_length=64), "served"))
     body = {"stop": stop, "max_tokens": 4}
-    body = ({"text": "hi", "sampling_params": body} if url == "/generate"
+    body = ({"text": "hi", "sampling_params": {"stop": stop, "max_new_tokens": 4}} if url == "/generate"
             else {"prompt": "hi", **body} if url == "/v1/completions"
             else {"messages": [{"role": "user", "content": "hi"}], **body})
     resp = client.post(url, json=body)
