@@ -53,6 +53,7 @@ def _check_against_transformers(hf_model, result: dict) -> None:
     expected = torch.stack([theirs[s][pos] for s, pos in result["rows"]])
     ours = result["logits"]
     error = (ours - expected).abs().max() / expected.abs().max()
+    print(f"max |ours - transformers| / max |transformers| = {error:.2e}")
     assert error <= RELATIVE, f"max |ours - transformers| = {error:.2e} of max |transformers|"
     for s, seq in enumerate(tokens):  # each generated token is transformers' argmax at the position before it
         generated = [pos for t, pos in result["rows"] if t == s and len(PROMPTS[s]) <= pos + 1 < len(seq)]
@@ -71,6 +72,27 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, world):
         if world > 1:
             assert results[0][form]["fused"] > 0, "fusion on: some reductions run fused"
             assert results[0][form]["tokens"] == results[1][form]["tokens"]
+
+
+def test_a_checkpoint_of_neither_form_is_refused_in_one_line(checkpoints, tmp_path):
+    """bf16 experts under an mxfp4 quantization_config, and a quantization the loader does not know."""
+    import json
+    import shutil
+
+    from engine.weights.errors import ModelFileError
+
+    _, bf16_dir, mxfp4_dir = checkpoints
+    mixed, other = tmp_path / "mixed", tmp_path / "other"
+    shutil.copytree(bf16_dir, mixed)
+    shutil.copy(mxfp4_dir / "config.json", mixed / "config.json")
+    shutil.copytree(mxfp4_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (other / "config.json").write_text(json.dumps(config))
+    for path, fragment in ((mixed, "unexpected tensor"), (other, "quantization_config 'fp8' is not supported")):
+        with pytest.raises(ModelFileError) as info:
+            load_safetensors(path, torch.float32)
+        assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("shape", [(3, 8, 64), (2, 5, 96)])

@@ -80,37 +80,40 @@ class StartupContext:
     parsed: Optional[ParsedGGUF] = None
 
 
-def keep_mxfp4(choice: str, device: torch.device) -> bool:
-    """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto" (keep on a
-    GPU with triton, where the weight-only MXFP4 MoE kernel runs; the CPU path dequantizes each
-    expert at every use, so there it pays to dequantize once at load)."""
+def keep_mxfp4(choice: str, device: torch.device, config: ModelConfig, tp_size: int) -> bool:
+    """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto": keep on a
+    GPU with triton, where the weight-only MXFP4 MoE kernel runs, when each rank's slice of an
+    expert's intermediate features is whole groups of 32 (gpt-oss at TP 1, 2, 3, 5, 6, 9, not 4:
+    2880 / 4 = 22.5 groups); the CPU path dequantizes each expert at every use, so there it pays
+    to dequantize once at load."""
     if choice == "auto":
-        return device.type == "cuda" and triton_available()
+        whole_groups = config.moe_intermediate_size % (32 * tp_size) == 0
+        return device.type == "cuda" and triton_available() and whole_groups
     return choice == "keep"
 
 
-def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device,
+def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
                             parsed: Optional[ParsedGGUF] = None):
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
-    from ``settings.mxfp4_experts``."""
+    from ``settings.mxfp4_experts`` (`keep_mxfp4`)."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
-        config = _expert_form(builtin_config(settings.model_path), settings, device)
+        config = _expert_form(builtin_config(settings.model_path), settings, device, tp_size)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from engine.weights.loader import load_model_weights
 
     config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed,
                                          parsed)
-    return _expert_form(config, settings, device), weights
+    return _expert_form(config, settings, device, tp_size), weights
 
 
-def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
+def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device, tp_size: int) -> ModelConfig:
     if config.expert_format != "mxfp4":
         return config
-    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
+    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device, config, tp_size))
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:
@@ -118,7 +121,7 @@ def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = N
     (each file complete, the config valid, every tensor's name and shape the model's, none
     missing): once, in the launcher, before any TP worker starts. `ModelFileError` naming the
     file; only the tensors' values (NaN, inf) are left for the load to check."""
-    return load_config_and_weights(settings, torch.float32, torch.device("cpu"), parsed)[0]
+    return load_config_and_weights(settings, torch.float32, torch.device("cpu"), parsed=parsed)[0]
 
 
 class ModelRunner:
@@ -164,7 +167,8 @@ class ModelRunner:
     def _load_model(self) -> None:
         """This rank's config, context length, fusion op (no collective yet) and model with its
         weights. ValueError (`ModelFileError` for the files) for a model that cannot run."""
-        config, weights = load_config_and_weights(self.settings, self.dtype, self.device, self._parsed)
+        config, weights = load_config_and_weights(self.settings, self.dtype, self.device, self.group.world_size,
+                                                  self._parsed)
         self.config: ModelConfig = config
         requested = self.settings.context_length or config.max_position_embeddings  # cut to the KV cache by `_kv_slots`
         if requested > config.max_position_embeddings:

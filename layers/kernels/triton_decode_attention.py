@@ -43,6 +43,11 @@ SM, at most one split per block of C, between 1 and MAX_SPLITS; mid-size batches
 (MID_MIN_ROWS <= B * KVH <= MID_WAVES * SMs) take MID_BLOCK_N-key blocks and about MID_WAVES
 programs per SM instead.
 
+Sinks and a window (gpt-oss, layers/sink_attention.py's math): with ``sinks`` split 0 starts its
+sums from the sink (m = sinks[h] * log2(e), l = 1: a key of value 0), so every split's partial
+and the combine stay as above; with ``window`` W the splits cut [max(n_b - W, 0), n_b) instead
+of [0, n_b).
+
 Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
 dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
 [B, H, NUM_SPLITS]); nothing else is written. Launch and buffers depend on shapes only, never on

@@ -42,6 +42,13 @@ Online softmax in base 2 (x = scale * log2(e) * q.k, exp2 for exp): running max 
 l = sum_j 2^(x_j - m), acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max
 grows; out = acc / l.
 
+Sinks and a window (gpt-oss, layers/sink_attention.py's math): with ``sinks`` a row's sums start
+from its head's sink (m = sinks[h] * log2(e), l = 1: a key of value 0 every row sees); with
+``window`` W a row also masks keys at or before p - W, F = 0 (every block masked), and the key
+loop starts at the block of the first row's first visible key, floor(max(c_i + t0 - W + 1, 0) /
+BLOCK_N) * BLOCK_N (still aligned at key 0). A row's first block may then hold none of its keys:
+without a sink its exponents are taken from 0 while its max is -inf, so its sums stay zero.
+
 Host sync: only to size the grid. Pass ``max_extend_len`` (a host int >= max(extend_lens), e.g.
 from the scheduler) and the call has none (it is then CUDA-graph capturable); without it one
 device-to-host copy reads max(extend_lens) and checks the lengths (0 <= e_i <= n_i <= width of
