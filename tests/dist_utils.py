@@ -97,13 +97,16 @@ def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
 
 
-def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 240.0) -> Any:
-    """``worker(0, 1)`` in one spawned process with ``TRITON_INTERPRET=1`` (the interpreter is
-    chosen when triton is first imported, so it cannot be switched on inside pytest's process)."""
+def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 240.0, world_size: int = 1,
+                                 args: tuple = ()) -> Any:
+    """``worker(0, 1, *args)`` in one spawned process with ``TRITON_INTERPRET=1`` (the interpreter
+    is chosen when triton is first imported, so it cannot be switched on inside pytest's process);
+    with ``world_size`` > 1 the list of every rank's return value (`run_distributed`)."""
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        return run_distributed(worker, world_size=1, timeout_s=timeout_s)[0]
+        results = run_distributed(worker, world_size=world_size, args=args, timeout_s=timeout_s)
+        return results[0] if world_size == 1 else results
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]

@@ -8,6 +8,11 @@ SwiGLU's clamps. Shapes: hidden = intermediate = 64 with the default tiles (one 
 columns), and hidden 96 with small tiles (several K-tiles and column tiles, a masked K tail);
 MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0 with some scale bytes 0 (2^-127).
 
+TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
+tensors (gate/up interleaved) through `GptOssExperts.weight_loader` and runs the kernel on its
+share; the two partial outputs summed equal the whole experts computed in fp32 from the full
+tensors (even rows gate, odd rows up, the down bias once), at the same tolerance.
+
 Tolerance: rtol = atol = 1e-4. The dequantized weights are exact, but the kernel sums each
 fp32 dot in its own order (even columns, then odd ones, per K-tile) where the reference sums
 the whole row: pre-activations of tens differ by a few fp32 ulps, which the SwiGLU's slope (up
@@ -79,3 +84,81 @@ def interpreted():
 def test_matches_torch_reference(interpreted, case):
     out, expected = interpreted[case]
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+
+
+# TP shards: (tiles as above or SMALL_TILES, hidden, full intermediate); each rank's share of the
+# intermediate is a multiple of 32, one group (32) or several (64, 96)
+TP_CASES = [(False, 64, 128), (True, 96, 192), (True, 64, 64)]
+
+
+def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:
+    """Seeded full expert tensors of 4 experts in the checkpoint's layout (gate/up interleaved)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"gate_up_blocks": torch.randint(0, 256, (4, 2 * inter, hidden // 32, 16), generator=g, dtype=torch.uint8),
+            "gate_up_scales": torch.randint(123, 126, (4, 2 * inter, hidden // 32), generator=g, dtype=torch.uint8),
+            "gate_up_bias": torch.randn(4, 2 * inter, generator=g) * 0.3,
+            "down_blocks": torch.randint(0, 256, (4, hidden, inter // 32, 16), generator=g, dtype=torch.uint8),
+            "down_scales": torch.randint(123, 126, (4, hidden, inter // 32), generator=g, dtype=torch.uint8),
+            "down_bias": torch.randn(4, hidden, generator=g) * 0.3}
+
+
+def _routing(hidden: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, hidden, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+    return x, torch.softmax(torch.randn(9, 2, generator=g), dim=-1), ids
+
+
+def _full_reference(full: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The whole experts from the full checkpoint tensors, fp32: gate = even rows, up = odd rows."""
+    from layers.moe.gpt_oss_moe import clamped_swiglu
+    from layers.moe.mxfp4 import dequantize_mxfp4
+
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = dequantize_mxfp4(full["gate_up_blocks"][e], full["gate_up_scales"][e], torch.float32) @ x[t]
+            gate_up = gate_up + full["gate_up_bias"][e]
+            act = clamped_swiglu(gate_up[0::2], gate_up[1::2], 1.702, 7.0)
+            down = dequantize_mxfp4(full["down_blocks"][e], full["down_scales"][e], torch.float32)
+            out[t] += weights[t, j] * (down @ act + full["down_bias"][e])
+    return out
+
+
+def _interpreted_shard(rank: int, world: int) -> dict:
+    from layers.moe.gpt_oss_moe import GptOssExperts
+    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+
+    partials = {}
+    for seed, (small_tiles, hidden, inter) in enumerate(TP_CASES):
+        experts = GptOssExperts(4, hidden, inter, 1.702, 7.0, True, torch.float32, None)
+        params = {"gate_up_blocks": experts.w13_blocks, "gate_up_scales": experts.w13_scales,
+                  "gate_up_bias": experts.w13_bias, "down_blocks": experts.w2_blocks, "down_scales": experts.w2_scales,
+                  "down_bias": experts.w2_bias}
+        for shard_id, tensor in _full_checkpoint(hidden, inter, seed).items():
+            experts.weight_loader(params[shard_id], tensor, shard_id)
+        config = MoEBlockConfig(**SMALL_TILES) if small_tiles else None
+        x, weights, ids = _routing(hidden, 50 + seed)
+        partials[(small_tiles, hidden, inter)] = gpt_oss_experts_triton(x, experts, weights, ids, config)
+    return partials
+
+
+@pytest.fixture(scope="module")
+def interpreted_shards():
+    pytest.importorskip("triton")
+    return run_under_triton_interpreter(_interpreted_shard, timeout_s=300, world_size=2)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: "{}hidden{}-intermediate{}".format(
+    "small_tiles-" if c[0] else "", c[1], c[2]))
+def test_tp2_shards_sum_to_the_full_experts(interpreted_shards, case):
+    """Each TP2 rank's kernel output on its shard (sharded by `GptOssExperts.weight_loader`), summed
+    over the ranks, is the full experts' output from the checkpoint's tensors (RTOL, ATOL)."""
+    seed = TP_CASES.index(case)
+    x, weights, ids = _routing(case[1], 50 + seed)
+    total = sum(rank_partials[case] for rank_partials in interpreted_shards)
+    torch.testing.assert_close(total, _full_reference(_full_checkpoint(case[1], case[2], seed), x, weights, ids),
+                               rtol=RTOL, atol=ATOL)
