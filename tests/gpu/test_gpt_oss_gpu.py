@@ -12,7 +12,8 @@ tests/tolerances.py's bf16.
 
 Model: ``gpt-oss-20b`` (dummy weights, MXFP4 experts kept), teacher-forced logits of 4 prompts
 of 160 tokens (longer than the window) and 24 decode steps, TP1 vs TP2 with fusion on
-(flashinfer), judged against TP1's own rounding spread (`test_tp2_agrees_with_tp1`).
+(flashinfer): greedy agreement >= 0.9 and mean relative error <= 5e-2 (bf16, different summation
+orders in the reductions and the split heads).
 """
 import pytest
 import torch
@@ -119,7 +120,7 @@ def _teacher_forced(runner, prompts, tokens):
     return torch.stack(out)
 
 
-def _model_rank(rank, world, tokens, reordered_sums=False):
+def _model_rank(rank, world, tokens):
     from engine.runtime.model_runner import ModelRunner, RunnerSettings
     from engine.scheduling.static_batch import StaticBatch, random_prompts
     from fusion import FusionConfig
@@ -129,9 +130,6 @@ def _model_rank(rank, world, tokens, reordered_sums=False):
                               max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, kv_slots=2048,
                               mxfp4_experts="keep",
                               fusion=FusionConfig(enabled=world > 1, backend="flashinfer", max_tokens=1024))
-    from layers import batch_invariant
-
-    batch_invariant.set_enabled(reordered_sums)  # the same math, every GEMM summed in another order
     runner = ModelRunner(settings, get_tp_group())
     try:
         prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
@@ -148,29 +146,16 @@ def _model_rank(rank, world, tokens, reordered_sums=False):
         runner.destroy()
 
 
-def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(greedy agreement, mean relative L2 error of the logits) of ``a`` against ``b``."""
-    agreement = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    return agreement, ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)).mean().item()
-
-
 @pytest.mark.tp_ranks(gpu_world_size())
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1200)
 def test_tp2_agrees_with_tp1():
-    """TP2 is judged against TP1's own rounding spread, not a fixed bound: the dummy gpt-oss-20b
-    (24 layers, top-4 of 32 experts, random weights) magnifies a bf16 rounding difference layer by
-    layer (a switched expert changes everything after it), so TP1 teacher-forced again with every
-    GEMM summed in another order (batch-invariant mode) already differs by far more than 5e-2.
-    TP2 must differ from TP1 by at most twice that spread, with fusion active."""
     tp1 = run_distributed(_model_rank, world_size=1, args=(None,), device_kind="cuda", timeout_s=600)[0]
-    spread = run_distributed(_model_rank, world_size=1, args=(tp1["tokens"], True), device_kind="cuda",
-                             timeout_s=600)[0]
     tp2 = run_distributed(_model_rank, world_size=gpu_world_size(), args=(tp1["tokens"],), device_kind="cuda",
                           timeout_s=600)[0]
-    agree_tp2, rel_tp2 = _compare(tp2["logits"], tp1["logits"])
-    agree_spread, rel_spread = _compare(spread["logits"], tp1["logits"])
-    print(f"\ngpt-oss-20b vs TP1: TP{gpu_world_size()} agreement {agree_tp2:.3f}, relative error {rel_tp2:.2e} "
-          f"(fusion active {tp2['active']}); TP1 with other summation orders: agreement {agree_spread:.3f}, "
-          f"relative error {rel_spread:.2e}")
+    a, b = tp2["logits"], tp1["logits"]
+    agreement = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    rel = ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)).mean().item()
+    print(f"\ngpt-oss-20b TP{gpu_world_size()} vs TP1: agreement {agreement:.3f}, mean relative error {rel:.2e}, "
+          f"fusion active {tp2['active']}")
     assert tp2["active"]
-    assert rel_tp2 <= 2 * rel_spread and agree_tp2 >= agree_spread - 0.1
+    assert agreement >= 0.9 and rel <= 5e-2
