@@ -1,13 +1,13 @@
 r"""Accuracy with all-reduce fusion off vs on (and, optionally, a baseline at another TP size):
 one server per setting, same model, same evals.
 
-    python -m benchmarks.accuracy_regression --model-path /tmp/model.gguf --tp-size 2 --baseline-tp-size 1 \
+    python -m arfusion.benchmarks.accuracy_regression --model-path /tmp/model.gguf --tp-size 2 --baseline-tp-size 1 \
         --gsm8k-data-path grade_school_math/data/test.jsonl --mmlu-data-dir data \
         --results-dir /tmp/accuracy --output-file accuracy_regression.json
 
 Settings, in this order: the baseline (``--baseline-tp-size N``: fusion off at TP N, e.g. TP1),
 then fusion off and fusion on (``--enable-flashinfer-allreduce-fusion``) at ``--tp-size``. For
-each it starts ``python -m engine.launch_server`` with the pass-through flags, waits for
+each it starts ``python -m arfusion.engine.launch_server`` with the pass-through flags, waits for
 ``GET /health``, records ``GET /get_server_info``, runs GSM8K and MMLU (greedy, seeded; all
 questions unless ``--gsm8k-num-questions`` / ``--mmlu-examples`` / ``--mmlu-subjects`` limit
 them; MMLU 5-shot, or ``--mmlu-style simple-evals --mmlu-examples 1000``: zero-shot chat, the
@@ -58,13 +58,13 @@ from typing import Any, Iterator, Optional, Sequence
 
 import aiohttp
 
-from benchmarks import paired_stats
-from benchmarks.accuracy_compare import compare, exit_code, format_table, generation_agreement
-from benchmarks.client import ServerError, base_url
-from benchmarks.gsm8k import bench as gsm8k_bench
-from benchmarks.mmlu import bench as mmlu_bench
+from arfusion.benchmarks import paired_stats
+from arfusion.benchmarks.accuracy_compare import compare, exit_code, format_table, generation_agreement
+from arfusion.benchmarks.client import ServerError, base_url
+from arfusion.benchmarks.gsm8k import bench as gsm8k_bench
+from arfusion.benchmarks.mmlu import bench as mmlu_bench
 
-SERVER_MODULE = "engine.launch_server"
+SERVER_MODULE = "arfusion.engine.launch_server"
 
 
 class ServerFailed(RuntimeError):
@@ -268,7 +268,7 @@ def check_data(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy_regression", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.accuracy_regression", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server (passed through when given)")
     g.add_argument("--model-path")
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mmlu-data-dir")
     e.add_argument("--mmlu-style", choices=mmlu_bench.STYLES, default="hendrycks",
                    help="hendrycks: 5-shot completions; simple-evals: zero-shot chat, the letter after 'Answer:' "
-                        "(python -m benchmarks.mmlu --help)")
+                        "(python -m arfusion.benchmarks.mmlu --help)")
     e.add_argument("--mmlu-examples", type=int, help="hendrycks: the first N test questions per subject; simple-evals: N "
                                                      "questions sampled from all subjects, e.g. 1000 (default: all)")
     e.add_argument("--mmlu-num-shots", type=int, help="default: 5 (hendrycks), 0 (simple-evals)")

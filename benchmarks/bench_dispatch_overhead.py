@@ -1,7 +1,7 @@
 """Micro-benchmark: the cost of one cached fusion decision in eager Python (CPU).
 
-    python -m benchmarks.bench_dispatch_overhead [--calls 1000000] [--batch-sizes 64]
-    python -m benchmarks.bench_dispatch_overhead --layers 8 --tp 2 [--tokens 4]
+    python -m arfusion.benchmarks.bench_dispatch_overhead [--calls 1000000] [--batch-sizes 64]
+    python -m arfusion.benchmarks.bench_dispatch_overhead --layers 8 --tp 2 [--tokens 4]
 
 Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the call a layer's communicator
 makes) and `AllReduceFusion.strategy` on cache hits, for one key and in a decode loop over 32
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
-from fusion.dispatch.decision import DispatchPlan, ModelShape
-from fusion.dispatch.table import StrategyTable
+from arfusion.fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
+from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
+from arfusion.fusion.dispatch.table import StrategyTable
 
 
 class Fits:
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="with --layers: tokens per forward")
     args = parser.parse_args()
     if args.layers:
-        from benchmarks.layer_overhead import measure
+        from arfusion.benchmarks.layer_overhead import measure
 
         result = measure(args.layers, args.tp, args.tokens)
         print(f"{args.layers} layers, TP{args.tp}, {args.tokens} tokens, torch backend: "
@@ -69,7 +69,7 @@ def main() -> None:
         return
 
     keys = [(layer, bs) for bs in range(1, args.batch_sizes + 1) for layer in range(32)]
-    logging.getLogger("fusion").setLevel(logging.ERROR)  # TP1: "runs unfused" is expected here
+    logging.getLogger("arfusion.fusion").setLevel(logging.ERROR)  # TP1: "runs unfused" is expected here
     group = TensorParallelGroup(0, 1, torch.device("cpu"))
     op = AllReduceFusion(group, FusionConfig(enabled=True, backend="torch", cache_size=len(keys)), 4096, torch.bfloat16)
     op.setup()

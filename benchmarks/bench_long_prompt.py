@@ -1,6 +1,6 @@
 r"""Mixed load around one long prompt: does it stall the other clients?
 
-    python -m benchmarks.bench_long_prompt --port 30000 --long-prompt-tokens 2000 --streams 2 \
+    python -m arfusion.benchmarks.bench_long_prompt --port 30000 --long-prompt-tokens 2000 --streams 2 \
         --stream-tokens 48 --short-delay-s 1 --output-file long_prompt.jsonl
 
 What it does, against a running server (streamed OpenAI completions, greedy, ``ignore_eos``):
@@ -30,11 +30,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.client import CompletionClient, StreamedCompletion, base_url
+from arfusion.benchmarks.client import CompletionClient, StreamedCompletion, base_url
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_long_prompt", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.bench_long_prompt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="the server's host (default: %(default)s)")
     p.add_argument("--port", type=int, default=30000, help="the server's port (default: %(default)s)")

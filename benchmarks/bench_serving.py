@@ -1,6 +1,6 @@
 r"""Online serving benchmark: streamed OpenAI completions at a fixed maximum concurrency.
 
-    python -m benchmarks.bench_serving --dataset-name random --random-input-len 512 \
+    python -m arfusion.benchmarks.bench_serving --dataset-name random --random-input-len 512 \
         --random-output-len 1024 --random-range-ratio 1 --num-prompts 200 --max-concurrency 32 \
         --warmup-requests 10 --output-file serving.jsonl --port 30000
 
@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.client import CompletionClient, ServerError, StreamedCompletion, base_url, gather_with_progress
+from arfusion.benchmarks.client import CompletionClient, ServerError, StreamedCompletion, base_url, gather_with_progress
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -187,7 +187,7 @@ def format_table(row: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serving", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.bench_serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     server = p.add_argument_group("server")
     server.add_argument("--backend", choices=["openai", "sglang-oai"], default="openai",

@@ -1,6 +1,6 @@
 """Does a request with a flood of stop strings slow down other clients' streams?
 
-    python -m benchmarks.bench_stop_strings [--tokens 200] [--repeats 3] [-- server flags]
+    python -m arfusion.benchmarks.bench_stop_strings [--tokens 200] [--repeats 3] [-- server flags]
 
 Starts a server (default: the built-in tiny model) on loopback and measures one client's
 streamed tokens per second (a greedy stream of ``--tokens`` tokens, ``ignore_eos``) alone and
@@ -38,9 +38,9 @@ from typing import Any, Optional
 
 import aiohttp
 
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.request import Request
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ async def scenario(url: str, body: Optional[dict[str, Any]], tokens: int) -> tup
 
 
 def start_server(port: int, flags: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
+    cmd = [sys.executable, "-m", "arfusion.engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

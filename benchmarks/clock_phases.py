@@ -4,7 +4,7 @@ the busy stretches (power above ``--busy-watts``) cut into windows of ``--window
 each with its median SM clock, median power and whether the software power cap (throttle bit
 0x4) was active. Shows whether a benchmark phase ran power-capped.
 
-    python -m benchmarks.clock_phases clocks.csv --window-s 0.5
+    python -m arfusion.benchmarks.clock_phases clocks.csv --window-s 0.5
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fit the built-in rule's cost model (`fusion.dispatch.cost_model`) to measured strategy tables.
 
-    python -m benchmarks.fit_cost_model fusion/dispatch/tables/strategy_table.json [more tables] \\
+    python -m arfusion.benchmarks.fit_cost_model fusion/dispatch/tables/strategy_table.json [more tables] \\
         [--gpu "NVIDIA H200"] [--world-size 2] [--dtype bfloat16] [--json-file fit.json]
 
 Per strategy, relative least squares of ``t = a + b * MiB + c * rows`` over every (hidden,
@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from fusion.strategy import Strategy
-from fusion.dispatch.table import parse_table
+from arfusion.fusion.strategy import Strategy
+from arfusion.fusion.dispatch.table import parse_table
 
 
 def samples(paths: Sequence[str], gpu: str, world: int, dtype: str) -> list[tuple[int, int, dict[str, float]]]:

@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-import fusion
-from fusion import AllReduceFusion, FusionConfig
-from layers.communicator import LayerCommunicator
-from layers.layernorm import RMSNorm
+import arfusion.fusion
+from arfusion.fusion import AllReduceFusion, FusionConfig
+from arfusion.layers.communicator import LayerCommunicator
+from arfusion.layers.layernorm import RMSNorm
 
 FUSION_DIR = str(Path(fusion.__file__).parent)
 HIDDEN, EPS = 64, 1e-6
@@ -71,7 +71,7 @@ def count_fusion_calls(step: Callable[[], Any]) -> int:
 
 def _identity_collective_and_math(op: AllReduceFusion) -> None:
     """Replace the all-reduce and the norm math by functions returning their inputs."""
-    from fusion import reference
+    from arfusion.fusion import reference
 
     op.group.all_reduce = lambda x: x  # type: ignore[method-assign]
     reference.add_rms_norm = lambda x, residual, weight, eps: (x, x if residual is None else residual)
@@ -79,7 +79,7 @@ def _identity_collective_and_math(op: AllReduceFusion) -> None:
 
 
 def _worker(rank: int, tp: int, port: int, layers: int, tokens: int, repeats: int, out: Any) -> None:
-    from layers.parallel_state import destroy_tensor_parallel, get_tp_group, init_tensor_parallel
+    from arfusion.layers.parallel_state import destroy_tensor_parallel, get_tp_group, init_tensor_parallel
 
     torch.set_num_threads(1)
     init_tensor_parallel(tp, rank, f"tcp://127.0.0.1:{port}", device=torch.device("cpu"), timeout_s=60)

@@ -1,8 +1,8 @@
 """A digest of a server's greedy outputs, to show that a change leaves every bit as it was.
 
-    python -m benchmarks.output_digest [--code-root DIR] [--port P] -- SERVER FLAGS...
+    python -m arfusion.benchmarks.output_digest [--code-root DIR] [--port P] -- SERVER FLAGS...
 
-Starts ``python -m engine.launch_server SERVER FLAGS`` from ``--code-root`` (default: this
+Starts ``python -m arfusion.engine.launch_server SERVER FLAGS`` from ``--code-root`` (default: this
 checkout; another checkout of the project gives the "before" of a change), waits for
 ``/health``, then sends greedy completions one at a time: single prompts of several lengths
 and one request of eight prompts, each with ``echo`` and ``logprobs`` (so prefill and decode
@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from benchmarks.accuracy_regression import running_server
+from arfusion.benchmarks.accuracy_regression import running_server
 
 PROMPTS = ["a", "def f(x):", "The quick brown fox jumps over the lazy dog. " * 6,
            "import torch\n" + "x = torch.randn(4, 4)\n" * 40, "1 2 3 4 5 6 7 8 9 10 " * 60]
@@ -83,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     flags = [f for f in args.server_flags if f != "--"]
     root = Path(args.code_root).resolve()
     cmd = ["bash", "-c", f"cd {shlex.quote(str(root))} && PYTHONPATH={shlex.quote(str(root))}:$PYTHONPATH exec "
-           f"python -m engine.launch_server --port {args.port} " + " ".join(map(shlex.quote, flags))]
+           f"python -m arfusion.engine.launch_server --port {args.port} " + " ".join(map(shlex.quote, flags))]
     url = f"http://127.0.0.1:{args.port}"
     log = Path(tempfile.mkdtemp(prefix="output-digest-")) / "server.log"
     with running_server(cmd, url, log, args.server_timeout):

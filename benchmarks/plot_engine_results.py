@@ -1,7 +1,7 @@
 """Plots of the engine benchmarks: decode TPOT per batch size (bench_one_batch JSONL) and
 serving TPOT / throughput per concurrency (bench_serving JSONL, fusion off and on).
 
-    python -m benchmarks.plot_engine_results --one-batch B.jsonl --serving-off OFF.jsonl \\
+    python -m arfusion.benchmarks.plot_engine_results --one-batch B.jsonl --serving-off OFF.jsonl \\
         --serving-on ON.jsonl --output docs/results/engine.png
 """
 from __future__ import annotations

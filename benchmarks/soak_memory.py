@@ -1,7 +1,7 @@
 """Memory soak: a real server under a bounded mix of requests for a fixed time, its resident
 memory (RSS, of the server process and of its TP workers) sampled throughout.
 
-    python -m benchmarks.soak_memory --minutes 60 --out soak.jsonl [-- --tp-size 2 ...server flags]
+    python -m arfusion.benchmarks.soak_memory --minutes 60 --out soak.jsonl [-- --tp-size 2 ...server flags]
 
 Loopback only. ``--clients`` loops each send one request at a time, cycling through: a
 completion, a streamed chat, a stream the client leaves after two events, a completion with stop
@@ -126,7 +126,7 @@ async def sample_loop(pid: int, deadline: float, every_s: float, out: Path, coun
 
 
 def start_server(port: int, flags: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
+    cmd = [sys.executable, "-m", "arfusion.engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 300

@@ -1,6 +1,6 @@
 r"""Teacher-forced greedy agreement of the fused and the unfused all-reduce on a real model.
 
-    torchrun --nproc_per_node=2 -m benchmarks.teacher_forced_agreement --model-path /tmp/model.gguf \
+    torchrun --nproc_per_node=2 -m arfusion.benchmarks.teacher_forced_agreement --model-path /tmp/model.gguf \
         --tp-size 2 --gsm8k-data-path .data/gsm8k/test.jsonl --min-positions 20000 --output-file tf.json
 
 Sequences: GSM8K test questions in file order, each the eval's few-shot prompt
@@ -26,7 +26,7 @@ logit: small margins are near-ties). Exit status: 0 when the agreement is at lea
 ``--min-agreement``, 1 when it is lower.
 
 Run on every rank of a TP group (``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK; without it,
-one rank); every engine option of ``python -m engine.launch_server`` is accepted.
+one rank); every engine option of ``python -m arfusion.engine.launch_server`` is accepted.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from benchmarks.gsm8k import bench as gsm8k_bench
-from benchmarks.gsm8k import scoring
+from arfusion.benchmarks.gsm8k import bench as gsm8k_bench
+from arfusion.benchmarks.gsm8k import scoring
 
 SHOWN_DISAGREEMENTS = 20
 
@@ -107,8 +107,8 @@ def teacher_forced_logits(runner: Any, batch: Sequence[TeacherForcedSequence], m
     ``max_prefill_tokens`` tokens), then one decode step of the whole batch per fed reference
     token. Rows of sequences whose solution is shorter are fed their last token again and are to
     be ignored. A yielded tensor may be overwritten by the next step: clone it to keep it."""
-    from engine.runtime.step_plan import StepPlan
-    from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.engine.scheduling.kv_pool import RowAllocator, SlotAllocator
 
     steps = max(len(s.solution) for s in batch)
     rows, slot_pool = RowAllocator(runner.max_rows), SlotAllocator(runner.num_kv_slots)
@@ -205,10 +205,10 @@ def measure(server: Any, options: AgreementOptions) -> dict[str, Any]:
     GSM8K sequences of ``options``; returns the summary (the same on every rank) with the fused
     op's status after the last fused run (its ``reductions`` count eager calls only: a replayed
     CUDA graph does not pass through Python), the number of sequences and the wall time."""
-    from engine.launch_config import fusion_config, runner_settings
-    from engine.runtime.model_runner import ModelRunner
-    from engine.tokenizers.serving import load_serving_tokenizer
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.launch_config import fusion_config, runner_settings
+    from arfusion.engine.runtime.model_runner import ModelRunner
+    from arfusion.engine.tokenizers.serving import load_serving_tokenizer
+    from arfusion.layers.parallel_state import get_tp_group
 
     start = time.perf_counter()
     test_path, train_path = gsm8k_bench.resolve_paths(options.gsm8k_data_path, options.gsm8k_train_path)
@@ -253,9 +253,9 @@ def format_result(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """`ServerArgs`' flags (the engine is configured as a server is) plus this tool's own."""
-    from server_args import ServerArgs
+    from arfusion.server_args import ServerArgs
 
-    parser = ServerArgs.build_parser(prog="python -m benchmarks.teacher_forced_agreement")
+    parser = ServerArgs.build_parser(prog="python -m arfusion.benchmarks.teacher_forced_agreement")
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     g = parser.add_argument_group("teacher-forced agreement")
@@ -270,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
-    from server_args import ServerArgs
+    from arfusion.layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.server_args import ServerArgs
 
     parser = build_parser()
     ns = parser.parse_args(argv)

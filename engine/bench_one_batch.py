@@ -1,8 +1,8 @@
-"""`python -m engine.bench_one_batch`: prefill latency and decode TPOT per batch size, with
+"""`python -m arfusion.engine.bench_one_batch`: prefill latency and decode TPOT per batch size, with
 all-reduce fusion off and on, in one run (no server, no scheduler: every TP rank steps the
 same static batches).
 
-    python -m engine.bench_one_batch --model-path llama3-8b --tp-size 2 \\
+    python -m arfusion.engine.bench_one_batch --model-path llama3-8b --tp-size 2 \\
         --batch-size 1 8 32 128 256 --input-len 512 --output-len 32 --json-file out.json
 
 Settings (``--fusion``, any of): ``off`` (NCCL + fused_add_rmsnorm), ``on`` (the fused path as
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from engine.runtime.launch import LaunchConfig
+    from arfusion.engine.runtime.launch import LaunchConfig
 
-logger = logging.getLogger("engine.bench_one_batch")
+logger = logging.getLogger("arfusion.engine.bench_one_batch")
 SETTINGS = ("off", "on", "builtin")
 MODES = ("off", "on")  # --deterministic
 
@@ -63,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The `ServerArgs` flags of `BENCH_FIELDS` plus this benchmark's flags in their own group.
     One default differs from a server's: without a CUDA GPU the fusion backend is torch (so that
     ``--fusion on`` runs there), and the help says so."""
-    from server_args import ServerArgs
+    from arfusion.server_args import ServerArgs
 
     defaults = {} if torch.cuda.is_available() else {"allreduce_fusion_backend": ("torch", "as no CUDA GPU is visible")}
-    parser = ServerArgs.build_parser(prog="python -m engine.bench_one_batch", description=__doc__,
+    parser = ServerArgs.build_parser(prog="python -m arfusion.engine.bench_one_batch", description=__doc__,
                                      fields=BENCH_FIELDS, defaults=defaults)
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to measure (default: 1 8 32)")
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Any, argparse.Namespace]:
     """``(ServerArgs, namespace)``: the server options given (or defaulted by `build_parser`),
     and the benchmark's."""
-    from server_args import ServerArgs
+    from arfusion.server_args import ServerArgs
 
     ns = build_parser().parse_args(argv)
     return ServerArgs.from_namespace(ns), ns
@@ -104,7 +104,7 @@ def measure(runner: Any, bs: int, input_len: int, output_len: int, vocab: int, s
             overlap: bool = True) -> dict[str, float]:
     """Prefill ms (until its tokens reach the host) and TPOT ms: the median interval between
     consecutive steps' tokens reaching the host (`StaticBatch.decode_greedy`)."""
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
 
     batch = StaticBatch(runner, random_prompts(bs, input_len, vocab, seed), output_len)
     _sync(runner.device)
@@ -123,10 +123,10 @@ def run_rank(server: Any, args: argparse.Namespace, rank: int, launch: "LaunchCo
     (setting, mode) and batch size; the stack is torn down in reverse at the end."""
     from contextlib import ExitStack
 
-    from engine.launch_config import fusion_config
-    from engine.runtime.rank_stack import build_rank
-    from engine.step_profile import PROFILE_STEPS
-    from fusion.config import NO_TABLE
+    from arfusion.engine.launch_config import fusion_config
+    from arfusion.engine.runtime.rank_stack import build_rank
+    from arfusion.engine.step_profile import PROFILE_STEPS
+    from arfusion.fusion.config import NO_TABLE
 
     base = fusion_config(server)
     configs = {"off": replace(base, enabled=False), "on": replace(base, enabled=True),
@@ -146,7 +146,7 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                   configs: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """Each (setting, mode) of ``runs_of`` in turn (the fusion op reconfigured between them),
     each batch size measured untimed once, then ``--repeats`` times."""
-    from engine.step_floor import decode_step_bytes, floor_ms
+    from arfusion.engine.step_floor import decode_step_bytes, floor_ms
 
     results = []
     for setting, deterministic in runs_of:
@@ -170,7 +170,7 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                 "floor_ms": floor_ms(decode_step_bytes(runner.model, bs, args.input_len + args.output_len // 2)),
             })
             if args.profile and runner.device.type == "cuda":
-                from engine.step_profile import format_profile, profile_decode_steps
+                from arfusion.engine.step_profile import format_profile, profile_decode_steps
 
                 prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
                                             overlap=overlap)
@@ -260,7 +260,7 @@ def _worker(rank: int, server: Any, args: argparse.Namespace, launch: "LaunchCon
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import multiprocessing as mp
 
-    from engine.launch_config import launch_config
+    from arfusion.engine.launch_config import launch_config
 
     server, args = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

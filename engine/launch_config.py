@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.model_runner import RunnerSettings
-from fusion import FusionConfig
-from server_args import ServerArgs
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.model_runner import RunnerSettings
+from arfusion.fusion import FusionConfig
+from arfusion.server_args import ServerArgs
 
 
 def free_port() -> int:

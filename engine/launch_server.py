@@ -1,4 +1,4 @@
-"""`python -m engine.launch_server [options]`: start the TP workers and the HTTP server.
+"""`python -m arfusion.engine.launch_server [options]`: start the TP workers and the HTTP server.
 
 With no options it serves the built-in tiny model (dummy weights) on this machine's GPU, or on
 the CPU when there is none. Node 0 runs TP rank 0 in this process (scheduler thread + HTTP
@@ -35,16 +35,16 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from server_args import ServerArgs, ServerArgsError
+from arfusion.server_args import ServerArgs, ServerArgsError
 
 if TYPE_CHECKING:
-    from engine.common.startup import StartupStages
-    from engine.runtime.launch import LaunchConfig
-    from engine.runtime.model_runner import StartupContext
-    from engine.runtime.workers import WorkerSet
-    from engine.tokenizers.tokenizer import Tokenizer
+    from arfusion.engine.common.startup import StartupStages
+    from arfusion.engine.runtime.launch import LaunchConfig
+    from arfusion.engine.runtime.model_runner import StartupContext
+    from arfusion.engine.runtime.workers import WorkerSet
+    from arfusion.engine.tokenizers.tokenizer import Tokenizer
 
-logger = logging.getLogger("engine.launch_server")
+logger = logging.getLogger("arfusion.engine.launch_server")
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -56,11 +56,11 @@ def load_model_files(args: ServerArgs, startup: "StartupContext") -> tuple["Toke
     once ("file": ``startup.parsed``, which the tokenizer, the checks and rank 0's load share),
     the tokenizer ("tokenizer"), the launch config, and the checks every rank's load makes before
     it reads a tensor ("config")."""
-    from engine.launch_config import launch_config, with_tokenizer_vocab
-    from engine.models.builtin import BUILTIN_MODELS
-    from engine.runtime.model_runner import check_model_files
-    from engine.tokenizers.serving import check_paths_exist, load_serving_tokenizer
-    from engine.weights.loader import parse_model_file
+    from arfusion.engine.launch_config import launch_config, with_tokenizer_vocab
+    from arfusion.engine.models.builtin import BUILTIN_MODELS
+    from arfusion.engine.runtime.model_runner import check_model_files
+    from arfusion.engine.tokenizers.serving import check_paths_exist, load_serving_tokenizer
+    from arfusion.engine.weights.loader import parse_model_file
 
     check_paths_exist(args.model_path, args.tokenizer_path)
     if args.model_path not in BUILTIN_MODELS:
@@ -78,11 +78,11 @@ def load_model_files(args: ServerArgs, startup: "StartupContext") -> tuple["Toke
 def serve(args: ServerArgs, stages: Optional["StartupStages"] = None) -> int:
     """Serve ``args`` (node 0) or run this node's workers; ``stages``: the process's start-up
     stages, begun at its start (default: from now)."""
-    from engine.common.startup import StartupStages
-    from engine.launch_config import launch_config, with_tokenizer_vocab
-    from engine.runtime.model_runner import StartupContext, check_model_files
-    from engine.runtime.workers import WorkerSet
-    from engine.tokenizers.serving import load_serving_tokenizer
+    from arfusion.engine.common.startup import StartupStages
+    from arfusion.engine.launch_config import launch_config, with_tokenizer_vocab
+    from arfusion.engine.runtime.model_runner import StartupContext, check_model_files
+    from arfusion.engine.runtime.workers import WorkerSet
+    from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 
     # SIGTERM unwinds like Ctrl-C until the HTTP server takes the signals over (it drains).
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -90,8 +90,8 @@ def serve(args: ServerArgs, stages: Optional["StartupStages"] = None) -> int:
         launch = with_tokenizer_vocab(launch_config(args), load_serving_tokenizer(args.model_path, args.tokenizer_path).vocab_size)
         check_model_files(launch.runner)  # a file every rank would refuse is refused before any rank starts
         return _serve_other_node(WorkerSet(launch, list(launch.local_ranks)))
-    from engine.server.http.server import bind_http_socket
-    from engine.server.rank0 import Rank0Server
+    from arfusion.engine.server.http.server import bind_http_socket
+    from arfusion.engine.server.rank0 import Rank0Server
 
     with bind_http_socket(args.host, args.port) as sock:  # before the rendezvous port is chosen
         startup = StartupContext(stages or StartupStages(logger))
@@ -102,8 +102,8 @@ def serve(args: ServerArgs, stages: Optional["StartupStages"] = None) -> int:
 def _serve_other_node(workers: "WorkerSet") -> int:
     """A node other than 0 only runs its workers, until they exit; its exit code is theirs
     (0, or 2 when they refused the model with every rank), else 1."""
-    from engine.runtime.load_agreement import REFUSED_EXIT_CODE
-    from engine.runtime.workers import EXIT_GRACE_S
+    from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE
+    from arfusion.engine.runtime.workers import EXIT_GRACE_S
 
     try:
         while workers.alive():
@@ -117,10 +117,10 @@ def _serve_other_node(workers: "WorkerSet") -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()  # the start-up stages' clock
-    from engine.common.startup import LOG_FORMAT, StartupStages
+    from arfusion.engine.common.startup import LOG_FORMAT, StartupStages
 
     try:
-        args = ServerArgs.from_cli(argv, prog="python -m engine.launch_server")
+        args = ServerArgs.from_cli(argv, prog="python -m arfusion.engine.launch_server")
     except ServerArgsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

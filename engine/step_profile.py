@@ -22,7 +22,7 @@ def profile_decode_steps(runner: Any, batch_size: int, input_len: int, vocab: in
                          steps: int = PROFILE_STEPS, top: int = 25, overlap: bool = True) -> dict[str, Any]:
     """Prefill a static batch, then profile ``steps`` greedy decode steps. Returns per-step
     wall, GPU-busy and idle µs, and the ``top`` kernels by time per step."""
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from torch.profiler import ProfilerActivity, profile
 
     batch = StaticBatch(runner, random_prompts(batch_size, input_len, vocab, seed), steps + 2)

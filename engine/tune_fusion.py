@@ -1,7 +1,7 @@
-"""`python -m engine.tune_fusion`: measure the fused all-reduce's strategies on this machine and
+"""`python -m arfusion.engine.tune_fusion`: measure the fused all-reduce's strategies on this machine and
 write the strategy table that ``--allreduce-fusion-table`` reads.
 
-    torchrun --nproc_per_node=2 -m engine.tune_fusion --hidden 4096 8192 --tune-dtypes bfloat16 \\
+    torchrun --nproc_per_node=2 -m arfusion.engine.tune_fusion --hidden 4096 8192 --tune-dtypes bfloat16 \\
         --allreduce-fusion-max-tokens 8192 --output fusion_table.json
 
 The fusion op is configured from the server options (`engine.launch_config.fusion_config`), as
@@ -25,9 +25,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from server_args import ServerArgs
+    from arfusion.server_args import ServerArgs
 
-    parser = ServerArgs.build_parser(prog="torchrun --nproc_per_node=N -m engine.tune_fusion", description=__doc__)
+    parser = ServerArgs.build_parser(prog="torchrun --nproc_per_node=N -m arfusion.engine.tune_fusion", description=__doc__)
     tune = parser.add_argument_group("tuning")
     tune.add_argument("--hidden", type=int, nargs="+", default=[4096], help="hidden sizes to measure (default: 4096)")
     tune.add_argument("--tune-dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def existing_entries(path: Path) -> list[dict[str, Any]]:
-    from fusion.dispatch.table import TuningTableError, parse_table
+    from arfusion.fusion.dispatch.table import TuningTableError, parse_table
 
     if not path.exists():
         return []
@@ -51,13 +51,13 @@ def existing_entries(path: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from engine.launch_config import fusion_config
-    from fusion import AllReduceFusion
-    from fusion.config import NO_TABLE
-    from fusion.tuning.measure import table_entry, token_buckets
-    from fusion.dispatch.table import TABLE_VERSION, merge_entry
-    from layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
-    from server_args import ServerArgs
+    from arfusion.engine.launch_config import fusion_config
+    from arfusion.fusion import AllReduceFusion
+    from arfusion.fusion.config import NO_TABLE
+    from arfusion.fusion.tuning.measure import table_entry, token_buckets
+    from arfusion.fusion.dispatch.table import TABLE_VERSION, merge_entry
+    from arfusion.layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.server_args import ServerArgs
 
     ns = build_parser().parse_args(argv)
     server = ServerArgs.from_namespace(ns)

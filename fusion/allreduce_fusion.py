@@ -43,18 +43,18 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fusion.backends.base import Backend
-from fusion.config import NO_TABLE, FusionConfig
-from fusion.dispatch.cost_model import rule_picks
-from fusion.dispatch.decision import NOT_SET_UP, DispatchPlan, ModelShape
-from fusion.dispatch.table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
-from fusion.errors import FusionInputError
-from fusion.group import TensorParallelGroup
-from fusion.partial_sum import PartialSum
-from fusion.strategies import DECLARATIONS, Made, build_backends, deterministic_exclusions
-from fusion.strategy import FusedOutput, Quant, Strategy
-from fusion.tuning.startup import tune_at_startup
-from fusion.validation import CheckedInputs, check_fusion_inputs
+from arfusion.fusion.backends.base import Backend
+from arfusion.fusion.config import NO_TABLE, FusionConfig
+from arfusion.fusion.dispatch.cost_model import rule_picks
+from arfusion.fusion.dispatch.decision import NOT_SET_UP, DispatchPlan, ModelShape
+from arfusion.fusion.dispatch.table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.partial_sum import PartialSum
+from arfusion.fusion.strategies import DECLARATIONS, Made, build_backends, deterministic_exclusions
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion.tuning.startup import tune_at_startup
+from arfusion.fusion.validation import CheckedInputs, check_fusion_inputs
 
 logger = logging.getLogger(__name__)
 _NCCL = Strategy.NCCL

@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.symmetric_buffer import SymmetricBuffer
-from fusion.group import TensorParallelGroup
+from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
+from arfusion.fusion.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 ALIGN = 16  # bytes: the buffer is a whole number of 16-byte words

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from fusion.strategies import FUSION_BACKENDS
+from arfusion.fusion.strategies import FUSION_BACKENDS
 
 # Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
 # (32 layers x 128 batch sizes).

@@ -13,12 +13,12 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
-from fusion.errors import FusionInputError
-from fusion.group import TensorParallelGroup
-from fusion.strategies import DECLARATIONS
-from fusion.strategy import FusedOutput, Quant, Strategy
-from fusion.validation import check_fusion_inputs
+from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategies import DECLARATIONS
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion.validation import check_fusion_inputs
 
 
 def all_reduce_add_rms_norm(

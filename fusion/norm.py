@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from fusion import reference
-from fusion.platform import flashinfer_import_error
+from arfusion.fusion import reference
+from arfusion.fusion.platform import flashinfer_import_error
 
 
 def uses_flashinfer(x: torch.Tensor) -> bool:

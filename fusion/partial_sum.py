@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from fusion.errors import FusionInputError
-from fusion.strategy import Strategy
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.strategy import Strategy
 
 
 class PartialSum(SimpleNamespace):

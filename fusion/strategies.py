@@ -28,14 +28,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from fusion.backends.base import Backend, BuildContext
-from fusion.backends.flashinfer import FlashInferOneShotBackend, FlashInferTwoShotBackend
-from fusion.backends.lamport_one_shot import MAX_TOKENS as LAMPORT_MAX_TOKENS, LamportOneShotBackend
-from fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
-from fusion.backends.symm_mem import SymmMemTwoShotBackend
-from fusion.backends.symm_mem_fused import SymmMemFusedBackend
-from fusion.group import TensorParallelGroup
-from fusion.strategy import Strategy
+from arfusion.fusion.backends.base import Backend, BuildContext
+from arfusion.fusion.backends.flashinfer import FlashInferOneShotBackend, FlashInferTwoShotBackend
+from arfusion.fusion.backends.lamport_one_shot import MAX_TOKENS as LAMPORT_MAX_TOKENS, LamportOneShotBackend
+from arfusion.fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
+from arfusion.fusion.backends.symm_mem import SymmMemTwoShotBackend
+from arfusion.fusion.backends.symm_mem_fused import SymmMemFusedBackend
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import Strategy
 
 
 

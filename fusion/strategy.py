@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple, Optional
 
 import torch
 
-from fusion.errors import FusionInputError
+from arfusion.fusion.errors import FusionInputError
 
 
 class Strategy(str, enum.Enum):

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from fusion.errors import FusionInputError
-from fusion.platform import SUPPORTED_DTYPES
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.platform import SUPPORTED_DTYPES
 
 
 def check_fusion_inputs(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> None:

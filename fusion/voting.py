@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from fusion.group import TensorParallelGroup
+from arfusion.fusion.group import TensorParallelGroup
 
 
 def voted_failure(group: TensorParallelGroup, step: Callable[[], Optional[str]]) -> Optional[str]:

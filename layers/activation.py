@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.kernels.triton_support import triton_available
+from arfusion.layers.kernels.triton_support import triton_available
 
 
 class SiluAndMul(nn.Module):
@@ -15,7 +15,7 @@ class SiluAndMul(nn.Module):
         """On GPU: one Triton kernel (layers/kernels/triton_activation.py, the same roundings);
         elsewhere `forward_torch`."""
         if x.is_cuda and triton_available():
-            from layers.kernels.triton_activation import silu_and_mul
+            from arfusion.layers.kernels.triton_activation import silu_and_mul
 
             return silu_and_mul(x)
         return self.forward_torch(x)

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers import batch_invariant
-from layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
-from layers.sink_attention import attend_with_sinks
-from layers.kernels.triton_support import triton_available
+from arfusion.layers import batch_invariant
+from arfusion.layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
+from arfusion.layers.sink_attention import attend_with_sinks
+from arfusion.layers.kernels.triton_support import triton_available
 
 # Batch-invariant mode on GPU: decode splits every sequence's keys into chunks of this many keys
 # (ceil(length / this) splits: fewer for short sequences, more for long ones), whatever the batch
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
         kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
         if self._uses_triton(q):
-            from layers.kernels.triton_decode_attention import decode_attention
+            from arfusion.layers.kernels.triton_decode_attention import decode_attention
 
             keys_per_split = DETERMINISTIC_KEYS_PER_SPLIT if batch_invariant.enabled() else None
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         visible. Where `_uses_triton`: one Triton flash-attention launch for the whole batch
         (layers/kernels/triton_extend_attention.py); elsewhere `_extend_torch`."""
         if self._uses_triton(q):
-            from layers.kernels.triton_extend_attention import extend_attention
+            from arfusion.layers.kernels.triton_extend_attention import extend_attention
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,
                                     self.scale, row_ids=batch.row_ids, max_extend_len=batch.max_extend_len,

@@ -34,8 +34,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from fusion.reference import fixed_tree_sum
-from layers.kernels.triton_support import triton_available
+from arfusion.fusion.reference import fixed_tree_sum
+from arfusion.layers.kernels.triton_support import triton_available
 
 ROW_TILE = 16  # CPU: rows are computed in a call whose row count is a multiple of this
 _ENABLED = [False]
@@ -82,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     if uses_triton_matmul(flat):
-        from layers.kernels.triton_bi_matmul import matmul
+        from arfusion.layers.kernels.triton_bi_matmul import matmul
 
         out = matmul(flat.contiguous(), weight, bias)
     else:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layers.batch_invariant import ROW_TILE, tree_sum
+from arfusion.layers.batch_invariant import ROW_TILE, tree_sum
 
 KEY_BLOCK = 256  # keys per GEMM block (a multiple of every CPU vector width)
 WORK_ELEMENTS = 1 << 24  # attend_elementwise: fp32 elements of the [queries, H, keys, D] products held at once

@@ -24,8 +24,8 @@ from typing import Optional, Union
 
 import torch
 
-from fusion import AllReduceFusion, FusionInputError, PartialSum, Strategy
-from layers.layernorm import RMSNorm
+from arfusion.fusion import AllReduceFusion, FusionInputError, PartialSum, Strategy
+from arfusion.layers.layernorm import RMSNorm
 
 _NCCL = Strategy.NCCL
 LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its MLP reduction deferred

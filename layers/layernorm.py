@@ -21,8 +21,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from fusion import norm, reference
-from layers import batch_invariant
+from arfusion.fusion import norm, reference
+from arfusion.layers import batch_invariant
 
 NormOutput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 

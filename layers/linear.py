@@ -23,8 +23,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from layers import batch_invariant
-from layers.parallel_state import get_tp_group
+from arfusion.layers import batch_invariant
+from arfusion.layers.parallel_state import get_tp_group
 
 ShardId = Optional[Union[int, str]]
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fusion import TensorParallelGroup, disable_capturable_collectives
+from arfusion.fusion import TensorParallelGroup, disable_capturable_collectives
 
 logger = logging.getLogger(__name__)
 _TP_GROUP: Optional[TensorParallelGroup] = None

@@ -40,8 +40,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from layers.attention import store_kv
-from layers.kernels.triton_support import triton_available
+from arfusion.layers.attention import store_kv
+from arfusion.layers.kernels.triton_support import triton_available
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -130,7 +130,7 @@ class RotaryEmbedding(nn.Module):
         shapes and dtype); the rotation runs in fp32. On GPU: one Triton kernel
         (layers/kernels/triton_rotary.py, the same roundings); elsewhere `forward_torch`."""
         if q.is_cuda and triton_available():
-            from layers.kernels.triton_rotary import rotary_embedding
+            from arfusion.layers.kernels.triton_rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.inv_freq)
         return self.forward_torch(positions, q, k)
@@ -143,7 +143,7 @@ class RotaryEmbedding(nn.Module):
         one Triton kernel for all of it (layers/kernels/triton_rotary.py, the same roundings); elsewhere
         `forward` then `layers.attention.store_kv` (the reference)."""
         if q.is_cuda and triton_available():
-            from layers.kernels.triton_rotary import rotary_embedding_store_kv
+            from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
 
             return rotary_embedding_store_kv(positions, q, k, v, self.inv_freq, slot_mapping, k_cache, v_cache)
         q, k = self.forward(positions, q, k)

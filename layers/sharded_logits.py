@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from layers.parallel_state import get_tp_group
+from arfusion.layers.parallel_state import get_tp_group
 
 MAX_CHUNKS = 256  # first-level pieces per row of the two-level row maximum
 MAX_VOCAB = 2 ** 24  # token ids travel as fp32: exact below this

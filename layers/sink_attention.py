@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from layers.batch_invariant import tree_sum
+from arfusion.layers.batch_invariant import tree_sum
 
 WORK_ELEMENTS = 1 << 24  # fp32 elements of the [queries, H, keys, D] products held at once
 

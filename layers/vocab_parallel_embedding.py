@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers import batch_invariant
-from layers.linear import ShardId, check_shape, divide
-from layers.parallel_state import get_tp_group
-from layers.sharded_logits import ShardedLogits, sharded_logits
+from arfusion.layers import batch_invariant
+from arfusion.layers.linear import ShardId, check_shape, divide
+from arfusion.layers.parallel_state import get_tp_group
+from arfusion.layers.sharded_logits import ShardedLogits, sharded_logits
 
 
 class VocabParallelEmbedding(nn.Module):

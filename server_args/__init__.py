@@ -1,3 +1,3 @@
-from server_args.server_args import ServerArgs, ServerArgsError
+from arfusion.server_args.server_args import ServerArgs, ServerArgsError
 
 __all__ = ["ServerArgs", "ServerArgsError"]

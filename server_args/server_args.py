@@ -15,7 +15,7 @@ from typing import Any, Collection, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fusion.config import DEFAULT_CACHE_SIZE, FUSION_BACKENDS
+from arfusion.fusion.config import DEFAULT_CACHE_SIZE, FUSION_BACKENDS
 
 
 class ServerArgsError(ValueError):
@@ -59,7 +59,7 @@ class ServerArgs(BaseModel):
     allreduce_fusion_backend: Literal[FUSION_BACKENDS] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
     allreduce_fusion_cache_size: int = Field(DEFAULT_CACHE_SIZE, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
-    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/dispatch/tables)")
+    allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m arfusion.engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/dispatch/tables)")
     allreduce_fusion_disable_pdl: bool = Field(False, description="Launch the flashinfer fused kernel without programmatic dependent launch")
     disable_allreduce_fusion_tuning: bool = Field(False, description="Do not measure the fusion strategies at start-up when no strategy table holds this GPU, TP size, hidden size and dtype (the built-in rule decides)")
     allreduce_fusion_tuning_cache_dir: Optional[str] = Field(None, description="Where start-up tuning caches its measured tables (default: ~/.cache/arfusion)")

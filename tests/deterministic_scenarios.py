@@ -43,9 +43,9 @@ def _scenarios() -> dict[str, list[tuple[list[int], dict]]]:
 
 def _serve(runner: Any, chunked_prefill_size: int, requests: list[tuple[list[int], dict]]) -> dict:
     """The target's tokens and per-token logprobs (generated and, with echo, of the prompt)."""
-    from engine.common.sampling_params import SamplingParams
-    from engine.scheduling.scheduler import Scheduler
-    from engine.tokenizers.tokenizer import build_tiny_tokenizer
+    from arfusion.engine.common.sampling_params import SamplingParams
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
     from tests.fake_runner import serve_all
 
     scheduler = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=8192,
@@ -60,10 +60,10 @@ def _serve(runner: Any, chunked_prefill_size: int, requests: list[tuple[list[int
 def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: str = "auto") -> dict:
     """Collective: a deterministic runner of the tiny model with fusion on (``backend``); rank 0
     returns the target's results per scenario, the fusion op's counters and status."""
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_plan import StepPlan
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     fusion = FusionConfig(enabled=True, backend=backend, deterministic=True)

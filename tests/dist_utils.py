@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: int, device_kind: str,
                 results: Any, args: tuple, node_ranks: Optional[list[int]]) -> None:
-    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     torch.set_num_threads(1)
     try:
@@ -117,8 +117,8 @@ def run_under_triton_interpreter(worker: Callable[..., Any], timeout_s: float = 
 def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, **config: Any) -> Any:
     """Collective: a set-up `fusion.AllReduceFusion` over this rank's TP group for a model of
     ``hidden`` and ``dtype``, from `fusion.FusionConfig` fields (default: fusion off)."""
-    from fusion import AllReduceFusion, FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.fusion import AllReduceFusion, FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
 
     fusion = AllReduceFusion(get_tp_group(), FusionConfig(**config), hidden, dtype)
     fusion.setup()

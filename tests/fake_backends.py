@@ -6,9 +6,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from fusion.dispatch.decision import DispatchPlan, ModelShape
-from fusion.dispatch.table import StrategyTable
-from fusion.strategy import Strategy
+from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
+from arfusion.fusion.dispatch.table import StrategyTable
+from arfusion.fusion.strategy import Strategy
 
 UNLIMITED = 1 << 40
 

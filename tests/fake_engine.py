@@ -22,8 +22,8 @@ import asyncio
 import itertools
 from typing import Any, AsyncGenerator, Iterator, Optional
 
-from engine.common.generation import GenerationChunk, TokenLogprob
-from engine.common.sampling_params import SamplingParams
+from arfusion.engine.common.generation import GenerationChunk, TokenLogprob
+from arfusion.engine.common.sampling_params import SamplingParams
 
 BOS, EOS = 256, 257
 

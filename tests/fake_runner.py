@@ -11,15 +11,15 @@ from typing import Callable
 
 import torch
 
-from engine.common.generation import GenerationChunk
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.sampler import StepLogits
-from engine.runtime.step_plan import RequestTable, StepPlan
-from engine.runtime.step_progress import StepProgress
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from fusion import AllReduceFusion, FusionConfig
-from fusion.group import TensorParallelGroup
+from arfusion.engine.common.generation import GenerationChunk
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.sampler import StepLogits
+from arfusion.engine.runtime.step_plan import RequestTable, StepPlan
+from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.fusion import AllReduceFusion, FusionConfig
+from arfusion.fusion.group import TensorParallelGroup
 
 VOCAB = 264
 

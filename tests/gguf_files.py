@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.weights.gguf_names import llama3_freq_factors
+from arfusion.engine.weights.gguf_names import llama3_freq_factors
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 256, 2, 4, 2, 512
 HEAD_DIM = HIDDEN // HEADS

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from layers.moe.mxfp4 import quantize_mxfp4, dequantize_mxfp4
+from arfusion.layers.moe.mxfp4 import quantize_mxfp4, dequantize_mxfp4
 
 HF_CONFIG = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, vocab_size=300, sliding_window=4,

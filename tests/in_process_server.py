@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from engine.server.api import build_app
-from engine.server.api.engine_client import EngineClient
-from engine.server.http.lifecycle import Lifecycle
-from engine.server.http.server import DrainingServer, HttpLimits, bind_http_socket, http_config
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.api.engine_client import EngineClient
+from arfusion.engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.server.http.server import DrainingServer, HttpLimits, bind_http_socket, http_config
 from tests.server_process import free_port
 
 LIMIT = 64 * 1024

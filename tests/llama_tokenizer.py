@@ -10,7 +10,7 @@ import json
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from engine.tokenizers.tokenizer import Tokenizer
+from arfusion.engine.tokenizers.tokenizer import Tokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CORPUS = ["The capital of France is Paris.", "Paris is a city in France, the capital.",

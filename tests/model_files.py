@@ -18,7 +18,7 @@ import torch
 from gguf import Keys
 from safetensors.torch import save_file
 
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.gguf_files import bpe_metadata, model_metadata, shapes, train_bpe, write_gguf
 
 HF_CONFIG = {
@@ -47,8 +47,8 @@ def good_gguf(path: Path, arch: str = "llama", drop_key: str = "", change: Optio
 
 def hf_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """Every weight of HF_CONFIG's model under its HF name, float32, seeded."""
-    from engine.models.config import ModelConfig
-    from engine.models.registry import hf_weight_shapes
+    from arfusion.engine.models.config import ModelConfig
+    from arfusion.engine.models.registry import hf_weight_shapes
 
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) * 0.1 + name.endswith("norm.weight")

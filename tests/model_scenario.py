@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.models.forward_batch import ForwardBatch
-from layers.parallel_state import get_tp_group
+from arfusion.engine.models.forward_batch import ForwardBatch
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import AllReduceCounter, reductions
 
 PROMPTS = [[5, 200, 17, 3, 99], [42, 7], [11, 250, 63, 8, 120, 77, 1, 30, 222]]

@@ -2,7 +2,7 @@
 themselves (`engine.runtime.tp_worker` runs the same loop in a server's worker processes)."""
 from __future__ import annotations
 
-from engine.runtime.model_runner import ModelRunner
+from arfusion.engine.runtime.model_runner import ModelRunner
 
 
 def follow_plans(runner: ModelRunner) -> int:

@@ -1,4 +1,4 @@
-"""Start `python -m engine.launch_server` in a subprocess for tests, wait until healthy, stop it.
+"""Start `python -m arfusion.engine.launch_server` in a subprocess for tests, wait until healthy, stop it.
 
 The server's output goes to an anonymous temporary file (no file is left behind); `log_tail`
 reads it, also after the server exited.
@@ -56,7 +56,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    """``python -m engine.launch_server --port P *args``. A port is free when it is chosen, but
+    """``python -m arfusion.engine.launch_server --port P *args``. A port is free when it is chosen, but
     the server's own rendezvous may take it before the HTTP server binds it: `wait_healthy` then
     starts the server again on another port (unless the port was given)."""
 
@@ -70,7 +70,7 @@ class ServerProcess:
 
     def _start(self, port: int) -> None:
         self.port = port
-        cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *self.args]
+        cmd = [sys.executable, "-m", "arfusion.engine.launch_server", "--port", str(port), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.log = tempfile.TemporaryFile()
         self._final_log: Optional[str] = None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import accuracy_regression as regression
-from benchmarks.accuracy_compare import compare, exit_code, format_table
+from arfusion.benchmarks import accuracy_regression as regression
+from arfusion.benchmarks.accuracy_compare import compare, exit_code, format_table
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_results_dir_resumes_only_what_is_missing(monkeypatch, tmp_path, capsys)
     capsys.readouterr()
     assert regression.main(_fake_argv(tmp_path, "--baseline-tp-size", "1")) == 1
     out = capsys.readouterr().out
-    assert out.count("reusing") == 5 and out.count("engine.launch_server") == 0
+    assert out.count("reusing") == 5 and out.count("arfusion.engine.launch_server") == 0
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {r["metric"]: r for r in report["comparison"]}
     assert rows["gsm8k accuracy (%)"]["diff"] == 0.0 and rows["mmlu accuracy (%)"]["diff"] < 0

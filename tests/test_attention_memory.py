@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.forward_batch import ForwardBatch
-from layers import attention as attention_module
-from layers.attention import MAX_SCORES, Attention
+from arfusion.engine.models.forward_batch import ForwardBatch
+from arfusion.layers import attention as attention_module
+from arfusion.layers.attention import MAX_SCORES, Attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 FP32 = {"rtol": 1e-5, "atol": 1e-5}  # the pieces sum the same products in another blocking
@@ -87,8 +87,8 @@ def test_decode_in_pieces_equals_the_whole_and_no_piece_exceeds_the_bound(monkey
 
 _CHILD = """
 import torch
-from engine.models.forward_batch import ForwardBatch
-from layers.attention import Attention
+from arfusion.engine.models.forward_batch import ForwardBatch
+from arfusion.layers.attention import Attention
 
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
@@ -120,9 +120,9 @@ def test_a_long_prompts_attention_takes_memory_of_the_bound_not_of_its_length_sq
 
 _DETERMINISTIC_CHILD = """
 import torch
-from engine.models.forward_batch import ForwardBatch
-from layers.attention import Attention
-from layers.batch_invariant import batch_invariant_mode
+from arfusion.engine.models.forward_batch import ForwardBatch
+from arfusion.layers.attention import Attention
+from arfusion.layers.batch_invariant import batch_invariant_mode
 
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
@@ -162,8 +162,8 @@ def test_deterministic_attention_takes_memory_of_the_bound(rows, context):
 def test_deterministic_prefill_reads_the_causal_keys_only(monkeypatch):
     """A prompt's query groups each read the key blocks up to their last query: the products
     formed sum to about T^2 / 2 (plus a block and a group per group), not T^2."""
-    from layers import batch_invariant_attention as bia
-    from layers.batch_invariant import batch_invariant_mode
+    from arfusion.layers import batch_invariant_attention as bia
+    from arfusion.layers.batch_invariant import batch_invariant_mode
 
     calls: list[tuple[int, int]] = []
     real = bia._attend_blocks

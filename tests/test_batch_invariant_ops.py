@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers import batch_invariant as bi
-from layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
+from arfusion.layers import batch_invariant as bi
+from arfusion.layers.batch_invariant_attention import attend_decode, attend_elementwise, attend_sequence
 from tests.dist_utils import run_under_triton_interpreter
 from tests.tolerances import TOLERANCES
 
@@ -83,7 +83,7 @@ def test_tree_sum_ignores_trailing_zeros():
 
 
 def test_rms_norm_layer_in_batch_invariant_mode():
-    from layers.layernorm import RMSNorm
+    from arfusion.layers.layernorm import RMSNorm
 
     x, w = _seeded(30, 96, seed=10), _seeded(96, seed=11)
     layer = RMSNorm(96, eps=1e-6)
@@ -163,7 +163,7 @@ MATMUL_SHAPES = ((96, 200), (64, 1000), (130, 64))
 def _interpreted_matmul(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: per (n, k) and config, the max error against torch and
     the row counts whose row 0 changes bits."""
-    from layers.kernels.triton_bi_matmul import MatmulConfig, default_config as choose_config, matmul
+    from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, default_config as choose_config, matmul
 
     results = {}
     for n, k in MATMUL_SHAPES:
@@ -203,8 +203,8 @@ def _interpreted_table(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: for every entry of the synthetic table and of the repo's
     (each K plan and its tiles applied to a small 96 x 200 weight), whether rows 0-6 have the
     same bits at every M of TABLE_ROWS (each M with its bucket's tile), and the max error."""
-    from layers.kernels.bi_matmul_table import load_table, parse_table
-    from layers.kernels.triton_bi_matmul import MatmulConfig, matmul
+    from arfusion.layers.kernels.bi_matmul_table import load_table, parse_table
+    from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, matmul
 
     entries = list(parse_table(SYNTHETIC_TABLE).values()) + list(load_table().values())
     w, b, x = _seeded(96, 200, seed=30), _seeded(96, seed=31), _seeded(max(TABLE_ROWS), 200, seed=32)
@@ -229,8 +229,8 @@ def test_every_table_config_gives_a_row_the_same_bits_at_any_batch():
 
 def test_the_table_fixes_the_k_plan_per_shape_and_the_tile_per_bucket(monkeypatch):
     pytest.importorskip("triton")
-    from layers.kernels import triton_bi_matmul
-    from layers.kernels.bi_matmul_table import parse_table
+    from arfusion.layers.kernels import triton_bi_matmul
+    from arfusion.layers.kernels.bi_matmul_table import parse_table
 
     monkeypatch.setattr(triton_bi_matmul, "load_table", lambda: parse_table(SYNTHETIC_TABLE))
     configs = {m: triton_bi_matmul.choose_config(96, 200, m) for m in (1, 16, 17, 100, 101, 4096)}
@@ -244,7 +244,7 @@ def test_the_table_fixes_the_k_plan_per_shape_and_the_tile_per_bucket(monkeypatc
 
 def test_the_default_matmul_config_depends_on_n_and_k_only():
     pytest.importorskip("triton")
-    from layers.kernels.triton_bi_matmul import MAX_SPLITS, default_config as choose_config
+    from arfusion.layers.kernels.triton_bi_matmul import MAX_SPLITS, default_config as choose_config
 
     decode = choose_config(4096, 4096)
     assert decode.splits > 1 and decode.splits <= MAX_SPLITS  # 64 column tiles: split K for the SMs

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import accuracy_regression as regression
-from benchmarks import bench_serving
-from benchmarks.gsm8k import bench as gsm8k_bench
-from benchmarks.gsm8k import scoring as gsm8k_scoring
-from benchmarks.mmlu import bench as mmlu_bench
-from benchmarks.mmlu import scoring as mmlu_scoring
+from arfusion.benchmarks import accuracy_regression as regression
+from arfusion.benchmarks import bench_serving
+from arfusion.benchmarks.gsm8k import bench as gsm8k_bench
+from arfusion.benchmarks.gsm8k import scoring as gsm8k_scoring
+from arfusion.benchmarks.mmlu import bench as mmlu_bench
+from arfusion.benchmarks.mmlu import scoring as mmlu_scoring
 from tests.fixtures.fake_openai_server import ThreadedServer, build_app
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -231,7 +231,7 @@ def _regression_args(extra=()):
 def test_server_command_passes_only_given_flags():
     off = regression.server_command(_regression_args(), fusion=False, port=1234)
     on = regression.server_command(_regression_args(), fusion=True, port=1234)
-    assert off[1:3] == ["-m", "engine.launch_server"]
+    assert off[1:3] == ["-m", "arfusion.engine.launch_server"]
     assert off[3:] == ["--host", "127.0.0.1", "--port", "1234", "--model-path", "/m", "--tp-size", "2", "--device", "cpu",
                        "--allreduce-fusion-backend", "torch", "--seed", "3", "--dtype", "float32"]
     assert on == off[:15] + ["--enable-flashinfer-allreduce-fusion"] + off[15:]

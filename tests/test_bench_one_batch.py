@@ -1,4 +1,4 @@
-"""`python -m engine.bench_one_batch` end to end on CPU: the tiny model at TP2 over gloo, the
+"""`python -m arfusion.engine.bench_one_batch` end to end on CPU: the tiny model at TP2 over gloo, the
 three settings in one run, the table and the JSON line; its --help lists only what it uses."""
 import json
 import re
@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 
-from engine import bench_one_batch
+from arfusion.engine import bench_one_batch
 
 
 def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
     out = tmp_path / "bench.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
+        [sys.executable, "-m", "arfusion.engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
          "--input-len", "6", "--output-len", "3", "--repeats", "1", "--fusion", "off", "on", "builtin",
          "--json-file", str(out)],
         capture_output=True, text=True, timeout=480)
@@ -31,7 +31,7 @@ def test_bench_one_batch_measures_every_setting_and_writes_json(tmp_path):
 def test_bench_one_batch_measures_both_deterministic_modes_side_by_side(tmp_path):
     out = tmp_path / "bench.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
+        [sys.executable, "-m", "arfusion.engine.bench_one_batch", "--tp-size", "2", "--batch-size", "1", "3",
          "--input-len", "6", "--output-len", "3", "--repeats", "1", "--fusion", "off", "on",
          "--deterministic", "off", "on", "--json-file", str(out)],
         capture_output=True, text=True, timeout=480)
@@ -46,7 +46,7 @@ def test_bench_one_batch_measures_both_deterministic_modes_side_by_side(tmp_path
 
 
 def test_bench_one_batch_rejects_an_unknown_setting():
-    proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--fusion", "fast"],
+    proc = subprocess.run([sys.executable, "-m", "arfusion.engine.bench_one_batch", "--fusion", "fast"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
@@ -54,7 +54,7 @@ def test_bench_one_batch_rejects_an_unknown_setting():
 def test_bench_one_batch_without_overlap_records_it(tmp_path):
     out = tmp_path / "bench.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.bench_one_batch", "--batch-size", "2", "--input-len", "4", "--output-len", "3",
+        [sys.executable, "-m", "arfusion.engine.bench_one_batch", "--batch-size", "2", "--input-len", "4", "--output-len", "3",
          "--repeats", "1", "--fusion", "on", "--disable-overlap-schedule", "--json-file", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -70,7 +70,7 @@ SERVER_ONLY = ("--host", "--port", "--shutdown-timeout", "--max-running-requests
 
 
 def test_help_lists_only_the_flags_it_uses(capsys):
-    proc = subprocess.run([sys.executable, "-m", "engine.bench_one_batch", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "arfusion.engine.bench_one_batch", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", proc.stdout))

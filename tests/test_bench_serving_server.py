@@ -1,13 +1,13 @@
-"""The README's serving benchmark (``python -m benchmarks.bench_serving --port 30000 --num-prompts
+"""The README's serving benchmark (``python -m arfusion.benchmarks.bench_serving --port 30000 --num-prompts
 200 --max-concurrency 32``, no lengths given) against the README's default server
-(``python -m engine.launch_server``: the tiny model, context 2048, a byte-level tokenizer),
+(``python -m arfusion.engine.launch_server``: the tiny model, context 2048, a byte-level tokenizer),
 scaled down to 4 prompts of 32 output tokens: the input length fits the context (512 tokens of
 text, measured on this tokenizer) and every request succeeds."""
 import json
 
 import pytest
 
-from benchmarks import bench_serving
+from arfusion.benchmarks import bench_serving
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)

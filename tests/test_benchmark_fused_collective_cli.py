@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernels import benchmark_fused_collective as bench
-from benchmarks.kernels.fused_collective_report import (
+from arfusion.benchmarks.kernels import benchmark_fused_collective as bench
+from arfusion.benchmarks.kernels.fused_collective_report import (
     ConfigResult,
     PathResult,
     choose_baseline,
@@ -19,7 +19,7 @@ from benchmarks.kernels.fused_collective_report import (
     json_document,
     overhead_vs_raw,
 )
-from benchmarks.kernels.plot_fused_collective import speedup_series
+from arfusion.benchmarks.kernels.plot_fused_collective import speedup_series
 
 SCRIPT = Path(bench.__file__)
 

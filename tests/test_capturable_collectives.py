@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fusion import disable_capturable_collectives, enable_capturable_collectives
-from layers.parallel_state import get_tp_group
+from arfusion.fusion import disable_capturable_collectives, enable_capturable_collectives
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import run_distributed
 
 
@@ -34,7 +34,7 @@ class CountingStandIn:
 
 
 def _routing(rank, world):
-    from layers.sharded_logits import sharded_logits
+    from arfusion.layers.sharded_logits import sharded_logits
 
     group = get_tp_group()
     refused = enable_capturable_collectives(group, 1 << 20)  # CPU tensors: no symmetric memory
@@ -72,7 +72,7 @@ def test_group_routes_to_the_stand_in_only_what_it_holds():
 
 
 def test_one_rank_needs_no_stand_in():
-    from fusion import TensorParallelGroup
+    from arfusion.fusion import TensorParallelGroup
 
     group = TensorParallelGroup(0, 1, torch.device("cpu"))
     assert enable_capturable_collectives(group, 1024) is None and group.capturable is None

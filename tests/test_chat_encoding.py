@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.server.api import build_app
-from engine.tokenizers.chat_encoding import encode_chat
-from engine.tokenizers.serving import load_serving_tokenizer
-from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
-from server_args import ServerArgs
+from arfusion.engine.server.api import build_app
+from arfusion.engine.tokenizers.chat_encoding import encode_chat
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
+from arfusion.server_args import ServerArgs
 from tests.fake_engine import FakeEngine
 from tests.gguf_files import qwen2_chat_file
 

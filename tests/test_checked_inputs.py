@@ -4,8 +4,8 @@ weight are trusted (the op's inline test, then the full check)."""
 import pytest
 import torch
 
-from fusion import AllReduceFusion, FusionConfig, FusionInputError, PartialSum, Strategy
-from fusion.group import TensorParallelGroup
+from arfusion.fusion import AllReduceFusion, FusionConfig, FusionInputError, PartialSum, Strategy
+from arfusion.fusion.group import TensorParallelGroup
 
 
 def _op() -> AllReduceFusion:

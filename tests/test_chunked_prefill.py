@@ -5,11 +5,11 @@ nothing, outputs equal to the unchunked schedule with and without overlap, abort
 import pytest
 import torch
 
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
-from server_args import ServerArgs, ServerArgsError
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.server_args import ServerArgs, ServerArgsError
 from tests.fake_runner import FakeRunner, collect, serve_all, token_ids
 
 CONTEXT = 160

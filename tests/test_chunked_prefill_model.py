@@ -19,10 +19,10 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
     """Rank 0: every request submitted at once (four rows: the fifth joins while others decode).
     Returns each request's tokens, whether every step ran a decode token of each running request
     that wanted one, and the number of steps that carried prompt tokens."""
-    from engine.common.sampling_params import SamplingParams
-    from engine.scheduling.request import Request
-    from engine.scheduling.scheduler import Scheduler
-    from engine.tokenizers.tokenizer import build_tiny_tokenizer
+    from arfusion.engine.common.sampling_params import SamplingParams
+    from arfusion.engine.scheduling.request import Request
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
     s = Scheduler(runner, build_tiny_tokenizer(), max_prefill_tokens=256, overlap=overlap, chunked_prefill_size=chunk)
     g = torch.Generator().manual_seed(7)
@@ -55,9 +55,9 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
 
 
 def _schedules(rank: int, world_size: int) -> dict:
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     settings = RunnerSettings(model_path="tiny", context_length=256, max_running_requests=4, kv_slots=1024,
@@ -68,7 +68,7 @@ def _schedules(rank: int, world_size: int) -> dict:
             return {"steps": follow_plans(runner)}
         results = {schedule: _serve(runner, *schedule) for schedule in SCHEDULES}
         if world_size > 1:
-            from engine.runtime.step_plan import StepPlan
+            from arfusion.engine.runtime.step_plan import StepPlan
             runner.group.broadcast_object(StepPlan("shutdown"))
         return results
     finally:

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from fusion import FusionInputError, PartialSum, Strategy, reference
-from layers.communicator import LayerCommunicator
-from layers.layernorm import RMSNorm
-from layers.parallel_state import get_tp_group
+from arfusion.fusion import FusionInputError, PartialSum, Strategy, reference
+from arfusion.layers.communicator import LayerCommunicator
+from arfusion.layers.layernorm import RMSNorm
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import AllReduceCounter, make_fusion, run_distributed
 from tests.tolerances import assert_close
 
@@ -146,8 +146,8 @@ def test_a_deferred_reduction_is_a_value_that_cannot_be_misused():
 
 
 def test_no_fusion_state_on_the_tp_group():
-    import layers.parallel_state as parallel_state
-    from fusion import TensorParallelGroup
+    import arfusion.layers.parallel_state as parallel_state
+    from arfusion.fusion import TensorParallelGroup
 
     assert not hasattr(TensorParallelGroup, "fusion") and not hasattr(parallel_state, "init_allreduce_fusion")
     assert not [name for name, value in vars(parallel_state).items() if "fusion" in type(value).__name__.lower()]

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusion import FusionConfig, Strategy, reference
-from fusion.backends import deterministic
-from fusion.strategies import deterministic_exclusions
+from arfusion.fusion import FusionConfig, Strategy, reference
+from arfusion.fusion.backends import deterministic
+from arfusion.fusion.strategies import deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
@@ -252,7 +252,7 @@ KERNEL_CASES = [(1, 5, 96, torch.float32, True), (3, 4, 160, torch.float32, Fals
 
 
 def _kernel_cases(rank, world):
-    from fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
+    from arfusion.fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
 
     out = []
     for num_parts, tokens, hidden, dtype, with_residual in KERNEL_CASES:

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.detokenizer import CONTEXT_TOKENS, output_starts_text, prompt_context
-from engine.scheduling.request import Request
-from engine.tokenizers.serving import load_serving_tokenizer
-from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.detokenizer import CONTEXT_TOKENS, output_starts_text, prompt_context
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.gguf_files import train_bpe, write_spm_file
 from tests.llama_tokenizer import llama_style_tokenizer
 

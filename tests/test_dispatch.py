@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fusion.dispatch.decision import NOT_SET_UP, DispatchPlan
-from fusion.strategy import Strategy as S
+from arfusion.fusion.dispatch.decision import NOT_SET_UP, DispatchPlan
+from arfusion.fusion.strategy import Strategy as S
 from tests.dist_utils import make_fusion, run_distributed
 from tests.fake_backends import UNLIMITED, FakeBackend, flashinfer_backends, make_dispatcher
 
@@ -57,7 +57,7 @@ def test_negative_layer_id_is_an_error():
 
 
 def test_cache_size_must_be_positive():
-    from fusion import FusionConfig
+    from arfusion.fusion import FusionConfig
 
     with pytest.raises(ValueError, match="cache_size"):
         FusionConfig(cache_size=0)

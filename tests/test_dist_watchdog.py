@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
-from engine.runtime.step_progress import StepProgress
-from engine.runtime.watchdog import DistWatchdog, detection_bound_s
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
+from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.engine.runtime.watchdog import DistWatchdog, detection_bound_s
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 from tests.server_process import free_port
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.server.api import build_app
-from engine.tokenizers.serving import load_serving_tokenizer
-from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
+from arfusion.engine.server.api import build_app
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.fake_engine import FakeEngine
 from tests.gguf_files import qwen2_chat_file, write_spm_file
 

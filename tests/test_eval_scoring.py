@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gsm8k import bench as gsm8k_bench
-from benchmarks.gsm8k import scoring as gsm8k
-from benchmarks.mmlu import bench as mmlu_bench
-from benchmarks.mmlu import scoring as mmlu
+from arfusion.benchmarks.gsm8k import bench as gsm8k_bench
+from arfusion.benchmarks.gsm8k import scoring as gsm8k
+from arfusion.benchmarks.mmlu import bench as mmlu_bench
+from arfusion.benchmarks.mmlu import scoring as mmlu
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from integrations.sglang import versions as sglang_versions
-from integrations.vllm import versions as vllm_versions
+from arfusion.integrations.sglang import versions as sglang_versions
+from arfusion.integrations.vllm import versions as vllm_versions
 
 EXTRAS = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
     "optional-dependencies"]

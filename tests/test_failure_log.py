@@ -7,12 +7,12 @@ from typing import Optional
 
 import pytest
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime import supervisor as supervisor_module
-from engine.runtime.supervisor import Supervisor
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime import supervisor as supervisor_module
+from arfusion.engine.runtime.supervisor import Supervisor
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,9 +3,9 @@ composition, 2 ranks over gloo; its input checks and the flashinfer workspace ch
 import pytest
 import torch
 
-from fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
+from arfusion.fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
                     TensorParallelGroup, all_reduce_add_rms_norm, reference)
-from layers.parallel_state import get_tp_group
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine.server.api import build_app
-from engine.tokenizers.tokenizer import gpt2_bytes_to_unicode, load_tokenizer
+from arfusion.engine.server.api import build_app
+from arfusion.engine.tokenizers.tokenizer import gpt2_bytes_to_unicode, load_tokenizer
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ prompt 11 tokens, 8 experts top-4). One TP1 rank (gloo)."""
 import pytest
 import torch
 
-from engine.models.config import ModelConfig
+from arfusion.engine.models.config import ModelConfig
 from tests.dist_utils import make_fusion, run_distributed
 
 TINY = ModelConfig(
@@ -21,7 +21,7 @@ PROMPT, OTHERS, STEPS = list(range(3, 14)), [[7, 8, 9], list(range(40, 60))], 4
 
 def _run(model, schedule: list[list[tuple[int, list[int]]]], seqs: int) -> dict[int, list[torch.Tensor]]:
     """Forward each step's (sequence, new tokens); every sequence's logits rows in order."""
-    from engine.models.forward_batch import ForwardBatch
+    from arfusion.engine.models.forward_batch import ForwardBatch
 
     cache = model.allocate_kv_cache(128)
     free = list(range(128))
@@ -39,9 +39,9 @@ def _run(model, schedule: list[list[tuple[int, list[int]]]], seqs: int) -> dict[
 def _worker(rank: int, world: int) -> dict:
     import dataclasses
 
-    from engine.models.registry import build_model
-    from engine.weights.dummy import dummy_weights
-    from layers.batch_invariant import batch_invariant_mode
+    from arfusion.engine.models.registry import build_model
+    from arfusion.engine.weights.dummy import dummy_weights
+    from arfusion.layers.batch_invariant import batch_invariant_mode
 
     decode = [[100 + i] for i in range(STEPS)]
     results = {}

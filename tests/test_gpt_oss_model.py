@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine.models.registry import build_model  # noqa: E402
-from engine.weights.safetensors_loader import load_safetensors  # noqa: E402
-from layers.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from arfusion.engine.models.registry import build_model  # noqa: E402
+from arfusion.engine.weights.safetensors_loader import load_safetensors  # noqa: E402
+from arfusion.layers.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from tests.dist_utils import make_fusion, run_distributed  # noqa: E402
 from tests.gpt_oss_checkpoints import build_checkpoints  # noqa: E402
 from tests.model_scenario import PROMPTS, run_scenario  # noqa: E402
@@ -79,7 +79,7 @@ def test_a_checkpoint_of_neither_form_is_refused_in_one_line(checkpoints, tmp_pa
     import json
     import shutil
 
-    from engine.weights.errors import ModelFileError
+    from arfusion.engine.weights.errors import ModelFileError
 
     _, bf16_dir, mxfp4_dir = checkpoints
     mixed, other = tmp_path / "mixed", tmp_path / "other"

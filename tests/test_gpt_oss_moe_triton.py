@@ -49,9 +49,9 @@ def fill_experts(experts, seed: int) -> None:
 def _interpreted(rank: int, world: int) -> dict:
     import triton
 
-    from layers.moe.gpt_oss_moe import GptOssExperts
-    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
-    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
+    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     assert triton.knobs.runtime.interpret
     results = {}
@@ -111,8 +111,8 @@ def _routing(hidden: int, seed: int) -> tuple:
 
 def _full_reference(full: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The whole experts from the full checkpoint tensors, fp32: gate = even rows, up = odd rows."""
-    from layers.moe.gpt_oss_moe import clamped_swiglu
-    from layers.moe.mxfp4 import dequantize_mxfp4
+    from arfusion.layers.moe.gpt_oss_moe import clamped_swiglu
+    from arfusion.layers.moe.mxfp4 import dequantize_mxfp4
 
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -127,9 +127,9 @@ def _full_reference(full: dict, x: torch.Tensor, weights: torch.Tensor, ids: tor
 
 
 def _interpreted_shard(rank: int, world: int) -> dict:
-    from layers.moe.gpt_oss_moe import GptOssExperts
-    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
-    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
+    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     partials = {}
     for seed, (small_tiles, hidden, inter) in enumerate(TP_CASES):

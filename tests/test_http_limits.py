@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine.server.http.limits import BodyLimit, max_request_bytes
-from engine.server.http.protocol import MAX_HEAD_BYTES
+from arfusion.engine.server.http.limits import BodyLimit, max_request_bytes
+from arfusion.engine.server.http.protocol import MAX_HEAD_BYTES
 from tests.fake_engine import CharTokenizer, FakeEngine
 from tests.in_process_server import LIMIT, InProcessServer
 from tests.raw_http import chunked, exchange, head

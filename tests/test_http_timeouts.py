@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from engine.server.http.server import GRACEFUL_SHUTDOWN_S, HttpLimits
+from arfusion.engine.server.http.server import GRACEFUL_SHUTDOWN_S, HttpLimits
 from tests.fake_engine import FakeEngine
 from tests.in_process_server import LIMIT, InProcessServer
 from tests.raw_http import HOST, exchange, head, read_answer

@@ -7,12 +7,12 @@ run): tests/gpu/test_lamport_one_shot.py.
 import pytest
 import torch
 
-from fusion.backends.lamport_one_shot import (CONTROL_INTS, ERROR, INDEX, MAX_TOKENS, NUM_BUFFERS, ROWS,
+from arfusion.fusion.backends.lamport_one_shot import (CONTROL_INTS, ERROR, INDEX, MAX_TOKENS, NUM_BUFFERS, ROWS,
                                               LamportLayout, LamportOneShotBackend, lamport_unavailable_reason,
                                               output_tensors, sentinel_bits)
-from fusion.errors import FusionInputError, FusionTimeoutError
-from fusion.group import TensorParallelGroup
-from fusion.strategy import Strategy
+from arfusion.fusion.errors import FusionInputError, FusionTimeoutError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import Strategy
 from tests.dist_utils import run_distributed
 
 CPU = torch.device("cpu")
@@ -121,12 +121,12 @@ def test_a_backend_never_ensured_checks_nothing_and_refuses_a_call():
 
 
 def test_the_kernel_reads_the_control_area_where_the_backend_lays_it_out():
-    kernels = pytest.importorskip("fusion.backends.kernels.lamport_one_shot")  # needs triton
+    kernels = pytest.importorskip("arfusion.fusion.backends.kernels.lamport_one_shot")  # needs triton
     assert kernels.CONTROL == {"index": INDEX, "arrivals": 1, "error": ERROR, "rows": ROWS}
 
 
 def _ensure_on_cpu(rank, world_size, max_tokens):
-    from layers.parallel_state import get_tp_group
+    from arfusion.layers.parallel_state import get_tp_group
 
     backend = LamportOneShotBackend(get_tp_group())
     ok = backend.ensure(max_tokens, 64, torch.bfloat16)

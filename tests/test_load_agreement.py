@@ -9,9 +9,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _load_on_each_rank(rank: int, world: int, failing: tuple[int, ...]) -> tuple[str, list[int]]:
-    from engine.runtime.load_agreement import LoadRefused, load_together
-    from engine.weights.errors import ModelFileError
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.load_agreement import LoadRefused, load_together
+    from arfusion.engine.weights.errors import ModelFileError
+    from arfusion.layers.parallel_state import get_tp_group
 
     group = get_tp_group()
 

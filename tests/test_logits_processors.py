@@ -6,9 +6,9 @@ that process their logits take the argmax of the processed logits."""
 import pytest
 import torch
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.logits_processors import FIRST_ROWS, RowState, TokenHistory, process_logits
-from engine.runtime.sampler import StepLogits, sample
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.logits_processors import FIRST_ROWS, RowState, TokenHistory, process_logits
+from arfusion.engine.runtime.sampler import StepLogits, sample
 
 VOCAB, EOS = 50, (3, 7)
 

@@ -45,9 +45,9 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
     """The HTTP requests against the real engine (scheduler thread on rank 0)."""
     from fastapi.testclient import TestClient
 
-    from engine.scheduling.scheduler import Scheduler
-    from engine.server.api import build_app
-    from engine.server.engine import Engine
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.server.api import build_app
+    from arfusion.engine.server.engine import Engine
 
     scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=256, chunked_prefill_size=CHUNK)
     thread = threading.Thread(target=scheduler.run_forever, daemon=True)
@@ -63,8 +63,8 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
 
 def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], dict]]) -> list[dict]:
     """Every request submitted at once to a scheduler stepped here; each one's tokens and finish."""
-    from engine.common.sampling_params import SamplingParams
-    from engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.common.sampling_params import SamplingParams
+    from arfusion.engine.scheduling.scheduler import Scheduler
     from tests.fake_runner import serve_all, token_ids
 
     scheduler = Scheduler(runner, tokenizer, max_prefill_tokens=256, chunked_prefill_size=CHUNK)
@@ -75,8 +75,8 @@ def _serve_direct(runner: Any, tokenizer: Any, requests: list[tuple[list[int], d
 
 def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
     """Collective: fp32 ``[len(seq), V]`` raw logits of every position, one unchunked forward."""
-    from engine.models.forward_batch import ForwardBatch
-    from layers.sharded_logits import gather_vocab
+    from arfusion.engine.models.forward_batch import ForwardBatch
+    from arfusion.layers.sharded_logits import gather_vocab
 
     batch = ForwardBatch.from_lists([seq], [list(range(1, len(seq) + 1))])
     hidden = runner.model.hidden_states(batch, runner.kv_cache)
@@ -84,9 +84,9 @@ def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
 
 
 def _rank(rank: int, world_size: int) -> dict:
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.tokenizers.tokenizer import build_tiny_tokenizer
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     runner = ModelRunner(RunnerSettings(model_path="tiny", context_length=256, max_running_requests=8,

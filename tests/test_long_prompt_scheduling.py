@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.step_plan import StepPlan
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.step_plan import StepPlan
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 
 FIXED_S, PER_TOKEN_S = 0.02, 0.001

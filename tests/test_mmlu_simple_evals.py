@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import accuracy_regression as regression
-from benchmarks.mmlu import bench as mmlu_bench
-from benchmarks.mmlu import scoring
+from arfusion.benchmarks import accuracy_regression as regression
+from arfusion.benchmarks.mmlu import bench as mmlu_bench
+from arfusion.benchmarks.mmlu import scoring
 from tests.fixtures.fake_openai_server import ThreadedServer, build_app, fixture_replies
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,5 +1,5 @@
 """Broken model files (tests/model_files.py's CASES) are refused with one line naming the file
-and the problem: in process by the loaders, fast, and by ``python -m engine.launch_server``
+and the problem: in process by the loaders, fast, and by ``python -m arfusion.engine.launch_server``
 with exit code 2 and no traceback, at TP1 and at TP2 (gloo), where every rank stops and the
 error is printed once.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.runtime.model_runner import RunnerSettings, check_model_files
-from engine.tokenizers.serving import load_serving_tokenizer
-from engine.weights import load_model_weights
-from engine.weights.errors import ModelFileError, finite_cast
+from arfusion.engine.runtime.model_runner import RunnerSettings, check_model_files
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.weights import load_model_weights
+from arfusion.engine.weights.errors import ModelFileError, finite_cast
 from tests.model_files import CASES, FOUND_WHILE_LOADING, BrokenModel, good_gguf, good_hf_dir
 from tests.server_process import ROOT, free_port, pid_alive
 
@@ -110,10 +110,10 @@ def group_members(pgid: int) -> list[int]:
 
 
 def launch(model: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python -m engine.launch_server --model-path model *args`` in its own process group, to
+    """``python -m arfusion.engine.launch_server --model-path model *args`` in its own process group, to
     its end; asserts that no process of the group outlives it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.launch_server", "--model-path", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "arfusion.engine.launch_server", "--model-path", str(model),
                              "--port", str(free_port()), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

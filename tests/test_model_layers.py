@@ -7,19 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers.activation import SiluAndMul
-from layers.attention import Attention
-from layers.linear import (
+from arfusion.layers.activation import SiluAndMul
+from arfusion.layers.attention import Attention
+from arfusion.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     kv_head_range,
 )
-from engine.models.forward_batch import ForwardBatch, KVCache
-from layers.parallel_state import get_tp_group
-from layers.rotary_embedding import RotaryEmbedding, llama3_scale_inv_freq, rope_inv_freq, scaled_inv_freq
-from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.layers.parallel_state import get_tp_group
+from arfusion.layers.rotary_embedding import RotaryEmbedding, llama3_scale_inv_freq, rope_inv_freq, scaled_inv_freq
+from arfusion.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.config import ModelConfig
-from engine.models.registry import build_model
-from engine.weights.dummy import dummy_weights
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.registry import build_model
+from arfusion.engine.weights.dummy import dummy_weights
 
-from layers.rotary_embedding import scaled_inv_freq
+from arfusion.layers.rotary_embedding import scaled_inv_freq
 from tests.dist_utils import make_fusion, run_distributed
 from tests.model_scenario import run_scenario
 

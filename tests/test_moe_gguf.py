@@ -12,10 +12,10 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
 
-from engine.models.config import ModelConfig
-from engine.weights.dummy import dummy_weights
-from engine.weights.gguf_moe_names import hf_moe_architecture, hf_moe_tensors, is_moe_tensor, moe_config_fields
-from engine.weights.gguf_names import field_value
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.weights.dummy import dummy_weights
+from arfusion.engine.weights.gguf_moe_names import hf_moe_architecture, hf_moe_tensors, is_moe_tensor, moe_config_fields
+from arfusion.engine.weights.gguf_names import field_value
 
 QWEN3_MOE = ModelConfig(
     architecture="Qwen3MoeForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -138,7 +138,7 @@ def write_whole_qwen3_moe(path, config: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def test_a_whole_moe_gguf_loads_into_the_model(tmp_path):
-    from engine.weights.gguf_loader import load_gguf
+    from arfusion.engine.weights.gguf_loader import load_gguf
 
     weights = write_whole_qwen3_moe(tmp_path / "qwen3moe.gguf", QWEN3_MOE)
     config, tensors = load_gguf(tmp_path / "qwen3moe.gguf")

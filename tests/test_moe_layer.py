@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers.moe import MoEExperts, SparseMoeBlock, combine_topk, expert_outputs, moe_experts_torch, select_experts
-from layers.moe.align import align_by_expert, max_padded_rows
-from layers.parallel_state import get_tp_group
+from arfusion.layers.moe import MoEExperts, SparseMoeBlock, combine_topk, expert_outputs, moe_experts_torch, select_experts
+from arfusion.layers.moe.align import align_by_expert, max_padded_rows
+from arfusion.layers.parallel_state import get_tp_group
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
 TOKEN_COUNTS = (2, 12)

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from engine.models.builtin import builtin_config
-from engine.models.config import ModelConfig
-from engine.models.registry import build_model, hf_weight_shapes
-from engine.weights.dummy import dummy_weights
-from engine.weights.safetensors_loader import load_safetensors
-from layers.rotary_embedding import scaled_inv_freq
+from arfusion.engine.models.builtin import builtin_config
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.registry import build_model, hf_weight_shapes
+from arfusion.engine.weights.dummy import dummy_weights
+from arfusion.engine.weights.safetensors_loader import load_safetensors
+from arfusion.layers.rotary_embedding import scaled_inv_freq
 from tests import test_moe_layer as moe_layer
 from tests.dist_utils import make_fusion, run_distributed
 from tests.model_scenario import run_scenario

@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from layers.moe.align import align_by_expert  # noqa: E402
-from layers.moe.router import router_logits_torch, select_experts  # noqa: E402
+from arfusion.layers.moe.align import align_by_expert  # noqa: E402
+from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -63,7 +63,7 @@ SELECT_CASES = [(5, 8, 2, True), (40, 128, 8, True), (40, 60, 4, False)]  # (tok
 
 
 def _interpreted(rank: int, world: int) -> dict:
-    from layers.moe.kernels.triton_router import route_triton_with_logits, select_experts_triton
+    from arfusion.layers.moe.kernels.triton_router import route_triton_with_logits, select_experts_triton
 
     results = {}
     for name, (shape, _, _, _, renormalize, _, block_m) in CASES.items():
@@ -115,7 +115,7 @@ def test_select_on_tied_logits(interpreted, tokens, experts, top_k, renormalize)
 
 
 def test_bad_inputs_are_named():
-    from layers.moe.kernels.triton_router import route_triton, select_experts_triton
+    from arfusion.layers.moe.kernels.triton_router import route_triton, select_experts_triton
 
     counter = torch.zeros(1, dtype=torch.int32)
     h, weight = torch.randn(3, 16), torch.randn(8, 16)
@@ -133,7 +133,7 @@ def test_bad_inputs_are_named():
 
 def test_fused_moe_refuses_blocks_of_another_size():
     """Blocks grouped for another block_m (or slot count) are refused before any launch."""
-    from layers.moe.kernels.triton_fused_moe import default_block_config, fused_moe
+    from arfusion.layers.moe.kernels.triton_fused_moe import default_block_config, fused_moe
 
     x, w13, w2 = torch.randn(3, 16), torch.randn(8, 24, 16), torch.randn(8, 16, 12)
     weights, ids = select_experts(torch.randn(3, 8), 2, True)

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from layers.moe.align import align_by_expert  # noqa: E402
-from layers.moe.router import select_experts  # noqa: E402
-from layers.moe.torch_experts import moe_experts_torch  # noqa: E402
+from arfusion.layers.moe.align import align_by_expert  # noqa: E402
+from arfusion.layers.moe.router import select_experts  # noqa: E402
+from arfusion.layers.moe.torch_experts import moe_experts_torch  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import SAME_ROUNDINGS, TOLERANCES, assert_close  # noqa: E402
 
@@ -92,8 +92,8 @@ ALIGN_BLOCKS = (16, 64)
 
 
 def _interpreted_cases(rank: int, world: int) -> dict:
-    from layers.moe.kernels.triton_align import align_by_expert_triton
-    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig, fused_moe
+    from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
+    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig, fused_moe
 
     tiles = {"default": None, "small": MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=32,
                                                       block_n_down=32, block_k_down=32)}

@@ -22,12 +22,12 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.common.sampling_params import SamplingParams
-from engine.server.api import build_app
-from engine.server.api.openai_fields import (
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.api.openai_fields import (
     CHAT_HONOURED, CHAT_LIMITED, COMPLETION_HONOURED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, INERT,
 )
-from engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
+from arfusion.engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from tests.fake_engine import BOS, FakeEngine
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,9 +8,9 @@ import functools
 
 import pytest
 
-from engine.common.generation import TokenLogprob
-from engine.server.api.logprobs_format import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.generation import TokenLogprob
+from arfusion.engine.server.api.logprobs_format import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,11 +21,11 @@ REQUESTS = [{"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs":
 
 
 def _rank(rank: int, world_size: int, tokenizer_vocab: int | None) -> list[dict]:
-    from engine.common.sampling_params import SamplingParams
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_plan import StepPlan
-    from engine.scheduling.scheduler import Scheduler
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.common.sampling_params import SamplingParams
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.fake_runner import serve_all, token_ids
     from tests.plan_follower import follow_plans
 

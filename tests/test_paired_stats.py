@@ -2,7 +2,7 @@
 (benchmarks/paired_stats.py), on the counts of full-GSM8K runs (1,319 questions, 0.5B model)."""
 import pytest
 
-from benchmarks import paired_stats as ps
+from arfusion.benchmarks import paired_stats as ps
 
 
 def _records(n, a_only, b_only, both=0):

@@ -16,7 +16,7 @@ LATE_S = 3 * TIMEOUT_S  # how much later than rank 0 rank 1 joins
 def _rank(rank: int, port: int, results) -> None:
     import torch
 
-    from layers.parallel_state import init_tensor_parallel
+    from arfusion.layers.parallel_state import init_tensor_parallel
 
     if rank == 1:
         time.sleep(LATE_S)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from engine.common.progress import Progress, track
-from server_args import ServerArgs
+from arfusion.engine.common.progress import Progress, track
+from arfusion.server_args import ServerArgs
 
 
 class Clock:
@@ -20,11 +20,11 @@ class Clock:
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "engine.progress"]
+    return [r.getMessage() for r in caplog.records if r.name == "arfusion.engine.progress"]
 
 
 def test_one_line_per_interval_whatever_the_number_of_items(caplog):
-    caplog.set_level(logging.INFO, logger="engine.progress")
+    caplog.set_level(logging.INFO, logger="arfusion.engine.progress")
     clock = Clock()
     progress = Progress("loading weights", 1000, "tensors", total_bytes=2_000_000_000, interval_s=5.0, clock=clock)
     for _ in range(1000):  # 1000 tensors of 2 MB over 23 s
@@ -39,7 +39,7 @@ def test_one_line_per_interval_whatever_the_number_of_items(caplog):
 
 
 def test_track_advances_after_each_item_and_finishes(caplog):
-    caplog.set_level(logging.INFO, logger="engine.progress")
+    caplog.set_level(logging.INFO, logger="arfusion.engine.progress")
     clock = Clock()
     items = [("a", 10), ("b", 20), ("c", 30)]
     progress = Progress("warming up", 3, "steps", interval_s=0.0, clock=clock)
@@ -51,7 +51,7 @@ def test_track_advances_after_each_item_and_finishes(caplog):
 
 @pytest.mark.parametrize("level,enabled", [(logging.WARNING, True), (logging.INFO, False)])
 def test_silent_below_info_and_where_disabled(caplog, level, enabled):
-    caplog.set_level(level, logger="engine.progress")
+    caplog.set_level(level, logger="arfusion.engine.progress")
     progress = Progress("capturing CUDA graphs", 4, "batch sizes", interval_s=0.0, enabled=enabled)
     for _ in range(4):
         progress.advance()

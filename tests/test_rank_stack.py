@@ -6,10 +6,10 @@ from contextlib import ExitStack
 
 import pytest
 
-import engine.runtime.rank_stack as rank_stack
-from engine.launch_config import free_port
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.model_runner import ModelRunner, RunnerSettings
+import arfusion.engine.runtime.rank_stack as rank_stack
+from arfusion.engine.launch_config import free_port
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=2, kv_slots=256)

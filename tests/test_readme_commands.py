@@ -6,10 +6,10 @@ import re
 import shlex
 from pathlib import Path
 
-from server_args import ServerArgs
+from arfusion.server_args import ServerArgs
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-LAUNCH = "python -m engine.launch_server"
+LAUNCH = "python -m arfusion.engine.launch_server"
 
 
 def use_it_commands() -> list[list[str]]:

@@ -5,10 +5,10 @@ be taken back. Stop token ids are looked up in a set, never scanned."""
 import pytest
 import torch
 
-from engine.common.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from engine.runtime.logits_processors import RowState, process_logits
-from engine.scheduling.request import Request
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from arfusion.engine.runtime.logits_processors import RowState, process_logits
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 EOS = 257
 

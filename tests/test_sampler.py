@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.logits_processors import RowState, process_logits
-from engine.runtime.sampler import StepLogits, filtered_sorted_probs, sample
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.logits_processors import RowState, process_logits
+from arfusion.engine.runtime.sampler import StepLogits, filtered_sorted_probs, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
 

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.policy import SchedulePolicy
-from engine.scheduling.request import Request
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.policy import SchedulePolicy
+from arfusion.engine.scheduling.request import Request
 
 
 def _requests(lens: list[int], seed: int) -> list[Request]:

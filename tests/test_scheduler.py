@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from engine.common.generation import EngineError
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling import step_sampler as step_sampler_module
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.generation import EngineError
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling import step_sampler as step_sampler_module
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect, serve_all
 
 def test_requests_join_and_leave_between_steps():
@@ -67,7 +67,7 @@ def test_a_failing_step_reports_once_then_fails_every_request_with_a_500():
 
 
 def test_a_fused_reduction_that_gave_up_on_a_peer_fails_the_step_before_its_tokens_are_used():
-    from fusion import FusionTimeoutError
+    from arfusion.fusion import FusionTimeoutError
 
     runner, failures = FakeRunner(), []
 

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.requests import ClientDisconnect
 
-from engine.common.sampling_params import SamplingParams
-from engine.server.api import build_app
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.server.api import build_app
 from tests.fake_engine import BOS, FakeEngine
 
 SERVED = "served-model"

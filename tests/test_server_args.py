@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from server_args import ServerArgs, ServerArgsError
-from server_args.server_args import GPU_ONLY, GPU_ONLY_MARK
+from arfusion.server_args import ServerArgs, ServerArgsError
+from arfusion.server_args.server_args import GPU_ONLY, GPU_ONLY_MARK
 
 
 def test_defaults_and_fusion_flag():

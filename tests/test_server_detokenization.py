@@ -9,10 +9,10 @@ import types
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.common.generation import TokenLogprob
-from engine.scheduling.request import Request
-from engine.server.api import build_app
-from engine.server.engine import Engine
+from arfusion.engine.common.generation import TokenLogprob
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.engine import Engine
 from tests.llama_tokenizer import llama_style_tokenizer
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 import uvicorn
 
-from engine.common.generation import EngineError
-from engine.server.api import build_app
-from engine.server.http.lifecycle import Lifecycle
-from engine.server.http.server import DrainingServer
+from arfusion.engine.common.generation import EngineError
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.server.http.server import DrainingServer
 from tests.fake_engine import FakeEngine
 from tests.load_client import Outcome, post
 from tests.server_process import free_port

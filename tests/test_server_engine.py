@@ -8,11 +8,11 @@ from typing import Callable, Optional
 
 import pytest
 
-from engine.common.generation import EngineError, GenerationChunk
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.request import Request
-from engine.server.engine import Engine
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.generation import EngineError, GenerationChunk
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.server.engine import Engine
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(30)
 NO_FUSION = types.SimpleNamespace(cache_clear=lambda: None)  # the fusion op's decision cache, unused here

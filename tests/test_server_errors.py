@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.common.generation import EngineError
-from engine.common.sampling_params import MAX_STOP_TOKEN_IDS
-from engine.server.api import build_app
-from engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.common.generation import EngineError
+from arfusion.engine.common.sampling_params import MAX_STOP_TOKEN_IDS
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.http.lifecycle import Lifecycle
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)

@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 import pytest
 
-from engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 from tests.raw_http import chunked, exchange, head
 from tests.server_process import ServerProcess
 

@@ -8,10 +8,10 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.common.generation import TokenLogprob
-from engine.server.api import build_app
-from engine.server.api.logprobs_format import LOGPROB_FLOOR, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.generation import TokenLogprob
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.api.logprobs_format import LOGPROB_FLOOR, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_engine import BOS, EOS, FakeEngine, fake_logprob
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,11 +1,11 @@
-"""Start-up of `python -m engine.launch_server`: a model path that does not exist is named as such,
+"""Start-up of `python -m arfusion.engine.launch_server`: a model path that does not exist is named as such,
 the start-up line states the fusion status once, and the test helper leaves no log file."""
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from engine.server.rank0 import fusion_summary
+from arfusion.engine.server.rank0 import fusion_summary
 from tests.server_process import EXIT_TIMEOUT_S, ServerProcess
 
 pytestmark = pytest.mark.timeout(300)

@@ -4,7 +4,7 @@ row maximum alone at widths with and without power-of-two factors."""
 import pytest
 import torch
 
-from layers.sharded_logits import _row_max, sharded_logits
+from arfusion.layers.sharded_logits import _row_max, sharded_logits
 from tests.dist_utils import run_distributed
 
 ROWS, VOCAB = 6, 96

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusion.group import TensorParallelGroup
+from arfusion.fusion.group import TensorParallelGroup
 
 H200 = "cuda:0 (NVIDIA H200)"
 
@@ -47,9 +47,9 @@ def test_ranks_on_this_gpu_split_its_memory(devices, rank, expected):
 
 
 def test_more_ranks_than_gpus_run_on_the_gpus_there_are(monkeypatch):
-    from engine import launch_config as lc
-    from layers import parallel_state
-    from server_args import ServerArgs
+    from arfusion.engine import launch_config as lc
+    from arfusion.layers import parallel_state
+    from arfusion.server_args import ServerArgs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -61,7 +61,7 @@ def test_more_ranks_than_gpus_run_on_the_gpus_there_are(monkeypatch):
 
 
 def test_start_up_tuning_measures_nothing_on_a_shared_gpu(tmp_path, monkeypatch, caplog):
-    import fusion.tuning.startup as startup
+    import arfusion.fusion.tuning.startup as startup
 
     def no_measurement(*args, **kwargs):
         raise AssertionError("nothing may be measured on a shared GPU")
@@ -76,7 +76,7 @@ def test_start_up_tuning_measures_nothing_on_a_shared_gpu(tmp_path, monkeypatch,
 
 
 def test_bench_one_batch_marks_every_shared_gpu_row(capsys):
-    from engine.bench_one_batch import report
+    from arfusion.engine.bench_one_batch import report
 
     note = group_of(0, [0, 0]).shared_gpu_note
     rows = [{"fusion": s, "batch_size": 1, "prefill_ms": 2.0, "tpot_ms": t, "fusion_active": s == "on",
@@ -90,7 +90,7 @@ def test_bench_one_batch_marks_every_shared_gpu_row(capsys):
 
 
 def test_kernel_benchmark_marks_every_shared_gpu_row():
-    from benchmarks.kernels.fused_collective_report import ConfigResult, PathResult, format_markdown, format_table
+    from arfusion.benchmarks.kernels.fused_collective_report import ConfigResult, PathResult, format_markdown, format_table
 
     cfg = ConfigResult(1, 4096, "bfloat16", True, "none", [PathResult("standard_allreduce_rmsnorm", 0.01),
                                                            PathResult("arfusion_dispatch", 0.004)], shared_gpu=True)

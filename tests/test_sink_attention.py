@@ -8,7 +8,7 @@ no visible key for some rows occur (their running sums must stay as they were)."
 import pytest
 import torch
 
-from layers.sink_attention import attend_with_sinks, visible_keys
+from arfusion.layers.sink_attention import attend_with_sinks, visible_keys
 from tests.dist_utils import run_under_triton_interpreter
 from tests.tolerances import TOLERANCES
 
@@ -66,8 +66,8 @@ def test_torch_path_matches_plain_softmax(window, with_sinks):
 def _interpreted(rank: int, world: int) -> dict:
     import triton
 
-    from layers.kernels.triton_decode_attention import decode_attention
-    from layers.kernels.triton_extend_attention import extend_attention
+    from arfusion.layers.kernels.triton_decode_attention import decode_attention
+    from arfusion.layers.kernels.triton_extend_attention import extend_attention
 
     assert triton.knobs.runtime.interpret
     results = {}

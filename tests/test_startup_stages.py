@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.common.startup import StartupStages
+from arfusion.engine.common.startup import StartupStages
 from tests.dist_utils import run_distributed
 from tests.gguf_files import qwen2_chat_file
 from tests.server_process import ServerProcess
@@ -45,12 +45,12 @@ def test_stages_log_their_start_and_end_and_add_up_to_the_wall_clock(caplog: pyt
 def _load_counting_parses(rank: int, world_size: int, gguf: str) -> dict:
     """Node 0's start-up of ``gguf`` in this process (the launcher's files, then rank 0's runner)
     with every GGUF parse counted; the runner's context length and stages."""
-    import engine.weights.gguf_file as gguf_file
-    from engine.common.startup import StartupStages
-    from engine.launch_server import load_model_files
-    from engine.runtime.model_runner import ModelRunner, StartupContext
-    from layers.parallel_state import get_tp_group
-    from server_args import ServerArgs
+    import arfusion.engine.weights.gguf_file as gguf_file
+    from arfusion.engine.common.startup import StartupStages
+    from arfusion.engine.launch_server import load_model_files
+    from arfusion.engine.runtime.model_runner import ModelRunner, StartupContext
+    from arfusion.layers.parallel_state import get_tp_group
+    from arfusion.server_args import ServerArgs
 
     parses = []
     real = gguf_file.GGUFReader
@@ -74,13 +74,13 @@ def test_node_0_parses_a_gguf_file_once(tmp_path):
 
 
 def _context(rank: int, world_size: int, context_length: int | None) -> tuple[int, list[str]]:
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.layers.parallel_state import get_tp_group
 
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("engine.runtime.model_runner").addHandler(handler)
+    logging.getLogger("arfusion.engine.runtime.model_runner").addHandler(handler)
     settings = RunnerSettings(model_path="tiny", context_length=context_length, max_running_requests=2, kv_slots=300)
     runner = ModelRunner(settings, get_tp_group())
     runner.destroy()

@@ -8,7 +8,7 @@ reference, which checks that it gets the op's workspace."""
 import pytest
 import torch
 
-from fusion.tuning.startup import cache_file
+from arfusion.fusion.tuning.startup import cache_file
 from tests.dist_utils import make_fusion, run_distributed
 
 HIDDEN = 64
@@ -20,8 +20,8 @@ class _FakeWorkspace:
 
 
 def _pretend_flashinfer() -> None:
-    import fusion.backends.flashinfer as fi
-    import fusion.backends.flashinfer_workspace as ws
+    import arfusion.fusion.backends.flashinfer as fi
+    import arfusion.fusion.backends.flashinfer_workspace as ws
 
     fi.flashinfer_unavailable_reason = lambda *a: None
     ws.create_flashinfer_workspace = lambda *a: _FakeWorkspace()
@@ -36,10 +36,10 @@ def _op(cache_dir, **config):
 def _pretend_flashinfer_kernel() -> None:
     """flashinfer one-shot as the torch reference, refusing to run without the op's workspace;
     two-shot fails."""
-    import fusion.backends.flashinfer as fi
-    from fusion import reference
-    from fusion.strategy import FusedOutput
-    from layers.parallel_state import get_tp_group
+    import arfusion.fusion.backends.flashinfer as fi
+    from arfusion.fusion import reference
+    from arfusion.fusion.strategy import FusedOutput
+    from arfusion.layers.parallel_state import get_tp_group
 
     def kernel(workspace, x, residual, weight, eps, quant, one_shot, launch_with_pdl):
         assert isinstance(workspace, _FakeWorkspace), f"one-shot ran with workspace {workspace!r}"
@@ -52,7 +52,7 @@ def _pretend_flashinfer_kernel() -> None:
 
 
 def _tune_then_reuse(rank, world_size, cache_dir):
-    import fusion.tuning.measure as tune
+    import arfusion.fusion.tuning.measure as tune
 
     _pretend_flashinfer()
     _pretend_flashinfer_kernel()
@@ -101,7 +101,7 @@ def test_a_passed_budget_or_an_explicit_table_means_no_tuned_table(tmp_path, cap
 
 @pytest.mark.parametrize("gpu_dir", ["a/b", "x y"])
 def test_cache_file_names_are_safe(tmp_path, gpu_dir):
-    from fusion import TensorParallelGroup
+    from arfusion.fusion import TensorParallelGroup
 
     group = TensorParallelGroup(0, 1, torch.device("cpu"))
     path = cache_file(group, 4096, torch.bfloat16, str(tmp_path / gpu_dir))

@@ -9,10 +9,10 @@ PROMPTS, PROMPT_LEN, STEPS = 3, 7, 6
 
 
 def _decode_three_ways(rank: int, world_size: int) -> dict:
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=PROMPTS, kv_slots=512,
                               fusion=FusionConfig(enabled=True, backend="torch"))

@@ -4,8 +4,8 @@ budget, their times observed) converging to steps of the target time. Every time
 from a cost model the test states; nothing is measured on this machine."""
 import pytest
 
-from engine.runtime.step_cost import StepCost
-from engine.scheduling.step_budget import GROWTH, INITIAL_PROMPT_TOKENS, MIN_PROMPT_TOKENS, StepBudget
+from arfusion.engine.runtime.step_cost import StepCost
+from arfusion.engine.scheduling.step_budget import GROWTH, INITIAL_PROMPT_TOKENS, MIN_PROMPT_TOKENS, StepBudget
 
 
 def test_a_line_is_fitted_exactly_and_a_fit_needs_two_sizes():

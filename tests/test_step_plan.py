@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import ForwardBatch
-from engine.models.registry import build_model
-from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
-from engine.weights.dummy import dummy_weights
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import ForwardBatch
+from arfusion.engine.models.registry import build_model
+from arfusion.engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
+from arfusion.engine.weights.dummy import dummy_weights
 from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
 

@@ -8,11 +8,11 @@ import random
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from engine.common.stop_strings import StopStrings
-from engine.scheduling.request import Request
-from engine.server.api import build_app
-from engine.tokenizers.tokenizer import build_tiny_tokenizer
+from arfusion.engine.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from arfusion.engine.common.stop_strings import StopStrings
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.server.api import build_app
+from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,11 +24,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from fusion import reference  # noqa: E402
-from fusion.backends.symm_mem_fused import (ShardLayout, SymmMemFusedBackend, buffer_elements,  # noqa: E402
+from arfusion.fusion import reference  # noqa: E402
+from arfusion.fusion.backends.symm_mem_fused import (ShardLayout, SymmMemFusedBackend, buffer_elements,  # noqa: E402
                                    flags_offset, fused_unavailable_reason, gather_offset, output_tensors,
                                    push_shards, reduce_and_finish, row_chunks)
-from layers.parallel_state import get_tp_group  # noqa: E402
+from arfusion.layers.parallel_state import get_tp_group  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.test_triton_elementwise import interpreter_cast  # noqa: E402
 

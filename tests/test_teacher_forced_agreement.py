@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gsm8k import scoring
-from benchmarks.gsm8k.bench import load_jsonl
-from benchmarks.teacher_forced_agreement import (
+from arfusion.benchmarks.gsm8k import scoring
+from arfusion.benchmarks.gsm8k.bench import load_jsonl
+from arfusion.benchmarks.teacher_forced_agreement import (
     AgreementOptions, AgreementStats, build_sequences, format_result, measure, prefill_groups, teacher_forced_logits,
 )
-from engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 from tests.dist_utils import run_distributed
 from tests.gguf_files import qwen2_chat_file
 
@@ -64,9 +64,9 @@ def test_stats_count_agreement_errors_and_margins():
 def _aligned(rank: int, world: int, model_path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: its teacher-forced logits, and the logits of one forward over prompt +
     solution at the positions that predict the solution tokens."""
-    from engine.models.forward_batch import ForwardBatch
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.models.forward_batch import ForwardBatch
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.layers.parallel_state import get_tp_group
 
     tokenizer = load_serving_tokenizer(model_path)
     batch = build_sequences(tokenizer, load_jsonl(GSM8K / "test.jsonl"), load_jsonl(GSM8K / "train.jsonl")[:1], 200)
@@ -91,7 +91,7 @@ def test_teacher_forced_logits_are_those_of_the_whole_sequence(model_path):
 
 
 def _measure(rank: int, world: int, model_path: str) -> dict:
-    from server_args import ServerArgs
+    from arfusion.server_args import ServerArgs
 
     server = ServerArgs(model_path=model_path, tp_size=world, device="cpu", allreduce_fusion_backend="torch",
                         max_prefill_tokens=512)  # several prefill steps per batch

@@ -6,9 +6,9 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from engine.models.builtin import builtin_config
-from engine.server.api import build_app
-from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
+from arfusion.engine.models.builtin import builtin_config
+from arfusion.engine.server.api import build_app
+from arfusion.engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)

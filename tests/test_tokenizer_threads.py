@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from layers.kernels.triton_decode_attention import (  # noqa: E402
+from arfusion.layers.kernels.triton_decode_attention import (  # noqa: E402
     choose_launch,
     decode_attention,
     decode_attention_reference,

@@ -26,11 +26,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from layers.activation import SiluAndMul  # noqa: E402
-from layers.attention import store_kv  # noqa: E402
-from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
-from layers.kernels.triton_activation import silu_and_mul  # noqa: E402
-from layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
+from arfusion.layers.activation import SiluAndMul  # noqa: E402
+from arfusion.layers.attention import store_kv  # noqa: E402
+from arfusion.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from arfusion.layers.kernels.triton_activation import silu_and_mul  # noqa: E402
+from arfusion.layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from layers.attention import Attention  # noqa: E402
-from layers.kernels.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from arfusion.layers.attention import Attention  # noqa: E402
+from arfusion.layers.kernels.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from tests.attention_cases import PAD_SLOT, result_checker, spread_rows  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402

@@ -5,11 +5,11 @@ import logging
 import pytest
 import torch
 
-from fusion.backends.symm_mem import SymmMemTwoShotBackend
-from fusion.backends.symmetric_buffer import symm_mem_unavailable_reason
-from fusion.dispatch.table import StrategyTable, TuningTableError, parse_table, read_table, select_table
-from fusion.strategy import Strategy as S
-from layers.parallel_state import get_tp_group
+from arfusion.fusion.backends.symm_mem import SymmMemTwoShotBackend
+from arfusion.fusion.backends.symmetric_buffer import symm_mem_unavailable_reason
+from arfusion.fusion.dispatch.table import StrategyTable, TuningTableError, parse_table, read_table, select_table
+from arfusion.fusion.strategy import Strategy as S
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 from tests.fake_backends import UNLIMITED, flashinfer_backends, make_dispatcher
 
@@ -95,8 +95,8 @@ class _FakeWorkspace:
 
 
 def _table_on_every_rank(rank, world_size, path):
-    import fusion.backends.flashinfer as fi
-    import fusion.backends.flashinfer_workspace as ws
+    import arfusion.fusion.backends.flashinfer as fi
+    import arfusion.fusion.backends.flashinfer_workspace as ws
 
     fi.flashinfer_unavailable_reason = lambda *a: None  # pretend: flashinfer on an sm90 GPU, fake workspace
     ws.create_flashinfer_workspace = lambda *a: _FakeWorkspace()

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up, warm_up_plans
+from arfusion.engine.runtime.warm_up import SCRATCH_SLOT, WarmUpShapes, warm_up, warm_up_plans
 from tests.dist_utils import run_distributed
 
 GPU_LIKE = WarmUpShapes(context_len=8192, max_extend_tokens=8192, max_decode_batch=512, graph_max_batch=256,
@@ -61,7 +61,7 @@ def _unchanged_but_scratch(before: dict, after: dict) -> bool:
 
 
 def _serve(runner, scheduler) -> list[list[int]]:
-    from engine.common.sampling_params import SamplingParams
+    from arfusion.engine.common.sampling_params import SamplingParams
     from tests.fake_runner import serve_all, token_ids
 
     requests = [([(7 * i + 3 * j) % 264 for j in range(n)],
@@ -74,18 +74,18 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
     """Serve, warm up and measure the step cost, serve again; rank 1 follows each phase's plans
     (a "shutdown" plan ends a phase) and compares its own state around the warm-up. Each rank
     returns the start-up progress lines it logged."""
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_cost import measure_step_cost
-    from engine.runtime.step_plan import StepPlan
-    from engine.scheduling.scheduler import Scheduler
-    from engine.tokenizers.tokenizer import build_tiny_tokenizer
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.step_cost import measure_step_cost
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     progress = ListHandler()
-    logging.getLogger("engine.progress").addHandler(progress)
-    logging.getLogger("engine.progress").setLevel(logging.INFO)
+    logging.getLogger("arfusion.engine.progress").addHandler(progress)
+    logging.getLogger("arfusion.engine.progress").setLevel(logging.INFO)
     settings = RunnerSettings(model_path="tiny", context_length=128, max_running_requests=3, kv_slots=512,
                               fusion=FusionConfig(enabled=True, backend="torch"))
     runner = ModelRunner(settings, get_tp_group())

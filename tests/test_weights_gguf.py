@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, Keys
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer
 
-from engine.weights import (
+from arfusion.engine.weights import (
     MissingMetadataError,
     UnsupportedTensorTypeError,
     load_gguf,
@@ -22,9 +22,9 @@ from engine.weights import (
     resolve_load_format,
     unpermute_qk,
 )
-from engine.weights.errors import ModelFileError
-from engine.weights.gguf_names import llama3_freq_factors
-from engine.tokenizers.serving import load_serving_tokenizer
+from arfusion.engine.weights.errors import ModelFileError
+from arfusion.engine.weights.gguf_names import llama3_freq_factors
+from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 from tests.gguf_files import (
     CHAT_TEMPLATE, HEAD_DIM, HEADS, HIDDEN, INTER, KQUANTS, KV_HEADS, LAYERS, LLAMA3_SCALING, QUANT_TOLERANCE,
     ROPE_THETA, TYPES, LlamaFile, bpe_metadata, hf_name, llamacpp_permute, model_metadata, qwen2_chat_file, shapes,

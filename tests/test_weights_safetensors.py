@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.models.config import ModelConfig
-from engine.weights import load_model_weights, load_safetensors, resolve_load_format
-from engine.weights.errors import ModelFileError
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.weights import load_model_weights, load_safetensors, resolve_load_format
+from arfusion.engine.weights.errors import ModelFileError
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fusion import AllReduceFusionWorkspace
-from layers.parallel_state import get_tp_group
+from arfusion.fusion import AllReduceFusionWorkspace
+from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
 
@@ -59,8 +59,8 @@ def test_failure_on_one_rank_makes_all_fall_back_without_hang():
 
 
 def _fusion_falls_back_together(rank, world_size):
-    import fusion.backends.flashinfer as fi
-    import fusion.backends.flashinfer_workspace as ws
+    import arfusion.fusion.backends.flashinfer as fi
+    import arfusion.fusion.backends.flashinfer_workspace as ws
 
     # Pretend this CPU rank had flashinfer and an sm90 GPU, so setup reaches the workspace.
     fi.flashinfer_unavailable_reason = lambda *a: None
@@ -89,8 +89,8 @@ def test_fusion_setup_failure_falls_back_on_every_rank():
     (None, False, 128, "needs an sm90/sm100 GPU"), ((8, 0), False, 128, "sm80"), ((12, 0), False, 128, "sm120"),
     ((9, 0), True, 128, "spans nodes"), ((9, 0), False, 100, "multiple of 16"), ((9, 0), False, 128, None)])
 def test_the_flashinfer_backends_state_their_constraints(monkeypatch, sm, spans, hidden, needle):
-    import fusion.backends.flashinfer as fi
-    from fusion import TensorParallelGroup
+    import arfusion.fusion.backends.flashinfer as fi
+    from arfusion.fusion import TensorParallelGroup
 
     monkeypatch.setattr(fi, "flashinfer_import_error", lambda: None)
     monkeypatch.setattr(fi, "device_capability", lambda device: sm)

@@ -22,7 +22,7 @@
 # time-sliced, and quits it when the part ends; it changes no GPU setting (compute mode stays).
 #   kernels        benchmark_fused_collective.py, no quantization, with residual, at HIDDEN
 #                  (default 4096) x SEQ_LENS (default 1 32 128 512 1024 2048 4096).
-#   table          python -m engine.tune_fusion (the strategy table) at HIDDEN (default 896 1024
+#   table          python -m arfusion.engine.tune_fusion (the strategy table) at HIDDEN (default 896 1024
 #                  1536 2048 2560 2880 3584 4096 5120 7168 8192; pass a subset per run if they
 #                  do not fit BUDGET_S), up to MAX_TOKENS (default 4096) tokens, into
 #                  $OUT/strategy_table.json; TABLE_BASE=FILE starts from a copy of FILE (e.g.
@@ -193,7 +193,7 @@ part_table() {
     cp "$TABLE_BASE" "$OUT/strategy_table.json" || return 2
   fi
   # the tuner rewrites the file after each hidden size: a timeout keeps the sizes it finished
-  run_timed 560 torchrun --nproc_per_node="$TP" -m engine.tune_fusion --hidden "${hidden[@]}" \
+  run_timed 560 torchrun --nproc_per_node="$TP" -m arfusion.engine.tune_fusion --hidden "${hidden[@]}" \
     --allreduce-fusion-max-tokens "${MAX_TOKENS:-4096}" --output "$OUT/strategy_table.json" "${EXTRA[@]}"
 }
 
@@ -205,7 +205,7 @@ part_engine() {
   args=(--model-path "${MODEL:-llama3-8b}" --tp-size "$TP" --batch-size "${batch[@]}" --fusion "${fusion[@]}"
         --input-len 128 --output-len 64 --json-file "$OUT/bench_one_batch.jsonl")
   [ "${PROFILE:-0}" = 1 ] && args+=(--profile)
-  run_timed 560 python -m engine.bench_one_batch "${args[@]}" "${EXTRA[@]}"
+  run_timed 560 python -m arfusion.engine.bench_one_batch "${args[@]}" "${EXTRA[@]}"
 }
 
 wait_healthy() {  # wait_healthy PORT PID SECONDS: until GET /health answers; fails if PID dies
@@ -238,7 +238,7 @@ serve_and_measure() {  # serve_and_measure SETTING REPEAT PORT: one server, benc
   [ "$setting" = on ] && flags=(--enable-flashinfer-allreduce-fusion)
   echo "== fusion $setting, repeat $repeat, port $port ($(left) s left)" | tee -a "$OUT/servers.log"
   # timeout leads a process group of its own: stop_server ends the server and its TP workers
-  timeout -k 15 "$(left)" python -m engine.launch_server --model-path "${MODEL:-llama3-8b}" --tp-size "$TP" \
+  timeout -k 15 "$(left)" python -m arfusion.engine.launch_server --model-path "${MODEL:-llama3-8b}" --tp-size "$TP" \
     "${server_args[@]}" "${flags[@]}" --port "$port" >> "$OUT/servers.log" 2>&1 &
   pid=$!
   if ! wait_healthy "$port" "$pid" "${SERVER_START_S:-300}"; then
@@ -250,7 +250,7 @@ serve_and_measure() {  # serve_and_measure SETTING REPEAT PORT: one server, benc
   for c in "${concurrency[@]}"; do
     n=${NUM_PROMPTS:-$((2 * c > 4 ? 2 * c : 4))}
     rm -f "$runs"
-    run_timed 300 python -m benchmarks.bench_serving --port "$port" --random-input-len 512 \
+    run_timed 300 python -m arfusion.benchmarks.bench_serving --port "$port" --random-input-len 512 \
       --random-output-len 1024 --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$c" \
       --warmup-requests 2 --no-progress --output-file "$runs" || rc=1
     [ -f "$runs" ] && python - "$runs" "$OUT/serving.jsonl" "$setting" "$repeat" << 'PY'
@@ -316,7 +316,7 @@ part_accuracy() {
   # the same command resumes with what is missing. With fewer GPUs than
   # TP the TP$TP ranks share them (correct; the timings it prints are not representative).
   share_gpus_if_needed "$TP"
-  run_timed "$(left)" python -m benchmarks.accuracy_regression --model-path "$model" --tp-size "$TP" \
+  run_timed "$(left)" python -m arfusion.benchmarks.accuracy_regression --model-path "$model" --tp-size "$TP" \
     --baseline-tp-size 1 "${data[@]}" --parallel 256 --no-progress --results-dir "$results" --log-dir "$logs" \
     --output-file "$OUT/accuracy.json" "${EXTRA[@]}" || rc=$?
   [ -d "$results" ] && tar czf "$OUT/accuracy_results.tgz" -C "$results" .

@@ -1,6 +1,6 @@
-"""``python -m benchmarks.gsm8k``: see `benchmarks.gsm8k.bench`."""
+"""``python -m arfusion.benchmarks.gsm8k``: see `benchmarks.gsm8k.bench`."""
 import sys
 
-from benchmarks.gsm8k.bench import main
+from arfusion.benchmarks.gsm8k.bench import main
 
 sys.exit(main())

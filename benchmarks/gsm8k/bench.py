@@ -1,6 +1,6 @@
 """GSM8K few-shot chain-of-thought accuracy against an OpenAI-compatible server.
 
-    python -m benchmarks.gsm8k --data-path grade_school_math/data/test.jsonl --port 30000
+    python -m arfusion.benchmarks.gsm8k --data-path grade_school_math/data/test.jsonl --port 30000
 
 Data: JSON lines with ``question`` and ``answer`` (the reference ends with ``#### <n>``).
 ``--data-path`` is the test file; the shots come from ``--train-path``, by default
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
-from benchmarks.gsm8k import scoring
+from arfusion.benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
+from arfusion.benchmarks.gsm8k import scoring
 
 RAW_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 CACHE_DIR = Path.home() / ".cache" / "arfusion" / "gsm8k"
@@ -163,7 +163,7 @@ def print_result(result: Gsm8kResult) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gsm8k", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.gsm8k", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", help="test JSON-lines file (default: download the public one)")
     p.add_argument("--train-path", help="train JSON-lines file for the shots (default: train.jsonl next to --data-path)")

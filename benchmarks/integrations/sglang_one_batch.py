@@ -6,7 +6,7 @@ own loader: arfusion's hooks when ``ARFUSION_SGLANG=1``), then runs SGLang's ben
 same arguments. The benchmark forks its TP workers (Python's default start method on Linux up to
 3.13), which inherit the applied hooks.
 
-    python -m benchmarks.integrations.sglang_one_batch --model-path M --load-format dummy --tp-size 2 ...
+    python -m arfusion.benchmarks.integrations.sglang_one_batch --model-path M --load-format dummy --tp-size 2 ...
 """
 import runpy
 import sys

@@ -32,7 +32,7 @@ run() {  # run NAME ARFUSION_SGLANG FUSION_FLAG...
                "prefill --batch-size 1 --input-len 4096 --output-len 1"; do
     read -ra args <<< "$shape"
     echo "== $name ${args[0]}"
-    ARFUSION_SGLANG=$env timeout 900 python -m benchmarks.integrations.sglang_one_batch "${COMMON[@]}" "$@" \
+    ARFUSION_SGLANG=$env timeout 900 python -m arfusion.benchmarks.integrations.sglang_one_batch "${COMMON[@]}" "$@" \
       --run-name "$name" "${args[@]:1}" --result-filename "$OUT/sglang_tp2_${args[0]}.jsonl" 2>&1 \
       | tee "$OUT/sglang_tp2_${name}_${args[0]}.log" | grep -E "arfusion|Prefill\. |Decode\.  median|Error" || true
   done

@@ -1,7 +1,7 @@
 """vLLM at TP2 (2 GPUs): its own fused all-reduce + RMSNorm pass against arfusion's pass, on a
 llama3-8b-shaped model with dummy weights; decode steps at several batch sizes and one prefill.
 
-    python -m benchmarks.integrations.vllm_tp2 [--batch 1 8 32 128] [--prefill 4096]
+    python -m arfusion.benchmarks.integrations.vllm_tp2 [--batch 1 8 32 128] [--prefill 4096]
         [--decode-steps 64] [--repeats 3] [--configs vllm arfusion unfused] [--output FILE]
 
 Each configuration runs in a fresh process (one engine at a time, each with CUDA graphs):
@@ -43,7 +43,7 @@ RUN_TIMEOUT_S = 1800
 
 def compilation_config(which: str) -> dict[str, Any]:
     """vLLM's ``compilation_config`` of configuration ``which`` (module docstring)."""
-    from integrations.vllm import PASS_NAME
+    from arfusion.integrations.vllm import PASS_NAME
 
     config: dict[str, Any] = {"pass_config": {"fuse_allreduce_rms": which == "vllm"}}
     if which == "arfusion":
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     prompt = [[rng.randrange(vocab) for _ in range(args.prefill)]]
     result["prefill_ms"] = _timed(llm, prompt, 1, args.repeats) * 1e3
     if args.worker == "arfusion":
-        from integrations.vllm.runtime import worker_stats
+        from arfusion.integrations.vllm.runtime import worker_stats
 
         result["arfusion_workers"] = llm.collective_rpc(worker_stats)
     return result
@@ -97,7 +97,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_config(which: str, argv: list[str]) -> dict[str, Any]:
     env = os.environ | {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.integrations.vllm_tp2", "--worker", which] + argv,
+    proc = subprocess.run([sys.executable, "-m", "arfusion.benchmarks.integrations.vllm_tp2", "--worker", which] + argv,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -9,9 +9,9 @@ from typing import Callable, Optional
 
 import torch
 
-from fusion.tuning.timing import median_us_per_call
-from layers.kernels.triton_decode_attention import decode_attention
-from layers.kernels.triton_extend_attention import extend_attention
+from arfusion.fusion.tuning.timing import median_us_per_call
+from arfusion.layers.kernels.triton_decode_attention import decode_attention
+from arfusion.layers.kernels.triton_extend_attention import extend_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 ExtendAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,

@@ -4,7 +4,7 @@ Each time is the median of CUDA-graph replays of up to 20 calls on distinct weig
 200 MiB of them (µs per call): more than L2 holds, as in a forward. Also checks, per shape, that row 0's bits are the same at
 every M (a failed check is printed, not hidden).
 
-    python -m benchmarks.kernels.bench_bi_matmul --rows 1 32 128 2048 --json-file out.json
+    python -m arfusion.benchmarks.kernels.bench_bi_matmul --rows 1 32 128 2048 --json-file out.json
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from layers.kernels.triton_bi_matmul import choose_config, matmul
+from arfusion.layers.kernels.triton_bi_matmul import choose_config, matmul
 
 # (name, N, K) of llama3-8b at TP1
 SHAPES = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),

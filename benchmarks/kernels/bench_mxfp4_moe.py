@@ -10,7 +10,7 @@ biases and scales, the mean over the CALLS routings); the time that takes at 4.8
 share of 4.8 TB/s reached; and, against `GptOssExperts.forward_torch` on the same weights, the
 relative RMS error of the first call's output (bf16 roundings in another order: about 5e-3).
 
-    python -m benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --json out/bench_mxfp4_moe.json
+    python -m arfusion.benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --json out/bench_mxfp4_moe.json
 
 ``--tiles`` times other tiles too (each ``BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,WARPS,STAGES``,
 e.g. ``16,64,128,64,128,4,4``), one row per tile set after the default tiles' row ("default":
@@ -33,7 +33,7 @@ CALLS = 8
 
 def make_experts(num_experts: int, mxfp4: bool, seed: int):
     """A `GptOssExperts` on the current GPU with seeded random weights (module docstring)."""
-    from layers.moe.gpt_oss_moe import GptOssExperts
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
 
     torch.manual_seed(seed)
     experts = GptOssExperts(num_experts, HIDDEN, INTERMEDIATE, 1.702, 7.0, mxfp4, torch.bfloat16, torch.device("cuda"))
@@ -59,7 +59,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parse_tiles(text: str):
     """``"16,32,128,32,128,4,4"`` -> a `MoEBlockConfig` (fields in its order)."""
-    from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
 
     values = [int(v) for v in text.split(",")]
     if len(values) != 7:
@@ -73,8 +73,8 @@ def bench(experts, tokens: int, seed: int, config=None) -> dict:
     tiles ``config`` (a `MoEBlockConfig`; None: the kernel's default)."""
     from functools import partial
 
-    from layers.moe.kernels.triton_mxfp4_moe import experts_block_config
-    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton as run
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton as run
 
     gpt_oss_experts_triton = partial(run, config=config)
 
@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp4_moe needs a CUDA GPU")
-    from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(1, 0, device=torch.device("cuda", 0))
     rows = []

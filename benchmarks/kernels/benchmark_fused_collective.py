@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the project's packages importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.kernels.fused_collective_report import (  # noqa: E402
+from arfusion.benchmarks.kernels.fused_collective_report import (  # noqa: E402
     ConfigResult,
     PathResult,
     format_table,
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--quant-fp4", action="store_true", help="only NVFP4 output (sm100+)")
     quant.add_argument("--quant-all", action="store_true", help="none, FP8 and FP4 (the default)")
     p.add_argument("--disable-oneshot", action="store_true", help="skip the one-shot fused paths")
-    p.add_argument("--allreduce-fusion-table", help="strategy table (python -m engine.tune_fusion) for arfusion_dispatch")
+    p.add_argument("--allreduce-fusion-table", help="strategy table (python -m arfusion.engine.tune_fusion) for arfusion_dispatch")
     p.add_argument("--disable-pdl", action="store_true",
                    help="launch the fused kernels (arfusion and raw) without programmatic dependent launch")
     p.add_argument("--warmup", type=positive_int, default=5, help="untimed graph replays per path")
@@ -142,8 +142,8 @@ class Recorder:
 
 def fp4_skip_reason(device: Any, flashinfer_error: Optional[str]) -> Optional[str]:
     """The line printed instead of the FP4 tables, or None when FP4 can run here."""
-    from fusion.errors import FusionUnsupportedError
-    from fusion.backends.flashinfer import require_fp4_support
+    from arfusion.fusion.errors import FusionUnsupportedError
+    from arfusion.fusion.backends.flashinfer import require_fp4_support
 
     if flashinfer_error:
         return "skipped: FP4 needs flashinfer"
@@ -158,8 +158,8 @@ def run(args: argparse.Namespace, group: Any, recorder: Recorder) -> None:
     """Every configuration, hidden size by hidden size (one workspace each, destroyed after)."""
     import torch
 
-    from benchmarks.kernels import fused_collective_paths as fcp
-    from fusion.platform import flashinfer_import_error
+    from arfusion.benchmarks.kernels import fused_collective_paths as fcp
+    from arfusion.fusion.platform import flashinfer_import_error
 
     fi_error = flashinfer_import_error()
     if fi_error:
@@ -195,7 +195,7 @@ def run_metadata(args: argparse.Namespace, group: Any) -> dict[str, Any]:
     """What the output files say about the run."""
     import torch
 
-    from fusion.platform import flashinfer_import_error
+    from arfusion.fusion.platform import flashinfer_import_error
 
     fi_error = flashinfer_import_error()
     return {
@@ -220,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import torch
 
-    from layers import parallel_state
+    from arfusion.layers import parallel_state
 
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

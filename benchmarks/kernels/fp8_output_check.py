@@ -1,7 +1,7 @@
 """Check flashinfer's FP8 fused output (trtllm_allreduce_fusion, kARResidualRMSNormFP8Quant)
 element by element against two references, using flashinfer and torch only.
 
-    python -m benchmarks.kernels.fp8_output_check [--ranks-share-gpu]
+    python -m arfusion.benchmarks.kernels.fp8_output_check [--ranks-share-gpu]
 
 Two ranks over a gloo group (one per GPU, or both on GPU 0 with ``--ranks-share-gpu``: run it
 under CUDA MPS), hidden 4096, bf16, scale 0.05. For each case (tokens, one-shot / two-shot, PDL

@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-import fusion
-from fusion import norm, reference
-from fusion.group import TensorParallelGroup
-from fusion.strategies import DECLARATIONS, Made
+import arfusion.fusion
+from arfusion.fusion import norm, reference
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategies import DECLARATIONS, Made
 
 EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340

@@ -4,7 +4,7 @@ warps and pipeline stages, per (batch, context), at llama3-8b TP2 head shapes (1
 graph of 32 calls cycling over caches larger than L2). Prints, per shape, the shape-based
 default's time and the fastest setting found, and writes every point as JSON.
 
-    python -m benchmarks.kernels.sweep_decode_attention --batch 1 8 32 128 --context 544 2048 \\
+    python -m arfusion.benchmarks.kernels.sweep_decode_attention --batch 1 8 32 128 --context 544 2048 \\
         --json-file out.json
 
 By default the split count is swept at the module's launch constants, then (block, warps,
@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-import layers.kernels.triton_decode_attention as attn
-from benchmarks.kernels.attention_timing import time_decode_attention
+import arfusion.layers.kernels.triton_decode_attention as attn
+from arfusion.benchmarks.kernels.attention_timing import time_decode_attention
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 

@@ -1,7 +1,7 @@
 """Tune the batch-invariant matmul (layers/kernels/triton_bi_matmul.py) on one GPU and write its
 config table (layers/kernels/bi_matmul_table.py describes the file).
 
-    python -m benchmarks.kernels.tune_bi_matmul --models llama3-8b qwen3-30b-a3b qwen2.5-0.5b \\
+    python -m arfusion.benchmarks.kernels.tune_bi_matmul --models llama3-8b qwen3-30b-a3b qwen2.5-0.5b \\
         --output layers/kernels/bi_matmul_configs.json
 
 For every GEMM shape (N, K) of the models at the given TP sizes (qkv, o_proj, gate_up, down,
@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import triton
 
-from layers.kernels.triton_bi_matmul import MatmulConfig, default_config, matmul
+from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, default_config, matmul
 
 BUCKETS = (16, 64, 256)  # M upper bounds; a last tile serves larger M
 BUCKET_ROWS = (16, 64, 256, 2048)  # the row count timed for each bucket
@@ -44,7 +44,7 @@ MIN_SPLIT_COLUMNS = 256  # a split keeps at least this many K columns
 
 def model_shapes(name: str, tp: int) -> dict[str, tuple[int, int]]:
     """``{gemm: (N, K)}`` of a built-in model's linear layers on one of ``tp`` ranks."""
-    from engine.models.builtin import builtin_config
+    from arfusion.engine.models.builtin import builtin_config
 
     c = builtin_config(name)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -133,7 +133,7 @@ def tune_shape(n: int, k: int) -> tuple[dict, list[dict]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.tune_bi_matmul", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.kernels.tune_bi_matmul", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b", "qwen2.5-0.5b"],
                         help="built-in model names whose GEMM shapes are tuned (default: %(default)s)")

@@ -1,6 +1,6 @@
-"""``python -m benchmarks.mmlu``: see `benchmarks.mmlu.bench`."""
+"""``python -m arfusion.benchmarks.mmlu``: see `benchmarks.mmlu.bench`."""
 import sys
 
-from benchmarks.mmlu.bench import main
+from arfusion.benchmarks.mmlu.bench import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """MMLU multiple-choice accuracy against an OpenAI-compatible server, in one of two styles.
 
-    python -m benchmarks.mmlu --data-dir data --port 30000                                   # hendrycks
-    python -m benchmarks.mmlu --data-dir data --port 30000 --style simple-evals --examples 1000
+    python -m arfusion.benchmarks.mmlu --data-dir data --port 30000                                   # hendrycks
+    python -m arfusion.benchmarks.mmlu --data-dir data --port 30000 --style simple-evals --examples 1000
 
 ``--style simple-evals`` (OpenAI's simple-evals, the form SGLang's all-reduce fusion work measured
 MMLU in): zero-shot chat completions (``/v1/chat/completions``) that reason step by step and end
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
-from benchmarks.mmlu import scoring
+from arfusion.benchmarks.client import CompletionClient, ServerError, add_eval_client_arguments, base_url, gather_with_progress
+from arfusion.benchmarks.mmlu import scoring
 
 
 @dataclass
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> MmluResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.mmlu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m arfusion.benchmarks.mmlu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="directory with test/ and dev/ subdirectories of <subject>_{test,dev}.csv")
     p.add_argument("--style", choices=STYLES, default="hendrycks",

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
-logger = logging.getLogger("engine.progress")
+logger = logging.getLogger("arfusion.engine.progress")
 DEFAULT_INTERVAL_S = 5.0
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
-from engine.common.stop_strings import StopStrings
+from arfusion.engine.common.stop_strings import StopStrings
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5  # temperatures up to this decode greedily (dividing by them overflows fp32)

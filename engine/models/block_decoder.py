@@ -22,17 +22,17 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from engine.models.checkpoint_tensors import CheckpointTensors
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import ForwardBatch, KVCache
-from engine.models.hf_layouts import ParamShard
-from fusion import AllReduceFusion
-from layers.communicator import LayerCommunicator, LayerOutput
-from layers.layernorm import RMSNorm
-from layers.linear import default_weight_loader
-from layers.moe import SparseMoeBlock
-from layers.sharded_logits import ShardedLogits
-from layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.engine.models.hf_layouts import ParamShard
+from arfusion.fusion import AllReduceFusion
+from arfusion.layers.communicator import LayerCommunicator, LayerOutput
+from arfusion.layers.layernorm import RMSNorm
+from arfusion.layers.linear import default_weight_loader
+from arfusion.layers.moe import SparseMoeBlock
+from arfusion.layers.sharded_logits import ShardedLogits
+from arfusion.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 MlpFactory = Callable[[ModelConfig, torch.dtype, Optional[torch.device]], nn.Module]
 

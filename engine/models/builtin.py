@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from engine.models.config import ModelConfig
+from arfusion.engine.models.config import ModelConfig
 
 
 # the tiny byte-level tokenizer's (`engine.tokenizers.tokenizer.build_tiny_tokenizer`): 256 bytes,

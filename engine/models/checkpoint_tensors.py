@@ -4,8 +4,8 @@ given; the weight loaders check a file's tensor list (names and shapes from its 
 any data is read, naming the file."""
 from __future__ import annotations
 
-from engine.models.config import ModelConfig
-from engine.models.hf_layouts import Shapes
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.hf_layouts import Shapes
 
 SHOWN_MISSING = 5  # missing names listed in the error; the rest are counted
 

@@ -30,16 +30,16 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from engine.models.block_decoder import BlockDecoderForCausalLM
-from engine.models.checkpoint_tensors import CheckpointTensors
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import ForwardBatch, KVCache
-from engine.models.hf_layouts import ParamShard, block_decoder_param_target, llama_weight_shapes
-from layers.attention import Attention
-from layers.linear import QKVParallelLinear, RowParallelLinear, check_shape, default_weight_loader
-from layers.moe.gpt_oss_moe import GptOssMoeBlock
-from layers.moe.mxfp4 import GROUP, dequantize_mxfp4
-from layers.rotary_embedding import RotaryEmbedding
+from arfusion.engine.models.block_decoder import BlockDecoderForCausalLM
+from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.engine.models.hf_layouts import ParamShard, block_decoder_param_target, llama_weight_shapes
+from arfusion.layers.attention import Attention
+from arfusion.layers.linear import QKVParallelLinear, RowParallelLinear, check_shape, default_weight_loader
+from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
+from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from arfusion.layers.rotary_embedding import RotaryEmbedding
 
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<part>gate_up|down)_proj(?P<kind>_bias|_blocks|_scales)?$")
 

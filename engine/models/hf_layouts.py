@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from engine.models.config import ModelConfig
-from layers.linear import ShardId
-from layers.moe.experts import ExpertShardId
+from arfusion.engine.models.config import ModelConfig
+from arfusion.layers.linear import ShardId
+from arfusion.layers.moe.experts import ExpertShardId
 
 Shapes = dict[str, tuple[int, ...]]
 ParamShard = Union[ShardId, ExpertShardId]

@@ -10,14 +10,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from engine.models.block_decoder import BlockDecoderForCausalLM
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import ForwardBatch, KVCache
-from engine.models.hf_layouts import block_decoder_param_target, llama_weight_shapes, o_proj_has_bias
-from layers.activation import SiluAndMul
-from layers.attention import Attention
-from layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from layers.rotary_embedding import RotaryEmbedding
+from arfusion.engine.models.block_decoder import BlockDecoderForCausalLM
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.engine.models.hf_layouts import block_decoder_param_target, llama_weight_shapes, o_proj_has_bias
+from arfusion.layers.activation import SiluAndMul
+from arfusion.layers.attention import Attention
+from arfusion.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from arfusion.layers.rotary_embedding import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):

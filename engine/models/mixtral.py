@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import functools
 
-from engine.models.block_decoder import sparse_moe_block
-from engine.models.hf_layouts import block_decoder_weight_shapes
-from engine.models.llama import LlamaForCausalLM
+from arfusion.engine.models.block_decoder import sparse_moe_block
+from arfusion.engine.models.hf_layouts import block_decoder_weight_shapes
+from arfusion.engine.models.llama import LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 
-from engine.models.block_decoder import sparse_moe_block
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import ForwardBatch, KVCache
-from engine.models.hf_layouts import block_decoder_weight_shapes
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
-from layers.layernorm import RMSNorm
+from arfusion.engine.models.block_decoder import sparse_moe_block
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.engine.models.hf_layouts import block_decoder_weight_shapes
+from arfusion.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from arfusion.layers.layernorm import RMSNorm
 
 
 class Qwen3Attention(LlamaAttention):

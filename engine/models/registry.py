@@ -6,13 +6,13 @@ from typing import Optional
 
 import torch
 
-from engine.models.block_decoder import BlockDecoderForCausalLM
-from engine.models.config import ModelConfig
-from engine.models.gpt_oss import GptOssForCausalLM
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mixtral import MixtralForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-from fusion import AllReduceFusion
+from arfusion.engine.models.block_decoder import BlockDecoderForCausalLM
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.gpt_oss import GptOssForCausalLM
+from arfusion.engine.models.llama import LlamaForCausalLM
+from arfusion.engine.models.mixtral import MixtralForCausalLM
+from arfusion.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from arfusion.fusion import AllReduceFusion
 
 MODEL_REGISTRY: dict[str, type[BlockDecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

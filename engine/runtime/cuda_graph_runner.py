@@ -17,10 +17,10 @@ from typing import Callable
 
 import torch
 
-from engine.common.progress import Progress
-from engine.models.forward_batch import ForwardBatch, KVCache
-from engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
-from layers.sharded_logits import ShardedLogits
+from arfusion.engine.common.progress import Progress
+from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
+from arfusion.engine.runtime.step_plan import DecodeBuffers, RequestTable, StepPlan
+from arfusion.layers.sharded_logits import ShardedLogits
 
 Model = Callable[[ForwardBatch, KVCache], ShardedLogits]
 

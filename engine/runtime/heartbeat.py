@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from engine.runtime.step_progress import StepProgress
+from arfusion.engine.runtime.step_progress import StepProgress
 
 logger = logging.getLogger(__name__)
 MAX_MISS_S = 5.0

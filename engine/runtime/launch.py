@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runtime.model_runner import RunnerSettings
-from layers.parallel_state import default_device
+from arfusion.engine.runtime.model_runner import RunnerSettings
+from arfusion.layers.parallel_state import default_device
 
 
 @dataclass(frozen=True)

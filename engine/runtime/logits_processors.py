@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.common.sampling_params import SamplingParams
+from arfusion.engine.common.sampling_params import SamplingParams
 
 FIRST_ROWS = 8  # rows of a new `TokenHistory`; it doubles when full
 

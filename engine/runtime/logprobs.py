@@ -22,8 +22,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from layers import batch_invariant
-from layers.sharded_logits import gather_vocab
+from arfusion.layers import batch_invariant
+from arfusion.layers.sharded_logits import gather_vocab
 
 MAX_GATHERED = 1 << 24  # fp32 logits gathered at once for prompt log-probabilities (64 MiB)
 

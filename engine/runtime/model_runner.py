@@ -22,23 +22,23 @@ from typing import Optional
 
 import torch
 
-from engine.common.progress import Progress, track
-from engine.common.startup import StartupStages
-from engine.models.builtin import BUILTIN_MODELS, builtin_config
-from engine.models.config import ModelConfig
-from engine.models.forward_batch import KVCache
-from engine.models.registry import build_model
-from engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
-from engine.runtime.load_agreement import load_together
-from engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
-from engine.runtime.sampler import StepLogits
-from engine.runtime.step_plan import RequestTable, StepPlan
-from engine.runtime.step_progress import StepProgress
-from engine.weights.dummy import dummy_weights
-from engine.weights.gguf_loader import ParsedGGUF
-from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
-from layers.batch_invariant import batch_invariant_mode, set_enabled
-from layers.kernels.triton_support import triton_available
+from arfusion.engine.common.progress import Progress, track
+from arfusion.engine.common.startup import StartupStages
+from arfusion.engine.models.builtin import BUILTIN_MODELS, builtin_config
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.forward_batch import KVCache
+from arfusion.engine.models.registry import build_model
+from arfusion.engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
+from arfusion.engine.runtime.load_agreement import load_together
+from arfusion.engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
+from arfusion.engine.runtime.sampler import StepLogits
+from arfusion.engine.runtime.step_plan import RequestTable, StepPlan
+from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.engine.weights.dummy import dummy_weights
+from arfusion.engine.weights.gguf_loader import ParsedGGUF
+from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
+from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
+from arfusion.layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
         config = _expert_form(builtin_config(settings.model_path), settings, device, tp_size)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
-    from engine.weights.loader import load_model_weights
+    from arfusion.engine.weights.loader import load_model_weights
 
     config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed,
                                          parsed)

@@ -24,11 +24,11 @@ from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.model_runner import ModelRunner, RunnerSettings, StartupContext
-from engine.runtime.step_progress import StepProgress
-from fusion import AllReduceFusion, TensorParallelGroup
-from layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings, StartupContext
+from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.fusion import AllReduceFusion, TensorParallelGroup
+from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
 
 class StepWatch(Protocol):

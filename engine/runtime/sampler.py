@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.logprobs import TokenLogprobs
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.logprobs import TokenLogprobs
 
 FP32_MAX = torch.finfo(torch.float32).max  # temperatures above it divide as it does (see above)
 

@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.runtime.model_runner import ModelRunner
-from engine.runtime.step_plan import StepPlan
-from engine.runtime.warm_up import SCRATCH_SLOT, run_plans
+from arfusion.engine.runtime.model_runner import ModelRunner
+from arfusion.engine.runtime.step_plan import StepPlan
+from arfusion.engine.runtime.warm_up import SCRATCH_SLOT, run_plans
 
 MIN_MEASURED_TOKENS = 16  # the start-up measurement goes at least this far
 

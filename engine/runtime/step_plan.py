@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.forward_batch import ForwardBatch, ForwardMode
+from arfusion.engine.models.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import threading
 import time
 from typing import Callable, NoReturn, Optional
 
-from engine.common.generation import EngineError
-from engine.runtime.workers import KILL_WAIT_S, WorkerSet
+from arfusion.engine.common.generation import EngineError
+from arfusion.engine.runtime.workers import KILL_WAIT_S, WorkerSet
 
-logger = logging.getLogger("engine.launch_server")
+logger = logging.getLogger("arfusion.engine.launch_server")
 CULPRIT_WAIT_S = 1.0  # how long a scheduler error waits for a worker's death to show
 ANSWER_WAIT_S = 3.0  # how long the errors sent to the clients in flight get to leave
 SHUTDOWN_BOUND_S = CULPRIT_WAIT_S + ANSWER_WAIT_S + KILL_WAIT_S  # most seconds `fail` waits before the exit

@@ -12,11 +12,11 @@ import threading
 import time
 from contextlib import ExitStack
 
-from engine.common.startup import LOG_FORMAT
-from engine.runtime.heartbeat import Heartbeat
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
-from engine.runtime.rank_stack import RankStack, build_rank
+from arfusion.engine.common.startup import LOG_FORMAT
+from arfusion.engine.runtime.heartbeat import Heartbeat
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
+from arfusion.engine.runtime.rank_stack import RankStack, build_rank
 
 logger = logging.getLogger(__name__)
 

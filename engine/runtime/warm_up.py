@@ -29,12 +29,12 @@ from typing import Optional
 
 import torch
 
-from engine.common.progress import Progress
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.cuda_graph_runner import capture_sizes
-from engine.runtime.model_runner import ModelRunner
-from engine.runtime.sampler import sample
-from engine.runtime.step_plan import StepPlan
+from arfusion.engine.common.progress import Progress
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.cuda_graph_runner import capture_sizes
+from arfusion.engine.runtime.model_runner import ModelRunner
+from arfusion.engine.runtime.sampler import sample
+from arfusion.engine.runtime.step_plan import StepPlan
 
 SCRATCH_SLOT = 0
 # new tokens per sequence; the last two: a sequence count of 16 and of 17 (a serving step of many

@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from engine.runtime.heartbeat import HeartbeatMonitor, poll_s
-from engine.runtime.step_progress import StepProgress
-from fusion.errors import FusionTimeoutError
+from arfusion.engine.runtime.heartbeat import HeartbeatMonitor, poll_s
+from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.fusion.errors import FusionTimeoutError
 
 logger = logging.getLogger(__name__)
 

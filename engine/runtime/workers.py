@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.load_agreement import REFUSED_EXIT_CODE
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE
 
 POLL_S = 0.1
 EXIT_GRACE_S = 5.0  # how long a launcher waits for its workers to exit after "shutdown" before killing them
@@ -24,7 +24,7 @@ KILL_WAIT_S = 2.0  # how long `kill` waits for the killed workers to be reaped
 class WorkerSet:
     def __init__(self, launch: LaunchConfig, ranks: Sequence[int]) -> None:
         """Spawn ``worker_main(launch, rank)`` for each of ``ranks``."""
-        from engine.runtime.tp_worker import worker_main
+        from arfusion.engine.runtime.tp_worker import worker_main
 
         ctx = mp.get_context("spawn")
         self.procs = {r: ctx.Process(target=worker_main, args=(launch, r), name=f"tp-worker-{r}") for r in ranks}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.common.generation import TokenizerLike
+from arfusion.engine.common.generation import TokenizerLike
 
 CONTEXT_TOKENS = 5  # the prompt tokens a decode starts from at least (vLLM's and HF's number)
 _REPLACEMENT = "\ufffd"

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.runtime.logprobs import TokenLogprobs
+from arfusion.engine.runtime.logprobs import TokenLogprobs
 
 
 class PendingTokens:

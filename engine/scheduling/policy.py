@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from engine.runtime.step_plan import PromptLogprobs, StepPlan
-from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
-from engine.scheduling.request import Request
-from engine.scheduling.step_budget import StepBudget
+from arfusion.engine.runtime.step_plan import PromptLogprobs, StepPlan
+from arfusion.engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.step_budget import StepBudget
 
 
 class SchedulePolicy:

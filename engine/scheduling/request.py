@@ -13,9 +13,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from engine.common.generation import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.detokenizer import IncrementalDetokenizer
+from arfusion.engine.common.generation import EngineError, GenerationChunk, TokenizerLike, TokenLogprob
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.detokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
 

@@ -48,14 +48,14 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.common.generation import EngineError, TokenizerLike
-from engine.runtime.model_runner import ModelRunner
-from engine.runtime.step_cost import StepTimer, StepTiming
-from engine.runtime.step_plan import StepPlan
-from engine.scheduling.pending_tokens import PendingTokens
-from engine.scheduling.policy import SchedulePolicy
-from engine.scheduling.request import Request
-from engine.scheduling.step_sampler import StepSampler, host_logprobs
+from arfusion.engine.common.generation import EngineError, TokenizerLike
+from arfusion.engine.runtime.model_runner import ModelRunner
+from arfusion.engine.runtime.step_cost import StepTimer, StepTiming
+from arfusion.engine.runtime.step_plan import StepPlan
+from arfusion.engine.scheduling.pending_tokens import PendingTokens
+from arfusion.engine.scheduling.policy import SchedulePolicy
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.step_sampler import StepSampler, host_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from engine.scheduling.kv_pool import RowAllocator, SlotAllocator
-from engine.runtime.model_runner import ModelRunner
-from engine.scheduling.pending_tokens import PendingTokens
-from engine.runtime.sampler import StepLogits
-from engine.runtime.step_plan import StepPlan
+from arfusion.engine.scheduling.kv_pool import RowAllocator, SlotAllocator
+from arfusion.engine.runtime.model_runner import ModelRunner
+from arfusion.engine.scheduling.pending_tokens import PendingTokens
+from arfusion.engine.runtime.sampler import StepLogits
+from arfusion.engine.runtime.step_plan import StepPlan
 
 
 class StaticBatch:

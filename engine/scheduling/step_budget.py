@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.runtime.step_cost import StepCost
+from arfusion.engine.runtime.step_cost import StepCost
 
 MIN_PROMPT_TOKENS = 16  # a step with room for prompt tokens takes at least these many (progress)
 INITIAL_PROMPT_TOKENS = 64  # per step before any step has been measured

@@ -15,12 +15,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.common.generation import EngineError, TokenLogprob
-from engine.common.sampling_params import SamplingParams
-from engine.runtime.logits_processors import RowState, TokenHistory, process_logits
-from engine.runtime.logprobs import TokenLogprobs, token_logprobs
-from engine.runtime.sampler import StepLogits, sample
-from engine.scheduling.request import Request
+from arfusion.engine.common.generation import EngineError, TokenLogprob
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.logits_processors import RowState, TokenHistory, process_logits
+from arfusion.engine.runtime.logprobs import TokenLogprobs, token_logprobs
+from arfusion.engine.runtime.sampler import StepLogits, sample
+from arfusion.engine.scheduling.request import Request
 
 logger = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0)

@@ -13,11 +13,11 @@ import asyncio
 import threading
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
-from engine.common.generation import EngineError, GenerationChunk, TokenizerLike
-from engine.common.sampling_params import SamplingParams
-from engine.scheduling.request import Request
-from engine.scheduling.scheduler import Scheduler
-from fusion import AllReduceFusion
+from arfusion.engine.common.generation import EngineError, GenerationChunk, TokenizerLike
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.fusion import AllReduceFusion
 
 Delivery = Union[GenerationChunk, EngineError]
 

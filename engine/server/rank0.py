@@ -26,24 +26,24 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from engine.common.generation import EngineError, TokenizerLike
-from engine.runtime.launch import LaunchConfig
-from engine.runtime.model_runner import StartupContext
-from engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
-from engine.runtime.step_cost import measure_step_cost
-from engine.runtime.supervisor import Supervisor
-from engine.runtime.warm_up import warm_up
-from engine.runtime.watchdog import GroupWatch
-from engine.runtime.workers import EXIT_GRACE_S, WorkerSet
-from engine.scheduling.scheduler import Scheduler
-from engine.server.api import build_app
-from engine.server.engine import Engine
-from engine.server.http.lifecycle import Lifecycle
-from engine.server.http.limits import max_request_bytes
-from engine.server.http.server import DrainingServer, HttpLimits, http_config
-from server_args import ServerArgs
+from arfusion.engine.common.generation import EngineError, TokenizerLike
+from arfusion.engine.runtime.launch import LaunchConfig
+from arfusion.engine.runtime.model_runner import StartupContext
+from arfusion.engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
+from arfusion.engine.runtime.step_cost import measure_step_cost
+from arfusion.engine.runtime.supervisor import Supervisor
+from arfusion.engine.runtime.warm_up import warm_up
+from arfusion.engine.runtime.watchdog import GroupWatch
+from arfusion.engine.runtime.workers import EXIT_GRACE_S, WorkerSet
+from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.server.api import build_app
+from arfusion.engine.server.engine import Engine
+from arfusion.engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.server.http.limits import max_request_bytes
+from arfusion.engine.server.http.server import DrainingServer, HttpLimits, http_config
+from arfusion.server_args import ServerArgs
 
-logger = logging.getLogger("engine.launch_server")
+logger = logging.getLogger("arfusion.engine.launch_server")
 
 
 def fusion_summary(status: dict[str, Any]) -> str:

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Optional
 
 from tokenizers import AddedToken
 
-from engine.models.builtin import BUILTIN_MODELS, builtin_config
-from engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
+from arfusion.engine.models.builtin import BUILTIN_MODELS, builtin_config
+from arfusion.engine.tokenizers.tokenizer import Tokenizer, build_tiny_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from engine.weights.gguf_loader import ParsedGGUF
+    from arfusion.engine.weights.gguf_loader import ParsedGGUF
 
 
 def dummy_model_tokenizer(vocab_size: int) -> Tokenizer:
@@ -45,7 +45,7 @@ def load_serving_tokenizer(model_path: str, tokenizer_path: Optional[str] = None
         return dummy_model_tokenizer(builtin_config(model_path).vocab_size)
     path = Path(model_path)
     if parsed is not None or (path.is_file() and path.suffix == ".gguf"):
-        from engine.weights.gguf_tokenizer import load_gguf_tokenizer
+        from arfusion.engine.weights.gguf_tokenizer import load_gguf_tokenizer
 
         gguf = load_gguf_tokenizer(parsed or path)
         tok = gguf.tokenizer

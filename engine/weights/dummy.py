@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from engine.models.config import ModelConfig
-from engine.models.registry import hf_weight_shapes
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.registry import hf_weight_shapes
 
 DUMMY_STD = 0.02
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # gpt-oss's MXFP4 expert tensors (uint8)

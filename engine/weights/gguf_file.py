@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
-from engine.weights.errors import ModelFileError, truncation
+from arfusion.engine.weights.errors import ModelFileError, truncation
 
 MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count

@@ -23,13 +23,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from engine.models.checkpoint_tensors import CheckpointTensors
-from engine.models.config import ModelConfig
-from engine.models.registry import hf_weight_shapes
-from engine.weights.errors import ModelFileError, finite_cast
-from engine.weights.gguf_file import open_gguf
-from engine.weights.gguf_moe_names import MOE_NAME_ARCHITECTURES, hf_moe_tensors, is_moe_tensor
-from engine.weights.gguf_names import (
+from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.registry import hf_weight_shapes
+from arfusion.engine.weights.errors import ModelFileError, finite_cast
+from arfusion.engine.weights.gguf_file import open_gguf
+from arfusion.engine.weights.gguf_moe_names import MOE_NAME_ARCHITECTURES, hf_moe_tensors, is_moe_tensor
+from arfusion.engine.weights.gguf_names import (
     PERMUTED_QK_ARCHITECTURES,
     ROPE_FREQS_NAME,
     config_from_gguf,

@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 from gguf import GGUFReader, Keys, MODEL_TENSOR, TENSOR_NAMES
 
-from engine.models.config import ModelConfig
-from engine.weights.errors import ModelFileError
-from engine.weights.gguf_moe_names import GGUF_MOE_ARCHITECTURES, moe_config_fields
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.weights.errors import ModelFileError
+from arfusion.engine.weights.gguf_moe_names import GGUF_MOE_ARCHITECTURES, moe_config_fields
 
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -22,10 +22,10 @@ from typing import Any, Optional, Union
 from gguf import GGUFReader, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from engine.weights.errors import ModelFileError
-from engine.weights.gguf_file import open_gguf
-from engine.weights.gguf_loader import ParsedGGUF
-from engine.weights.gguf_names import eos_token_ids, field_value
+from arfusion.engine.weights.errors import ModelFileError
+from arfusion.engine.weights.gguf_file import open_gguf
+from arfusion.engine.weights.gguf_loader import ParsedGGUF
+from arfusion.engine.weights.gguf_names import eos_token_ids, field_value
 
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

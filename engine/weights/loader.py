@@ -13,9 +13,9 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from engine.models.config import ModelConfig
-from engine.weights.gguf_loader import ParsedGGUF, load_gguf, parse_gguf
-from engine.weights.safetensors_loader import load_safetensors, read_hf_config
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.weights.gguf_loader import ParsedGGUF, load_gguf, parse_gguf
+from arfusion.engine.weights.safetensors_loader import load_safetensors, read_hf_config
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -67,7 +67,7 @@ def load_model_weights(
         return load_safetensors(model_path, dtype)
     if fmt == "gguf":
         return load_gguf(parsed or model_path, dtype)
-    from engine.weights.dummy import dummy_weights
+    from arfusion.engine.weights.dummy import dummy_weights
 
     config = _config_at(model_path, parsed)
     return config, dummy_weights(config, seed=seed, dtype=dtype)

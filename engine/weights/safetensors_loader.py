@@ -17,10 +17,10 @@ from typing import Any, Iterator, Union
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.models.checkpoint_tensors import CheckpointTensors
-from engine.models.config import ModelConfig
-from engine.models.registry import hf_weight_shapes
-from engine.weights.errors import ModelFileError, finite_cast, truncation
+from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.models.registry import hf_weight_shapes
+from arfusion.engine.weights.errors import ModelFileError, finite_cast, truncation
 
 INDEX_FILE = "model.safetensors.index.json"
 LENGTH_BYTES = 8  # a safetensors file starts with its JSON header's length, u64 little-endian

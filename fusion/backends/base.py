@@ -36,11 +36,11 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
-from fusion import reference
-from fusion.errors import FusionInputError, FusionUnsupportedError
-from fusion.group import TensorParallelGroup
-from fusion.strategy import FusedOutput, Quant, Strategy
-from fusion.voting import voted_failure
+from arfusion.fusion import reference
+from arfusion.fusion.errors import FusionInputError, FusionUnsupportedError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 

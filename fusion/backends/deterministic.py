@@ -24,16 +24,16 @@ from typing import Optional
 
 import torch
 
-from fusion import reference
-from fusion.backends.base import output_tensors
-from fusion.group import TensorParallelGroup
+from arfusion.fusion import reference
+from arfusion.fusion.backends.base import output_tensors
+from arfusion.fusion.group import TensorParallelGroup
 
 def _uses_triton(x: torch.Tensor) -> bool:
     """The Triton row step takes ``x`` here: a CUDA tensor, Triton importable, a row of at most MAX_HIDDEN."""
     if not x.is_cuda:
         return False
     try:
-        from fusion.backends.kernels.row_norm import MAX_HIDDEN
+        from arfusion.fusion.backends.kernels.row_norm import MAX_HIDDEN
     except ImportError:
         return False
     return x.shape[-1] <= MAX_HIDDEN
@@ -45,7 +45,7 @@ def add_rms_norm(s: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     place (see `fusion.backends.base.output_tensors`); elsewhere out of place."""
     if not _uses_triton(s):
         return reference.canonical_add_rms_norm(s, residual, weight, eps)
-    from fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
+    from arfusion.fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
 
     out, residual_out = output_tensors(s, residual)
     reduce_add_rms_norm(s.unsqueeze(0), residual, out, residual_out, weight, eps)
@@ -76,7 +76,7 @@ def reduce_then_norm(group: TensorParallelGroup, x: torch.Tensor, residual: Opti
     parts = gather_parts(group, x)
     if not _uses_triton(x):
         return reference.canonical_all_reduce_add_rms_norm(list(parts), residual, weight, eps)
-    from fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
+    from arfusion.fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
 
     out, residual_out = output_tensors(x, residual)
     reduce_add_rms_norm(parts, residual, out, residual_out, weight, eps)

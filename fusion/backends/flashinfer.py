@@ -20,13 +20,13 @@ from typing import Any, Optional
 
 import torch
 
-from fusion import norm
-from fusion.backends.base import Backend, BuildContext
-from fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
-from fusion.errors import FusionInputError, FusionUnsupportedError
-from fusion.group import TensorParallelGroup
-from fusion.platform import device_capability, flashinfer_import_error, hidden_alignment_error
-from fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion import norm
+from arfusion.fusion.backends.base import Backend, BuildContext
+from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
+from arfusion.fusion.errors import FusionInputError, FusionUnsupportedError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.platform import device_capability, flashinfer_import_error, hidden_alignment_error
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 # GPU generations the trtllm Lamport kernels are built and validated for.
 FUSED_KERNEL_SM_MAJORS = (9, 10)

@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fusion.group import TensorParallelGroup
-from fusion.platform import flashinfer_import_error, is_capturing_cuda_graph
-from fusion.voting import voted_failure
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.platform import flashinfer_import_error, is_capturing_cuda_graph
+from arfusion.fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 

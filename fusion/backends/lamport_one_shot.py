@@ -19,13 +19,13 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.base import Backend, output_tensors, quantized
-from fusion.backends.kernels import row_kernel_unavailable_reason
-from fusion.backends.symmetric_buffer import SymmetricBuffer
-from fusion.errors import FusionInputError, FusionTimeoutError
-from fusion.group import TensorParallelGroup
-from fusion.platform import hidden_alignment_error
-from fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
+from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
+from arfusion.fusion.errors import FusionInputError, FusionTimeoutError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.platform import hidden_alignment_error
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 MAX_TOKENS = 512  # decode batches: one-shot moves world x the input per rank, beyond this two-shot wins
 NUM_BUFFERS = 3
@@ -167,7 +167,7 @@ class LamportOneShotBackend(Backend):
         self._host_error_addr = torch.tensor([self._host_error.data_ptr()], dtype=torch.int64, device=self.group.device)
         props = torch.cuda.get_device_properties(self.group.device)
         self._max_programs = max(1, props.multi_processor_count // self.group.ranks_on_this_gpu)
-        from fusion.backends.kernels.lamport_one_shot import precompile, use_pdl
+        from arfusion.fusion.backends.kernels.lamport_one_shot import precompile, use_pdl
 
         self._pdl = use_pdl(self.group.device)
         precompile(layout.hidden, buffer.dtype, self.group.device, self.symmetric.peer_ptrs, self._control,
@@ -188,7 +188,7 @@ class LamportOneShotBackend(Backend):
         if not self.fits(x.shape[0]):
             raise FusionInputError(f"{x.shape[0]} tokens do not fit the {self.strategy} backend "
                                    f"(capacity {self.capacity}{', off after a timeout' if self.timed_out else ''})")
-        from fusion.backends.kernels.lamport_one_shot import lamport_one_shot
+        from arfusion.fusion.backends.kernels.lamport_one_shot import lamport_one_shot
 
         layout = self.layout
         out, residual_out = output_tensors(x, residual)

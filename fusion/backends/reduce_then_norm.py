@@ -20,11 +20,11 @@ from typing import Any, Optional
 
 import torch
 
-from fusion import norm, reference
-from fusion.backends import deterministic
-from fusion.backends.base import Backend, BuildContext, quantized
-from fusion.group import TensorParallelGroup
-from fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion import norm, reference
+from arfusion.fusion.backends import deterministic
+from arfusion.fusion.backends.base import Backend, BuildContext, quantized
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
 class NcclBackend(Backend):

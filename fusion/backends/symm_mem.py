@@ -19,13 +19,13 @@ from typing import Optional
 
 import torch
 
-from fusion import norm
-from fusion.backends import deterministic
-from fusion.backends.base import Backend, BuildContext, quantized
-from fusion.backends.symmetric_buffer import SymmetricBuffer
-from fusion.errors import FusionInputError
-from fusion.group import TensorParallelGroup
-from fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion import norm
+from arfusion.fusion.backends import deterministic
+from arfusion.fusion.backends.base import Backend, BuildContext, quantized
+from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
 class SymmMemTwoShotBackend(Backend):

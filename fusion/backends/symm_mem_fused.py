@@ -19,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.base import Backend, output_tensors, quantized
-from fusion.backends.kernels import row_kernel_unavailable_reason
-from fusion.backends.symmetric_buffer import SymmetricBuffer
-from fusion.errors import FusionInputError
-from fusion.group import TensorParallelGroup
-from fusion.strategy import FusedOutput, Quant, Strategy
+from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
+from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
+from arfusion.fusion.errors import FusionInputError
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ def fused_unavailable_reason(hidden: int) -> Optional[str]:
 
 def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -> None:
     """Launch 1: this rank's rows of every other shard into their owners' slot ``rank``."""
-    from fusion.backends.kernels.row_norm import row_block, row_num_warps
-    from fusion.backends.kernels.two_shot_norm import push_shards_kernel
+    from arfusion.fusion.backends.kernels.row_norm import row_block, row_num_warps
+    from arfusion.fusion.backends.kernels.two_shot_norm import push_shards_kernel
 
     hidden = x.shape[1]
     if layout.peer_rows:
@@ -97,8 +97,8 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
                       layout: ShardLayout, gather_at: int, flags_at: int) -> None:
     """Launch 2: sum this rank's shard, push it with its flags to every peer and add + norm it
     here; add + norm each peer row once its owner's flag is up."""
-    from fusion.backends.kernels.row_norm import row_block, row_num_warps
-    from fusion.backends.kernels.two_shot_norm import reduce_and_finish_kernel
+    from arfusion.fusion.backends.kernels.row_norm import row_block, row_num_warps
+    from arfusion.fusion.backends.kernels.two_shot_norm import reduce_and_finish_kernel
 
     hidden = x.shape[1]
     reduce_and_finish_kernel[(layout.tokens,)](

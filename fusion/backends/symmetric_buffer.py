@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import torch
 
-from fusion.group import TensorParallelGroup
-from fusion.platform import is_capturing_cuda_graph
-from fusion.voting import voted_failure
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.platform import is_capturing_cuda_graph
+from arfusion.fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 # A barrier whose peer has not arrived after this long traps on the device ("[FATAL]

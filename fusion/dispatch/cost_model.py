@@ -23,9 +23,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from fusion.dispatch.table import power_of_two_buckets
-from fusion.strategies import cost_coefficients
-from fusion.strategy import Strategy
+from arfusion.fusion.dispatch.table import power_of_two_buckets
+from arfusion.fusion.strategies import cost_coefficients
+from arfusion.fusion.strategy import Strategy
 
 # world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank), from the
 # strategies' declarations (`fusion.strategies`: each declares its own coefficients). Fitted by

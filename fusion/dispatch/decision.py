@@ -30,10 +30,10 @@ from typing import Mapping, Optional, Protocol
 
 import torch
 
-from fusion.config import DEFAULT_CACHE_SIZE
-from fusion.dispatch.rule import rule_choice
-from fusion.dispatch.table import StrategyTable
-from fusion.strategy import Strategy
+from arfusion.fusion.config import DEFAULT_CACHE_SIZE
+from arfusion.fusion.dispatch.rule import rule_choice
+from arfusion.fusion.dispatch.table import StrategyTable
+from arfusion.fusion.strategy import Strategy
 
 _NCCL = Strategy.NCCL  # a module global: `is not` on it is the cheapest test on the hot path
 NOT_SET_UP = "fusion is not set up"

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from fusion.backends.flashinfer_workspace import lamport_element_size
+from arfusion.fusion.backends.flashinfer_workspace import lamport_element_size
 
 # Largest per-rank input (tokens * hidden * itemsize) for which one-shot is used, per world
 # size. TP2 on H200: one-shot is faster than two-shot at every measured size up to 4096 x 8192

@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from fusion.dispatch.cost_model import cheapest
-from fusion.dispatch.one_shot import choose_one_shot
-from fusion.strategy import Strategy
+from arfusion.fusion.dispatch.cost_model import cheapest
+from arfusion.fusion.dispatch.one_shot import choose_one_shot
+from arfusion.fusion.strategy import Strategy
 
 
 def rule_choice(available: Sequence[Strategy], num_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,

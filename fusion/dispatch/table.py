@@ -1,4 +1,4 @@
-"""Measured strategy tables (written by ``python -m engine.tune_fusion``) and their lookup.
+"""Measured strategy tables (written by ``python -m arfusion.engine.tune_fusion``) and their lookup.
 
 File format (JSON):
 
@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fusion.strategy import Strategy
+from arfusion.fusion.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 TABLE_VERSION = 2  # 2: strategy names with one_shot / two_shot

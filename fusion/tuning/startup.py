@@ -22,12 +22,12 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from fusion.backends.base import Backend
-from fusion.dispatch.table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, power_of_two_buckets, read_table,
+from arfusion.fusion.backends.base import Backend
+from arfusion.fusion.dispatch.table import (TABLE_VERSION, StrategyTable, dtype_name, gpu_name, power_of_two_buckets, read_table,
                                   select_table)
-from fusion.group import TensorParallelGroup
-from fusion.strategy import Strategy
-from fusion.tuning.measure import table_entry
+from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategy import Strategy
+from arfusion.fusion.tuning.measure import table_entry
 
 logger = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "arfusion"

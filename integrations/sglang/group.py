@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fusion.group import TensorParallelGroup
+from arfusion.fusion.group import TensorParallelGroup
 
 
 class SGLangTPGroup(TensorParallelGroup):

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fusion import norm
-from integrations.sglang import layer_scope, runtime
+from arfusion.fusion import norm
+from arfusion.integrations.sglang import layer_scope, runtime
 
 _COMM = "sglang.srt.layers.communicator"
 _FUSION = "sglang.srt.layers.flashinfer_comm_fusion"

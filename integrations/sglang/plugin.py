@@ -10,8 +10,8 @@ import logging
 import os
 import pkgutil
 
-from integrations.sglang.hooks import HOOKS, OPTIONAL_HOOKS
-from integrations.sglang.versions import check_sglang_version
+from arfusion.integrations.sglang.hooks import HOOKS, OPTIONAL_HOOKS
+from arfusion.integrations.sglang.versions import check_sglang_version
 
 logger = logging.getLogger(__name__)
 ENV = "ARFUSION_SGLANG"

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from fusion import AllReduceFusion, FusionConfig
-from integrations.sglang.group import SGLangTPGroup
+from arfusion.fusion import AllReduceFusion, FusionConfig
+from arfusion.integrations.sglang.group import SGLangTPGroup
 
 logger = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 
-PASS_NAME = "integrations.vllm.fusion_pass.ARFUSION_PASS"
+PASS_NAME = "arfusion.integrations.vllm.fusion_pass.ARFUSION_PASS"
 logger = logging.getLogger(__name__)
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (module docstring)."""
-    from integrations.vllm import ops  # noqa: F401  (registers torch.ops.arfusion.*)
-    from integrations.vllm.config_check import watch_engine_config
-    from integrations.vllm.versions import VllmVersionError, check_vllm_version, installed_vllm_version
+    from arfusion.integrations.vllm import ops  # noqa: F401  (registers torch.ops.arfusion.*)
+    from arfusion.integrations.vllm.config_check import watch_engine_config
+    from arfusion.integrations.vllm.versions import VllmVersionError, check_vllm_version, installed_vllm_version
 
     try:
         check_vllm_version(installed_vllm_version())

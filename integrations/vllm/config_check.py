@@ -30,7 +30,7 @@ class VllmConfigError(ValueError):
 
 def names_our_pass(vllm_config: Any, pass_name: str) -> bool:
     """The configuration asks for arfusion's pass (by its dotted name or as the object)."""
-    ours = getattr(sys.modules.get("integrations.vllm.fusion_pass"), "ARFUSION_PASS", None)
+    ours = getattr(sys.modules.get("arfusion.integrations.vllm.fusion_pass"), "ARFUSION_PASS", None)
     cc = vllm_config.compilation_config
     return pass_name in cc.inductor_passes.values() or (
         ours is not None and any(v is ours for v in cc.inductor_compile_config.values()))

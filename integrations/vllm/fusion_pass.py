@@ -3,7 +3,7 @@ compiled graph. Enable it with vLLM's own option (vLLM's ``fuse_allreduce_rms`` 
 
     compilation_config={"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
 
-(``PASS_NAME`` = "integrations.vllm.fusion_pass.ARFUSION_PASS", in `integrations.vllm`.)
+(``PASS_NAME`` = "arfusion.integrations.vllm.fusion_pass.ARFUSION_PASS", in `integrations.vllm`.)
 vLLM resolves that dotted name as an attribute of the name's top-level package (0.20-0.27 do
 ``__import__(module).__dict__[name]``), so importing this module also sets ``ARFUSION_PASS`` on
 ``integrations``; a resolver that follows the full path finds it here. Importing this module
@@ -37,10 +37,10 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from integrations.vllm import collectives, config_check, matching, ops, runtime
-from integrations.vllm.collectives import all_reduce_form, all_reduce_input, collective_form
-from integrations.vllm.matching import Site, match_site
-from integrations.vllm.versions import check_vllm_version, installed_vllm_version
+from arfusion.integrations.vllm import collectives, config_check, matching, ops, runtime
+from arfusion.integrations.vllm.collectives import all_reduce_form, all_reduce_input, collective_form
+from arfusion.integrations.vllm.matching import Site, match_site
+from arfusion.integrations.vllm.versions import check_vllm_version, installed_vllm_version
 
 logger = logging.getLogger(__name__)
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized

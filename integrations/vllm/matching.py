@@ -29,9 +29,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from integrations.vllm.collectives import all_reduce_input, all_reduce_nodes, auto_functionalized_of
-from integrations.vllm.collectives import is_call as _is
-from integrations.vllm.collectives import op_name as _name
+from arfusion.integrations.vllm.collectives import all_reduce_input, all_reduce_nodes, auto_functionalized_of
+from arfusion.integrations.vllm.collectives import is_call as _is
+from arfusion.integrations.vllm.collectives import op_name as _name
 
 _CONVERT = torch.ops.prims.convert_element_type.default
 _ADD = torch.ops.aten.add.Tensor

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from integrations.vllm import runtime
+from arfusion.integrations.vllm import runtime
 
 OP_NAMESPACE = "arfusion"
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
-from fusion.platform import is_capturing_cuda_graph
+from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
+from arfusion.fusion.platform import is_capturing_cuda_graph
 
 logger = logging.getLogger(__name__)
 FLASHINFER_MAX_TOKENS = 2048  # the flashinfer workspace's rows (FusionConfig's default)

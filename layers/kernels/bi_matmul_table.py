@@ -1,5 +1,5 @@
 """The measured configs of the batch-invariant matmul (layers/kernels/triton_bi_matmul.py), per
-weight shape (N, K), as written by ``python -m benchmarks.kernels.tune_bi_matmul``.
+weight shape (N, K), as written by ``python -m arfusion.benchmarks.kernels.tune_bi_matmul``.
 
 A row's bits depend on the order of its sums over K only: BLOCK_K and the split-K plan (S
 splits, added in order). So an entry fixes those for its (N, K), with BLOCK_N (a column tile

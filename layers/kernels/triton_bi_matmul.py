@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.bi_matmul_table import load_table
+from arfusion.layers.kernels.bi_matmul_table import load_table
 
 TARGET_PROGRAMS = 256  # about two programs per SM of an H200 at M <= BLOCK_M
 MAX_SPLITS = 8

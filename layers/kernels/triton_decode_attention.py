@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton_slot_rows import sequence_slot_row
+from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
 NUM_WARPS = 4

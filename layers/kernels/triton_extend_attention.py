@@ -70,8 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.triton_decode_attention import check_sinks
-from layers.kernels.triton_slot_rows import sequence_slot_row
+from arfusion.layers.kernels.triton_decode_attention import check_sinks
+from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -16,11 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layers.linear import check_shape, divide
-from layers.moe.align import ExpertBlocks
-from layers.moe.torch_experts import moe_experts_torch
-from layers.parallel_state import get_tp_group
-from layers.kernels.triton_support import triton_available
+from arfusion.layers.linear import check_shape, divide
+from arfusion.layers.moe.align import ExpertBlocks
+from arfusion.layers.moe.torch_experts import moe_experts_torch
+from arfusion.layers.parallel_state import get_tp_group
+from arfusion.layers.kernels.triton_support import triton_available
 
 EXPERT_PARTS = ("gate", "up", "down")
 ExpertShardId = tuple[int, str]  # (expert, part)
@@ -78,7 +78,7 @@ class MoEExperts(nn.Module):
         routing that groups them itself), or None where the torch reference runs."""
         if not (self.w13_weight.is_cuda and triton_available()):
             return None
-        from layers.moe.kernels.triton_fused_moe import default_block_config
+        from arfusion.layers.moe.kernels.triton_fused_moe import default_block_config
 
         return default_block_config(tokens * top_k, self.num_experts).block_m
 
@@ -86,7 +86,7 @@ class MoEExperts(nn.Module):
                 blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
         """``blocks``: the slots already grouped by expert in `block_m` rows (or None)."""
         if x.is_cuda and triton_available():
-            from layers.moe.kernels.triton_fused_moe import fused_moe
+            from arfusion.layers.moe.kernels.triton_fused_moe import fused_moe
 
             return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine, blocks=blocks)
         return moe_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -33,12 +33,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layers import batch_invariant
-from layers.kernels.triton_support import triton_available
-from layers.linear import check_shape, default_weight_loader, divide
-from layers.moe.mxfp4 import GROUP, dequantize_mxfp4
-from layers.moe.torch_experts import combine_topk
-from layers.parallel_state import get_tp_group
+from arfusion.layers import batch_invariant
+from arfusion.layers.kernels.triton_support import triton_available
+from arfusion.layers.linear import check_shape, default_weight_loader, divide
+from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from arfusion.layers.moe.torch_experts import combine_topk
+from arfusion.layers.parallel_state import get_tp_group
 
 # shard ids of the checkpoint's expert tensors, all in their out-by-in form [E, out, in(...)]
 EXPERT_TENSORS = ("gate_up", "gate_up_bias", "down", "down_bias", "gate_up_blocks", "gate_up_scales",
@@ -145,7 +145,7 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_available():
-            from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+            from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
             return gpt_oss_experts_triton(x, self, topk_weights, topk_ids)
         return self.forward_torch(x, topk_weights, topk_ids)

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.kernels.triton_support import triton_available
-from layers.linear import default_weight_loader
-from layers.moe.align import ExpertBlocks
+from arfusion.layers.kernels.triton_support import triton_available
+from arfusion.layers.linear import default_weight_loader
+from arfusion.layers.moe.align import ExpertBlocks
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +79,14 @@ class TopKRouter(nn.Module):
         """``forward``'s ``(weights, ids)`` and, where one Triton launch does both, the slots
         grouped by expert in blocks of ``block_m`` rows (layers/moe/align.py); else None."""
         if self._triton(hidden_states):
-            from layers.moe.kernels.triton_router import route_triton
+            from arfusion.layers.moe.kernels.triton_router import route_triton
 
             return route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter, block_m)
         return (*self.forward(hidden_states), None)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton(hidden_states):
-            from layers.moe.kernels.triton_router import route_triton
+            from arfusion.layers.moe.kernels.triton_router import route_triton
 
             weights, ids, _ = route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter)
             return weights, ids

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layers.moe.experts import MoEExperts
-from layers.moe.router import TopKRouter
+from arfusion.layers.moe.experts import MoEExperts
+from arfusion.layers.moe.router import TopKRouter
 
 
 class SparseMoeBlock(nn.Module):

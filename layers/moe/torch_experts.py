@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.activation import SiluAndMul
+from arfusion.layers.activation import SiluAndMul
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

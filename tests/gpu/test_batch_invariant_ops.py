@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from layers import batch_invariant as bi  # noqa: E402
-from layers.attention import DETERMINISTIC_KEYS_PER_SPLIT, Attention  # noqa: E402
-from layers.kernels.triton_bi_matmul import matmul  # noqa: E402
-from layers.layernorm import RMSNorm  # noqa: E402
+from arfusion.layers import batch_invariant as bi  # noqa: E402
+from arfusion.layers.attention import DETERMINISTIC_KEYS_PER_SPLIT, Attention  # noqa: E402
+from arfusion.layers.kernels.triton_bi_matmul import matmul  # noqa: E402
+from arfusion.layers.layernorm import RMSNorm  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

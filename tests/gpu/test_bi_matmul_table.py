@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from layers.kernels.bi_matmul_table import load_table  # noqa: E402
-from layers.kernels.triton_bi_matmul import choose_config, matmul  # noqa: E402
+from arfusion.layers.kernels.bi_matmul_table import load_table  # noqa: E402
+from arfusion.layers.kernels.triton_bi_matmul import choose_config, matmul  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

@@ -31,12 +31,12 @@ MAX_REL_ERR = {"float32": 1e-4, "bfloat16": 2e-2}
 def _run(rank: int, world_size: int, dtype: str, fusion: bool = False) -> dict:
     from dataclasses import replace
 
-    from engine.scheduling.kv_pool import SlotAllocator
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.scheduling.static_batch import random_prompts
-    from engine.runtime.step_plan import StepPlan
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.scheduling.kv_pool import SlotAllocator
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.scheduling.static_batch import random_prompts
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny", dtype=dtype, context_length=CONTEXT, max_running_requests=8,
                               cuda_graph_max_bs=4, fusion=FusionConfig(enabled=fusion), kv_slots=2048)

@@ -20,7 +20,7 @@ to torch's fp32 rank-order sum followed by the P = 1 kernel.
 import pytest
 import torch
 
-from fusion import Strategy
+from arfusion.fusion import Strategy
 from tests.dist_utils import run_distributed
 
 EPS = 1e-6
@@ -79,8 +79,8 @@ def _graphed(fusion, strategy, x, residual, weight):
 
 
 def _sweep(rank, world, hidden):
-    from fusion import enable_capturable_collectives
-    from layers.parallel_state import get_tp_group
+    from arfusion.fusion import enable_capturable_collectives
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.dist_utils import make_fusion
 
     group = get_tp_group()
@@ -177,8 +177,8 @@ def test_rows_are_right(swept):
 
 
 def _norm_kernel(rank, world):
-    from fusion import reference
-    from fusion.backends import deterministic
+    from arfusion.fusion import reference
+    from arfusion.fusion.backends import deterministic
 
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
@@ -194,7 +194,7 @@ def _norm_kernel(rank, world):
                                              for nb, rb in probe.values())
         parts = torch.stack([_inputs(r, 33, hidden, dev)[0] for r in range(3)])
         _, residual, weight, _ = _inputs(0, 33, hidden, dev)
-        from fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
+        from arfusion.fusion.backends.kernels.reduce_add_rms_norm import reduce_add_rms_norm
 
         fused_out, fused_res = torch.empty_like(residual), torch.empty_like(residual)
         reduce_add_rms_norm(parts, residual, fused_out, fused_res, weight, EPS)

@@ -45,8 +45,8 @@ def rel_l2(a, b):
 
 
 def _all_cases(rank, world_size):
-    from fusion import AllReduceFusionWorkspace, Strategy, all_reduce_add_rms_norm
-    from layers.parallel_state import get_tp_group
+    from arfusion.fusion import AllReduceFusionWorkspace, Strategy, all_reduce_add_rms_norm
+    from arfusion.layers.parallel_state import get_tp_group
 
     group = get_tp_group()
     dev = group.device

@@ -29,10 +29,10 @@ def _check(actual, expected):
 
 
 def _lifecycle(rank, world_size):
-    from fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
+    from arfusion.fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
                         all_reduce_add_rms_norm, reference)
-    from fusion.config import NO_TABLE
-    from layers.parallel_state import get_tp_group
+    from arfusion.fusion.config import NO_TABLE
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.dist_utils import AllReduceCounter, make_fusion, reductions
 
     def fused(x, residual, weight, quant=None):

@@ -19,13 +19,13 @@ tokens, the time of a dense bf16 GEMM of the same FLOPs.
 import pytest
 import torch
 
-from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
+from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 
-from layers.moe.router import select_experts  # noqa: E402
-from layers.moe.torch_experts import expert_outputs, moe_experts_torch  # noqa: E402
-from layers.moe.kernels.triton_fused_moe import fused_moe  # noqa: E402
+from arfusion.layers.moe.router import select_experts  # noqa: E402
+from arfusion.layers.moe.torch_experts import expert_outputs, moe_experts_torch  # noqa: E402
+from arfusion.layers.moe.kernels.triton_fused_moe import fused_moe  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -99,11 +99,11 @@ def _graph_and_model(rank: int, world: int) -> dict:
     """(One CUDA rank, TP1.) `MoEExperts` captured at 1 and 32 tokens and replayed with new inputs
     and routing, against eager `fused_moe`; the ``tiny-moe`` model (fp32) on the GPU against the
     same model on the CPU (the torch reference path)."""
-    from engine.models.builtin import builtin_config
-    from engine.models.forward_batch import ForwardBatch
-    from engine.models.registry import build_model
-    from engine.weights.dummy import dummy_weights
-    from layers.moe.experts import MoEExperts
+    from arfusion.engine.models.builtin import builtin_config
+    from arfusion.engine.models.forward_batch import ForwardBatch
+    from arfusion.engine.models.registry import build_model
+    from arfusion.engine.weights.dummy import dummy_weights
+    from arfusion.layers.moe.experts import MoEExperts
     from tests.dist_utils import make_fusion
 
     shape = "qwen3-30b-a3b-tp2"

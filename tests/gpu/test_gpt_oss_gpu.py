@@ -31,8 +31,8 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _experts_rank(rank, world, mxfp4):
-    from layers.moe.gpt_oss_moe import GptOssExperts
-    from layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
     from tests.test_gpt_oss_moe_triton import fill_experts
 
     experts = GptOssExperts(8, 2880, 2880, 1.702, 7.0, mxfp4, torch.bfloat16, None)
@@ -76,9 +76,9 @@ def test_experts_kernel_matches_reference(mxfp4):
 @pytest.mark.gpus(1)
 @pytest.mark.parametrize("window", [0, 128])
 def test_attention_kernels_with_sinks_and_window(window):
-    from layers.kernels.triton_decode_attention import decode_attention
-    from layers.kernels.triton_extend_attention import extend_attention
-    from layers.sink_attention import attend_with_sinks
+    from arfusion.layers.kernels.triton_decode_attention import decode_attention
+    from arfusion.layers.kernels.triton_extend_attention import extend_attention
+    from arfusion.layers.sink_attention import attend_with_sinks
 
     rtol, atol = TOLERANCES[torch.bfloat16]
     g = torch.Generator().manual_seed(window)
@@ -111,7 +111,7 @@ def test_attention_kernels_with_sinks_and_window(window):
 
 
 def _teacher_forced(runner, prompts, tokens):
-    from engine.scheduling.static_batch import StaticBatch
+    from arfusion.engine.scheduling.static_batch import StaticBatch
 
     batch = StaticBatch(runner, prompts, STEPS + 1)
     out = [batch.prefill(gather_logits=True).full.clone()]
@@ -121,10 +121,10 @@ def _teacher_forced(runner, prompts, tokens):
 
 
 def _model_rank(rank, world, tokens):
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="gpt-oss-20b", dtype="bfloat16", context_length=PROMPT_LEN + STEPS + 8,
                               max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, kv_slots=2048,

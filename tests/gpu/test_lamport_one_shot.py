@@ -42,7 +42,7 @@ def _inputs(rank, tokens, hidden, dtype, seed, dev):
 
 def _expected(tokens, hidden, dtype, seed, with_residual, dev):
     """(normed, residual_out) of the reference for every rank's inputs of ``seed``."""
-    from fusion import reference
+    from arfusion.fusion import reference
 
     ranks = [_inputs(r, tokens, hidden, dtype, seed, dev) for r in range(WORLD)]
     s = ranks[0][0].float()
@@ -107,7 +107,7 @@ def _sequence(backend, rank, dev):
 
 def _graph(backend, rank, dev):
     """One capture of a call on static tensors, replayed with new inputs copied in."""
-    from fusion import reference
+    from arfusion.fusion import reference
 
     hidden, dtype = 4096, torch.bfloat16
     assert backend.ensure(512, hidden, dtype), backend.failure
@@ -138,7 +138,7 @@ def _graph(backend, rank, dev):
 
 def _stall(backend, rank, group, dev):
     """Rank 1 stays away while rank 0 calls with a short bound; rank 0 must report, not hang."""
-    from fusion.errors import FusionInputError, FusionTimeoutError
+    from arfusion.fusion.errors import FusionInputError, FusionTimeoutError
 
     hidden, dtype = 4096, torch.bfloat16
     assert backend.ensure(512, hidden, dtype), backend.failure
@@ -172,8 +172,8 @@ def _stall(backend, rank, group, dev):
 
 
 def _run(rank, world_size):
-    from fusion.backends.lamport_one_shot import LamportOneShotBackend
-    from layers.parallel_state import get_tp_group
+    from arfusion.fusion.backends.lamport_one_shot import LamportOneShotBackend
+    from arfusion.layers.parallel_state import get_tp_group
 
     group = get_tp_group()
     dev = group.device

@@ -21,7 +21,7 @@ PROMPTS, PROMPT_LEN, STEPS = 8, 32, 256
 
 def _logits_for(runner, prompts, tokens):
     """Teacher-forced logits (copied: graph outputs are overwritten by the next replay)."""
-    from engine.scheduling.static_batch import StaticBatch
+    from arfusion.engine.scheduling.static_batch import StaticBatch
 
     batch = StaticBatch(runner, prompts, STEPS + 1)
     out = [batch.prefill(gather_logits=True).full.clone()]
@@ -36,7 +36,7 @@ def _lamport_table(group, hidden):
     import json
     import tempfile
 
-    from fusion.dispatch.table import TABLE_VERSION, gpu_name
+    from arfusion.fusion.dispatch.table import TABLE_VERSION, gpu_name
 
     rows = {str(t): {"lamport_one_shot": 1.0, "nccl": 100.0} for t in (1, 8, 64, 256, 512)}
     entry = {"gpu": gpu_name(group.device), "world_size": group.world_size, "hidden": hidden, "dtype": "bfloat16",
@@ -50,10 +50,10 @@ def _lamport_table(group, hidden):
 def _run(rank, world_size):
     from dataclasses import replace
 
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.dist_utils import AllReduceCounter
 
     group = get_tp_group()

@@ -24,7 +24,7 @@ MOE_MODELS = ("tiny-moe", "qwen3-30b-a3b")
 
 def _teacher_forced(runner, prompts, tokens):
     """[STEPS+1, B, vocab] fp32 logits for the given token stream (copied per step)."""
-    from engine.scheduling.static_batch import StaticBatch
+    from arfusion.engine.scheduling.static_batch import StaticBatch
 
     batch = StaticBatch(runner, prompts, STEPS + 1)
     out = [batch.prefill(gather_logits=True).full.clone()]
@@ -42,10 +42,10 @@ def _compare(a, b):
 def _moe(rank, world_size):
     from dataclasses import replace
 
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.scheduling.static_batch import StaticBatch, random_prompts
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
 
     group = get_tp_group()
     off = FusionConfig(enabled=False, backend="flashinfer", max_tokens=1024)
@@ -103,10 +103,10 @@ def test_moe_fused_perturbs_no_more_than_a_rounding_change(moe, name):
 
 
 def _chunked(rank, world_size):
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_plan import StepPlan
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.step_plan import StepPlan
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
     from tests.test_chunked_prefill_model import SCHEDULES, _serve
 

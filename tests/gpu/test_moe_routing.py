@@ -18,15 +18,15 @@ torch softmax + topk, the one-launch grouping) and of the one-launch routing.
 import pytest
 import torch
 
-from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
+from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 
-from layers.moe.align import align_by_expert  # noqa: E402
-from layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
-from layers.moe.kernels.triton_router import (FUSED_MAX_TOKENS, route_triton,  # noqa: E402
+from arfusion.layers.moe.align import align_by_expert  # noqa: E402
+from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
+from arfusion.layers.moe.kernels.triton_router import (FUSED_MAX_TOKENS, route_triton,  # noqa: E402
                                               route_triton_with_logits)
-from layers.moe.router import router_logits_torch, select_experts  # noqa: E402
+from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
 

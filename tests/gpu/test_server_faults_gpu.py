@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.runtime.heartbeat import miss_after_s
-from fusion.dispatch.table import TABLE_VERSION
+from arfusion.engine.runtime.heartbeat import miss_after_s
+from arfusion.fusion.dispatch.table import TABLE_VERSION
 from tests.fault_load import (LONG_TOKENS, START_S, WAIT_S, assert_failed_together, clients, fault_under_load,
                               stop_then_continue)
 from tests.server_process import ServerProcess

@@ -15,20 +15,20 @@ def _run(rank: int, world_size: int) -> dict:
 
     import torch
 
-    from engine.common.sampling_params import SamplingParams
-    from engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from engine.runtime.step_cost import StepTimer, measure_step_cost
-    from engine.runtime.warm_up import warm_up
-    from engine.scheduling.scheduler import Scheduler
-    from engine.tokenizers.tokenizer import build_tiny_tokenizer
-    from fusion import FusionConfig
-    from layers.parallel_state import get_tp_group
+    from arfusion.engine.common.sampling_params import SamplingParams
+    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.step_cost import StepTimer, measure_step_cost
+    from arfusion.engine.runtime.warm_up import warm_up
+    from arfusion.engine.scheduling.scheduler import Scheduler
+    from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
+    from arfusion.fusion import FusionConfig
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.fake_runner import serve_all, token_ids
     from tests.test_warm_up import ListHandler
 
     progress = ListHandler()
-    logging.getLogger("engine.progress").addHandler(progress)
-    logging.getLogger("engine.progress").setLevel(logging.INFO)
+    logging.getLogger("arfusion.engine.progress").addHandler(progress)
+    logging.getLogger("arfusion.engine.progress").setLevel(logging.INFO)
     settings = RunnerSettings(model_path="tiny", dtype="float32", context_length=1024, max_running_requests=4,
                               cuda_graph_max_bs=4,
                               fusion=FusionConfig(enabled=False), kv_slots=4096)

@@ -3,7 +3,7 @@ a CUDA graph replayed with new inputs."""
 import pytest
 import torch
 
-from fusion import Strategy
+from arfusion.fusion import Strategy
 from tests.dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.tp_ranks(gpu_world_size())  # one rank per GPU, or ranks sharing a GPU
@@ -29,7 +29,7 @@ def _reference(tokens, seed, world_size, dev):
 
 
 def _run(rank, world_size):
-    from layers.parallel_state import get_tp_group
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.dist_utils import make_fusion
 
     group = get_tp_group()

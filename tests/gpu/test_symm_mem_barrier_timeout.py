@@ -23,8 +23,8 @@ EXIT_WITHOUT_ERROR = 3  # rank 0's exit code if the barrier returned without its
 
 
 def _rank(rank: int, port: int) -> None:
-    import fusion.backends.symmetric_buffer as symmetric_buffer
-    from layers.parallel_state import get_tp_group, init_tensor_parallel
+    import arfusion.fusion.backends.symmetric_buffer as symmetric_buffer
+    from arfusion.layers.parallel_state import get_tp_group, init_tensor_parallel
 
     init_tensor_parallel(2, rank, f"tcp://127.0.0.1:{port}", device=torch.device("cuda", rank), timeout_s=60)
     buffer = symmetric_buffer.SymmetricBuffer(get_tp_group(), "barrier-timeout test")

@@ -29,8 +29,8 @@ pytestmark = [
 
 
 def _measure(rank: int, world: int, model: str, gsm8k: str) -> dict:
-    from benchmarks.teacher_forced_agreement import AgreementOptions, measure
-    from server_args import ServerArgs
+    from arfusion.benchmarks.teacher_forced_agreement import AgreementOptions, measure
+    from arfusion.server_args import ServerArgs
 
     server = ServerArgs(model_path=model, tp_size=world, device="cuda", allreduce_fusion_backend="flashinfer")
     return measure(server, AgreementOptions(gsm8k, min_positions=MIN_POSITIONS))
@@ -38,7 +38,7 @@ def _measure(rank: int, world: int, model: str, gsm8k: str) -> dict:
 
 @pytest.mark.timeout(900)
 def test_fused_greedy_agrees_with_unfused_on_a_real_model():
-    from benchmarks.teacher_forced_agreement import format_result
+    from arfusion.benchmarks.teacher_forced_agreement import format_result
 
     result = run_distributed(_measure, world_size=2, args=(MODEL, str(GSM8K)), device_kind="cuda", timeout_s=840)[0]
     print("\n" + format_result(result))

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from benchmarks.kernels.attention_timing import time_decode_attention  # noqa: E402
-from fusion.tuning.timing import capture_cuda_graph  # noqa: E402
-from layers.attention import Attention  # noqa: E402
-from layers.kernels.triton_decode_attention import choose_launch, decode_attention, decode_attention_reference  # noqa: E402
+from arfusion.benchmarks.kernels.attention_timing import time_decode_attention  # noqa: E402
+from arfusion.fusion.tuning.timing import capture_cuda_graph  # noqa: E402
+from arfusion.layers.attention import Attention  # noqa: E402
+from arfusion.layers.kernels.triton_decode_attention import choose_launch, decode_attention, decode_attention_reference  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

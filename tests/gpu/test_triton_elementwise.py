@@ -18,18 +18,18 @@ from typing import Callable
 import pytest
 import torch
 
-from fusion.tuning.timing import capture_cuda_graph, median_us_per_call
+from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 
-import layers.rotary_embedding  # noqa: E402
-import layers.kernels.triton_activation  # noqa: E402
-import layers.kernels.triton_rotary  # noqa: E402
-from layers.activation import SiluAndMul  # noqa: E402
-from layers.attention import store_kv  # noqa: E402
-from layers.rotary_embedding import RotaryEmbedding  # noqa: E402
-from layers.kernels.triton_activation import silu_and_mul  # noqa: E402
-from layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
+import arfusion.layers.rotary_embedding  # noqa: E402
+import arfusion.layers.kernels.triton_activation  # noqa: E402
+import arfusion.layers.kernels.triton_rotary  # noqa: E402
+from arfusion.layers.activation import SiluAndMul  # noqa: E402
+from arfusion.layers.attention import store_kv  # noqa: E402
+from arfusion.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from arfusion.layers.kernels.triton_activation import silu_and_mul  # noqa: E402
+from arfusion.layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
 from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

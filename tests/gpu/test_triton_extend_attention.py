@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from benchmarks.kernels.attention_timing import time_extend_attention  # noqa: E402
-from layers.attention import Attention  # noqa: E402
-from layers.kernels.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from arfusion.benchmarks.kernels.attention_timing import time_extend_attention  # noqa: E402
+from arfusion.layers.attention import Attention  # noqa: E402
+from arfusion.layers.kernels.triton_extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)

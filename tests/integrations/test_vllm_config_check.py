@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from integrations.vllm import PASS_NAME
-from integrations.vllm.config_check import VllmConfigError, check, names_our_pass
+from arfusion.integrations.vllm import PASS_NAME
+from arfusion.integrations.vllm.config_check import VllmConfigError, check, names_our_pass
 
 
 def _config(fuse_allreduce_rms, mode="VLLM_COMPILE", backend="inductor"):
@@ -28,7 +28,7 @@ def test_vllms_own_fusion_is_refused_with_the_fix():
 @pytest.mark.parametrize("mode, backend, warned", [("VLLM_COMPILE", "inductor", False), ("DYNAMO_TRACE_ONCE", "inductor", False),
                                                    ("NONE", "inductor", True), ("DYNAMO_TRACE_ONCE", "eager", True)])
 def test_a_run_without_inductor_is_reported(caplog, mode, backend, warned):
-    with caplog.at_level(logging.WARNING, logger="integrations.vllm.config_check"):
+    with caplog.at_level(logging.WARNING, logger="arfusion.integrations.vllm.config_check"):
         check(_config(None, mode, backend))  # None: vLLM's default left unset
     assert ("arfusion's pass never runs, no all-reduce is replaced" in caplog.text) == warned
 
@@ -55,7 +55,7 @@ def test_vllm_engine_configs_are_checked_when_built(tmp_path, caplog, settings, 
     compilation = settings["compilation_config"] | {"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
     args = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
                       **(settings | {"compilation_config": compilation}))
-    with caplog.at_level(logging.WARNING, logger="integrations.vllm.config_check"):
+    with caplog.at_level(logging.WARNING, logger="arfusion.integrations.vllm.config_check"):
         if refused:
             with pytest.raises(VllmConfigError, match="fuse_allreduce_rms"):
                 args.create_engine_config()

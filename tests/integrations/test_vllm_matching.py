@@ -23,8 +23,8 @@ import vllm.ir.ops  # noqa: E402,F401  (registers torch.ops.vllm_ir.*)
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from integrations.vllm import ops, runtime  # noqa: E402
-from integrations.vllm.fusion_pass import ARFUSION_PASS  # noqa: E402
+from arfusion.integrations.vllm import ops, runtime  # noqa: E402
+from arfusion.integrations.vllm.fusion_pass import ARFUSION_PASS  # noqa: E402
 
 EPS = 1e-6
 GROUP = "tp:0"

@@ -1,7 +1,7 @@
 """The vLLM plugin's version bounds: the check needs no vLLM, so it runs in the main suite."""
 import pytest
 
-from integrations.vllm.versions import SUPPORTED, VllmVersionError, check_vllm_version, parse_version
+from arfusion.integrations.vllm.versions import SUPPORTED, VllmVersionError, check_vllm_version, parse_version
 
 
 @pytest.mark.parametrize("version", ["0.20.0", "0.23.1", "0.26.0", "0.27.0", "0.27.1+cpu", "0.21.0rc2", "0.32.0"])

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fusion import reference
+from arfusion.fusion import reference
 
 EPS = 1e-6
 HIDDEN = 128
@@ -35,8 +35,8 @@ def ops_match_reference(rank: int, world_size: int, compiled: bool) -> dict[str,
     """Every token count, with and without residual, eager (and through ``torch.compile`` with
     ``compiled``: the fake implementations and Inductor's handling of the mutated inputs).
     Returns the counters and the op's status."""
-    from integrations.vllm import ops, runtime
-    from layers.parallel_state import get_tp_group
+    from arfusion.integrations.vllm import ops, runtime
+    from arfusion.layers.parallel_state import get_tp_group
     from tests.tolerances import assert_close
 
     group = get_tp_group()

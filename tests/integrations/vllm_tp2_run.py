@@ -107,7 +107,7 @@ def force_form(form: str) -> None:
 def run(model_dir: str, which: str, form: str = "auto") -> dict:
     from vllm import LLM, SamplingParams
 
-    from integrations.vllm import PASS_NAME
+    from arfusion.integrations.vllm import PASS_NAME
 
     force_form(form)
     compilation: dict = {"mode": 3, "pass_config": {"fuse_allreduce_rms": False}}
@@ -125,7 +125,7 @@ def run(model_dir: str, which: str, form: str = "auto") -> dict:
         "prompt_logprobs": [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, PROMPTS)],
     }
     if which == "arfusion":
-        from integrations.vllm.runtime import worker_stats
+        from arfusion.integrations.vllm.runtime import worker_stats
 
         result["workers"] = llm.collective_rpc(worker_stats)
     return result

@@ -53,7 +53,7 @@ def fused_matches_unfused(rank: int) -> list[tuple[str, int, dict[str, torch.Ten
     ``pre_initialize_workspaces``) and SGLang's unfused math, and how the op ran them."""
     import sglang.srt.layers.flashinfer_comm_fusion as fc
 
-    from integrations.sglang import runtime
+    from arfusion.integrations.sglang import runtime
 
     out = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -75,8 +75,8 @@ def fallbacks(rank: int) -> dict[str, Any]:
     strategy), never handed back unreduced."""
     import sglang.srt.layers.flashinfer_comm_fusion as fc
 
-    from fusion import Strategy
-    from integrations.sglang import runtime
+    from arfusion.fusion import Strategy
+    from arfusion.integrations.sglang import runtime
 
     fc.pre_initialize_workspaces(max_token_num=64, hidden_dim=HIDDEN, dtype=torch.float32)
     op = runtime.fusion_op()
@@ -107,7 +107,7 @@ def gate_and_lifecycle(rank: int) -> dict[str, Any]:
     import sglang.srt.layers.communicator as comm
     import sglang.srt.layers.flashinfer_comm_fusion as fc
 
-    from integrations.sglang import hooks, layer_scope, runtime
+    from arfusion.integrations.sglang import hooks, layer_scope, runtime
 
     result: dict[str, Any] = {"before_pre_init": runtime.fusion_op() is None}
     fc.pre_initialize_workspaces(max_token_num=4096, hidden_dim=HIDDEN, dtype=torch.float32)

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("sglang.srt.plugins.hook_registry", reason="SGLang is not installed (integrations/sglang/ci.sh)")
 
-from integrations.sglang import hooks, layer_scope, plugin  # noqa: E402
-from integrations.sglang.versions import SGLangVersionError, check_sglang_version  # noqa: E402
+from arfusion.integrations.sglang import hooks, layer_scope, plugin  # noqa: E402
+from arfusion.integrations.sglang.versions import SGLangVersionError, check_sglang_version  # noqa: E402
 from tests.sglang import scenarios  # noqa: E402
 from tests.sglang.ranks import run_two_ranks  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_entry_point_is_registered_for_sglang():
     eps = [ep for ep in metadata.entry_points(group="sglang.srt.plugins") if ep.name == "arfusion"]
-    assert [ep.value for ep in eps] == ["integrations.sglang.plugin:register"]
+    assert [ep.value for ep in eps] == ["arfusion.integrations.sglang.plugin:register"]
     assert eps[0].load() is plugin.register
 
 
@@ -152,8 +152,8 @@ def test_version_error_reaches_sglangs_loader_as_one_line(monkeypatch, caplog):
 def test_a_stalled_peer_fails_the_step(monkeypatch):
     """After ``ModelRunner.forward`` the op's bounded-wait check runs: a timed-out kernel fails
     the step with a named error."""
-    from fusion import FusionTimeoutError
-    from integrations.sglang import runtime
+    from arfusion.fusion import FusionTimeoutError
+    from arfusion.integrations.sglang import runtime
 
     class TimedOutOp:  # stands in for an op whose Lamport kernel gave up waiting (that needs a GPU)
         def raise_if_failed(self) -> None:

@@ -21,14 +21,14 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from engine.server.api.engine_client import EngineClient
-from engine.server.api.error_responses import add_error_handlers
-from engine.server.api.health_routes import add_health_routes
-from engine.server.api.native_routes import add_native_routes
-from engine.server.api.openai_routes import add_openai_routes
-from engine.server.api.request_handling import RequestHandler
-from engine.server.api.tokenizer_routes import add_tokenizer_routes
-from engine.server.http.lifecycle import InFlightMiddleware, Lifecycle
+from arfusion.engine.server.api.engine_client import EngineClient
+from arfusion.engine.server.api.error_responses import add_error_handlers
+from arfusion.engine.server.api.health_routes import add_health_routes
+from arfusion.engine.server.api.native_routes import add_native_routes
+from arfusion.engine.server.api.openai_routes import add_openai_routes
+from arfusion.engine.server.api.request_handling import RequestHandler
+from arfusion.engine.server.api.tokenizer_routes import add_tokenizer_routes
+from arfusion.engine.server.http.lifecycle import InFlightMiddleware, Lifecycle
 
 
 def build_app(engine: EngineClient, served_model_name: str, lifecycle: Optional[Lifecycle] = None,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncGenerator, Optional, Protocol
 
-from engine.common.generation import GenerationChunk, TokenizerLike
-from engine.common.sampling_params import SamplingParams
+from arfusion.engine.common.generation import GenerationChunk, TokenizerLike
+from arfusion.engine.common.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):

@@ -9,9 +9,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from engine.server.api.protocol import APIError
-from engine.server.api.request_handling import ClientGone
-from engine.server.http.errors import error_body
+from arfusion.engine.server.api.protocol import APIError
+from arfusion.engine.server.api.request_handling import ClientGone
+from arfusion.engine.server.http.errors import error_body
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 

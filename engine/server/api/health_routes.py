@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.server.api.request_handling import RequestHandler
+from arfusion.engine.server.api.request_handling import RequestHandler
 
 
 def add_health_routes(app: FastAPI, server: RequestHandler) -> None:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 from pydantic import BaseModel
 
-from engine.common.generation import TokenizerLike, TokenLogprob
+from arfusion.engine.common.generation import TokenizerLike, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 

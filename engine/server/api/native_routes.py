@@ -8,10 +8,10 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from engine.common.generation import GenerationChunk
-from engine.server.api.protocol import APIError, GenerateRequest
-from engine.server.api.request_handling import RequestHandler, sse_events, unless_disconnected
-from engine.server.http.streaming import ClosingStreamingResponse
+from arfusion.engine.common.generation import GenerationChunk
+from arfusion.engine.server.api.protocol import APIError, GenerateRequest
+from arfusion.engine.server.api.request_handling import RequestHandler, sse_events, unless_disconnected
+from arfusion.engine.server.http.streaming import ClosingStreamingResponse
 
 
 def add_native_routes(app: FastAPI, server: RequestHandler) -> None:

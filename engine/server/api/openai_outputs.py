@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
-from engine.scheduling.detokenizer import output_starts_text
-from engine.server.api.logprobs_format import (
+from arfusion.engine.common.generation import GenerationChunk, TokenizerLike, TokenLogprob
+from arfusion.engine.scheduling.detokenizer import output_starts_text
+from arfusion.engine.server.api.logprobs_format import (
     ChatLogprobs, CompletionLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs,
 )
-from engine.server.api.protocol import CompletionChoice
+from arfusion.engine.server.api.protocol import CompletionChoice
 
 
 @dataclass

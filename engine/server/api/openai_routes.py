@@ -10,15 +10,15 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 
-from engine.common.generation import GenerationChunk
-from engine.server.api.logprobs_format import TokenTexts
-from engine.server.api.openai_outputs import CompletionOutput, chat_logprobs_of
-from engine.server.api.protocol import (
+from arfusion.engine.common.generation import GenerationChunk
+from arfusion.engine.server.api.logprobs_format import TokenTexts
+from arfusion.engine.server.api.openai_outputs import CompletionOutput, chat_logprobs_of
+from arfusion.engine.server.api.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, Usage,
 )
-from engine.server.api.request_handling import RequestHandler, sse_events, unless_disconnected
-from engine.server.http.streaming import ClosingStreamingResponse
+from arfusion.engine.server.api.request_handling import RequestHandler, sse_events, unless_disconnected
+from arfusion.engine.server.http.streaming import ClosingStreamingResponse
 
 
 def add_openai_routes(app: FastAPI, server: RequestHandler) -> None:

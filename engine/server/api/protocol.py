@@ -14,14 +14,14 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.common.sampling_params import (
+from arfusion.engine.common.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams,
 )
-from engine.server.api.logprobs_format import ChatLogprobs, CompletionLogprobs
-from engine.server.api.openai_fields import (
+from arfusion.engine.server.api.logprobs_format import ChatLogprobs, CompletionLogprobs
+from arfusion.engine.server.api.openai_fields import (
     CHAT_LIMITED, COMMON_LIMITED, COMPLETION_LIMITED, EXTENSIONS_LIMITED, NO_TOOLS, refused,
 )
-from engine.server.http.errors import error_body
+from arfusion.engine.server.http.errors import error_body
 
 
 def _valid_unicode(text: str) -> str:

@@ -12,14 +12,14 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 from fastapi import Request
 
-from engine.common.generation import EngineError, GenerationChunk
-from engine.common.sampling_params import SamplingParams
-from engine.server.api.engine_client import EngineClient
-from engine.server.api.openai_outputs import Collected
-from engine.server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
-from engine.server.http.lifecycle import Lifecycle
-from engine.server.http.streaming import SSE_DONE, sse, until_finished
-from engine.tokenizers.chat_encoding import encode_chat
+from arfusion.engine.common.generation import EngineError, GenerationChunk
+from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.server.api.engine_client import EngineClient
+from arfusion.engine.server.api.openai_outputs import Collected
+from arfusion.engine.server.api.protocol import APIError, ChatCompletionRequest, SamplingFields
+from arfusion.engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.server.http.streaming import SSE_DONE, sse, until_finished
+from arfusion.engine.tokenizers.chat_encoding import encode_chat
 
 Started = tuple[GenerationChunk, AsyncGenerator[GenerationChunk, None]]
 Events = Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[Any]]  # engine chunks -> SSE payloads

@@ -20,10 +20,10 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI
 
-from engine.server.api.engine_client import EngineClient
-from engine.server.api.logprobs_format import TokenTexts
-from engine.server.api.protocol import APIError, ChatMessage, Int64, Text, RequestBody
-from engine.tokenizers.chat_encoding import encode_chat
+from arfusion.engine.server.api.engine_client import EngineClient
+from arfusion.engine.server.api.logprobs_format import TokenTexts
+from arfusion.engine.server.api.protocol import APIError, ChatMessage, Int64, Text, RequestBody
+from arfusion.engine.tokenizers.chat_encoding import encode_chat
 
 
 class TokenizeCompletionRequest(RequestBody):

@@ -29,7 +29,7 @@ from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.http.errors import error_body
+from arfusion.engine.server.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 BYTES_PER_CONTEXT_TOKEN = 64

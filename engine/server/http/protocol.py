@@ -38,7 +38,7 @@ from typing import Any, Optional
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from engine.server.http.errors import error_body
+from arfusion.engine.server.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 32 * 1024

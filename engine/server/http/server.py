@@ -29,11 +29,11 @@ from typing import Callable, Optional
 import uvicorn
 from starlette.types import ASGIApp
 
-from engine.server.http.lifecycle import Lifecycle
-from engine.server.http.limits import BodyLimit
-from engine.server.http.protocol import MAX_HEAD_BYTES, LimitedH11Protocol
+from arfusion.engine.server.http.lifecycle import Lifecycle
+from arfusion.engine.server.http.limits import BodyLimit
+from arfusion.engine.server.http.protocol import MAX_HEAD_BYTES, LimitedH11Protocol
 
-logger = logging.getLogger("engine.launch_server")
+logger = logging.getLogger("arfusion.engine.launch_server")
 ANSWER_WAIT_S = 3.0  # after the grace period: time for the ended requests' errors to be sent
 POLL_S = 0.05
 GRACEFUL_SHUTDOWN_S = 3.0  # uvicorn's wait for the connections to close once the server stops

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.common.generation import GenerationChunk
+from arfusion.engine.common.generation import GenerationChunk
 
 SSE_DONE = "data: [DONE]\n\n"
 

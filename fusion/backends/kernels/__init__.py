@@ -9,7 +9,7 @@ def row_kernel_unavailable_reason(hidden: int, kernel: str) -> Optional[str]:
     """None when Triton imports and a row of ``hidden`` elements fits one program of ``kernel``
     (a name for the message)."""
     try:
-        from fusion.backends.kernels.row_norm import MAX_HIDDEN
+        from arfusion.fusion.backends.kernels.row_norm import MAX_HIDDEN
     except ImportError as exc:
         return f"{kernel} needs triton ({exc})"
     if hidden > MAX_HIDDEN:

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
+from arfusion.fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
 WARMUP_TIMEOUT_NS = 1_000_000_000  # any value: timeout_ns is not specialised on
 CONTROL = {"index": 0, "arrivals": 1, "error": 2, "rows": 3}  # int32 offsets; rows: 3 entries
 

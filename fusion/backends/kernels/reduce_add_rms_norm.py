@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
+from arfusion.fusion.backends.kernels.row_norm import add_rms_norm_row, row_block, row_num_warps
 
 
 @triton.jit(do_not_specialize=["tokens"])  # one compile per (dtype, hidden, PARTS, residual): every T alike

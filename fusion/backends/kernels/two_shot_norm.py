@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusion.backends.kernels.row_norm import add_rms_norm_row
+from arfusion.fusion.backends.kernels.row_norm import add_rms_norm_row
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.moe.align import ExpertBlocks, max_padded_rows
+from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 
 MAX_SLOTS = 2048  # batch 256 at top-8
 TILE_ELEMENTS = 4096  # CHUNK * next_power_of_2(E): one-hot tiles of 32 registers per thread at 4 warps

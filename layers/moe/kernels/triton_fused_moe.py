@@ -44,10 +44,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from layers.moe.align import ExpertBlocks, align_by_expert, max_padded_rows
-from layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
-from layers.moe.kernels.triton_align import align_by_expert_triton
-from layers.moe.torch_experts import combine_topk
+from arfusion.layers.moe.align import ExpertBlocks, align_by_expert, max_padded_rows
+from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
+from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
+from arfusion.layers.moe.torch_experts import combine_topk
 
 COMBINES = ("folded", "unfused")
 

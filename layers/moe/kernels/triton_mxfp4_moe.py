@@ -44,10 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.moe.align import ExpertBlocks, align_by_expert
-from layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
-from layers.moe.kernels.triton_align import align_by_expert_triton
-from layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
+from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
+from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
+from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
 
 
 def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:

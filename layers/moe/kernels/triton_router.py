@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from layers.moe.align import ExpertBlocks, max_padded_rows
-from layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
+from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
+from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
 
 FUSED_MAX_TOKENS = 256  # the last program selects every token alone: its time grows with tokens x experts
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
