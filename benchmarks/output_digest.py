@@ -3,7 +3,9 @@
     python -m arfusion.benchmarks.output_digest [--code-root DIR] [--port P] -- SERVER FLAGS...
 
 Starts ``python -m arfusion.engine.launch_server SERVER FLAGS`` from ``--code-root`` (default: this
-checkout; another checkout of the project gives the "before" of a change), waits for
+checkout; another checkout of the project gives the "before" of a change; the checkout is put
+first on the server's path as `arfusion`, through a link, or as it is for a checkout from before
+the packages moved into the `arfusion` namespace, whose server is ``engine.launch_server``), waits for
 ``/health``, then sends greedy completions one at a time: single prompts of several lengths
 and one request of eight prompts, each with ``echo`` and ``logprobs`` (so prefill and decode
 are both covered). It prints one JSON line: the SHA-256 of every returned token and logprob
@@ -68,6 +70,18 @@ def one_pass(url: str, max_tokens: int, concurrent: bool) -> str:
     return digest.hexdigest()
 
 
+def server_command(root: Path, link_folder: Path) -> str:
+    """The shell command that starts the server of the checkout at ``root``: this layout (the root
+    is the package `arfusion`: a link to it in ``link_folder``, first on PYTHONPATH) or the one
+    before it (the root on PYTHONPATH, top-level `engine`)."""
+    if (root / "engine" / "launch_server.py").read_text().count("from arfusion."):
+        (link_folder / "arfusion").symlink_to(root, target_is_directory=True)
+        path, module = link_folder, "arfusion.engine.launch_server"
+    else:
+        path, module = root, "engine.launch_server"  # a checkout from before the arfusion namespace
+    return f"cd {shlex.quote(str(root))} && PYTHONPATH={shlex.quote(str(path))}:$PYTHONPATH exec python -m {module}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--code-root", default=str(Path(__file__).resolve().parents[1]),
@@ -82,10 +96,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     flags = [f for f in args.server_flags if f != "--"]
     root = Path(args.code_root).resolve()
-    cmd = ["bash", "-c", f"cd {shlex.quote(str(root))} && PYTHONPATH={shlex.quote(str(root))}:$PYTHONPATH exec "
-           f"python -m arfusion.engine.launch_server --port {args.port} " + " ".join(map(shlex.quote, flags))]
+    work = Path(tempfile.mkdtemp(prefix="output-digest-"))
+    cmd = ["bash", "-c", f"{server_command(root, work)} --port {args.port} " + " ".join(map(shlex.quote, flags))]
     url = f"http://127.0.0.1:{args.port}"
-    log = Path(tempfile.mkdtemp(prefix="output-digest-")) / "server.log"
+    log = work / "server.log"
     with running_server(cmd, url, log, args.server_timeout):
         first, second = (one_pass(url, args.max_tokens, args.concurrent) for _ in range(2))
         with urllib.request.urlopen(f"{url}/get_server_info", timeout=60) as resp:

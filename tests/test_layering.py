@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkout_path import checkout_on_path
+
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fusion", "layers", "server_args", "engine", "benchmarks", "integrations")
@@ -24,15 +26,16 @@ SERVER = "engine.server: rank 0's root > the engine > api"
 ACYCLIC = "no import cycles between the modules of one package"
 
 
-def lint(root: Path) -> subprocess.CompletedProcess:
-    """`lint-imports` on the packages under ``root`` with its pyproject.toml's contracts."""
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "PYTHONPATH": str(root)}
+def lint(root: Path, path: str) -> subprocess.CompletedProcess:
+    """`lint-imports` with ``root``'s pyproject.toml's contracts on the package `arfusion` found
+    on ``path`` (the PYTHONPATH)."""
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=240)
 
 
-def test_the_import_contracts_are_kept():
-    result = lint(ROOT)
+def test_the_import_contracts_are_kept(tmp_path: Path):
+    result = lint(ROOT, checkout_on_path(ROOT, tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 kept, 0 broken" in result.stdout
 
@@ -59,12 +62,13 @@ def test_the_import_contracts_are_kept():
 ])
 def test_an_import_against_the_layering_breaks_its_contract(tmp_path: Path, module: str, statement: str,
                                                              contract: str):
+    copy = tmp_path / "arfusion"
     for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    with open(tmp_path / module, "a") as f:
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    with open(copy / module, "a") as f:
         f.write(f"\n{statement}  # against the layering\n")
-    result = lint(tmp_path)
+    result = lint(copy, str(tmp_path))
     assert result.returncode != 0, result.stdout + result.stderr
     verdicts = re.findall(rf"^{re.escape(contract)}.* (KEPT|BROKEN)\b", result.stdout, flags=re.M)
     assert verdicts == ["BROKEN"], result.stdout

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
+import importlib.util
 import itertools
 import json
 import os
@@ -32,8 +34,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the project's packages importable
-    sys.path.insert(0, str(REPO_ROOT))
+if not __package__:  # run as a script (torchrun FILE): this checkout is the package `arfusion`
+    # (pyproject.toml maps the repository root to it), whatever arfusion is installed
+    _spec = importlib.machinery.ModuleSpec("arfusion", None, is_package=True)
+    _spec.submodule_search_locations = [str(REPO_ROOT)]
+    sys.modules.setdefault("arfusion", importlib.util.module_from_spec(_spec))
 
 from arfusion.benchmarks.kernels.fused_collective_report import (  # noqa: E402
     ConfigResult,

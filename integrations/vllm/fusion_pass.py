@@ -6,7 +6,7 @@ compiled graph. Enable it with vLLM's own option (vLLM's ``fuse_allreduce_rms`` 
 (``PASS_NAME`` = "arfusion.integrations.vllm.fusion_pass.ARFUSION_PASS", in `integrations.vllm`.)
 vLLM resolves that dotted name as an attribute of the name's top-level package (0.20-0.27 do
 ``__import__(module).__dict__[name]``), so importing this module also sets ``ARFUSION_PASS`` on
-``integrations``; a resolver that follows the full path finds it here. Importing this module
+that package (``arfusion``); a resolver that follows the full path finds it here. Importing this module
 checks the vLLM version (`versions.check_vllm_version`, one line outside the range).
 
 On each graph the pass finds every site (`matching.match_site`, in graph order) and replaces it:
@@ -164,4 +164,4 @@ def _item(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
 
 
 ARFUSION_PASS = ArfusionAllReduceRMSNormPass()
-setattr(sys.modules["integrations"], "ARFUSION_PASS", ARFUSION_PASS)
+setattr(sys.modules[__name__.partition(".")[0]], "ARFUSION_PASS", ARFUSION_PASS)

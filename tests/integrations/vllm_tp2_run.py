@@ -23,7 +23,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tests.checkout_path import checkout_on_path
 
 ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP worker (vLLM refuses to bind 2 workers otherwise)
@@ -138,18 +141,21 @@ def _margin(logprobs: dict) -> float:
 
 
 def run_in_subprocess(model_dir: Path, which: str, form: str = "auto") -> dict:
-    """`run` in a fresh process (one engine per process) in a session of its own; its result, or
-    an AssertionError with the run's output. However the wait ends (a timeout included), the whole
-    session is killed: vLLM's engine core and workers do not outlive the run."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(model_dir), which, form], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """`run` in a fresh process (one engine per process) in a session of its own, with this
+    checkout importable as `arfusion`; its result, or an AssertionError with the run's output.
+    However the wait ends (a timeout included), the whole session is killed: vLLM's engine core
+    and workers do not outlive the run."""
+    with tempfile.TemporaryDirectory(prefix="arfusion-path-") as folder:  # `arfusion` is this checkout there
+        path = f"{checkout_on_path(ROOT, Path(folder))}{os.pathsep}{ROOT}"
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(model_dir), which, form],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=os.environ | {"PYTHONPATH": path})
+        try:
+            stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (f"vLLM run '{which}' failed ({proc.returncode}):\n{stdout[-3000:]}\n"
                                             f"{stderr[-6000:]}")
