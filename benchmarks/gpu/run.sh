@@ -4,7 +4,10 @@
 # Every command of a part runs under `timeout`, within BUDGET_S seconds for the whole part
 # (default 570). A part sources .gpu/env.sh, an environment script you provide (it activates a
 # Python environment set up as in the README's "Set-up and run": a CUDA build of torch, then
-# `pip install -e '.[gpu,test]'`), prints `nvidia-smi -L`, writes its log ($OUT/PART.log) and
+# `pip install -e '.[gpu,test]'`, or one with the dependencies and this checkout not installed),
+# then puts a link named `arfusion` to this checkout first on PYTHONPATH (the repository root is
+# the package `arfusion`), so this checkout's code runs, installed or not. It prints
+# `nvidia-smi -L`, writes its log ($OUT/PART.log) and
 # a few result files under $OUT (default ./out), and exits non-zero when its main command
 # failed (124: out of time). TP (default 2) is the GPU count of the multi-GPU parts.
 #
@@ -124,6 +127,14 @@ need_gpus() {  # need_gpus N: fails when fewer than N GPUs are visible
   return 2
 }
 
+checkout_on_path() {  # `arfusion` = this checkout: a link to the root, first on PYTHONPATH
+  local folder
+  folder=$(mktemp -d /tmp/arfusion-path.XXXXXX) && ln -s "$PWD" "$folder/arfusion" || return 2
+  export PYTHONPATH="$folder:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # $PWD: the tests' own package, tests.*
+  python -c 'import arfusion.fusion' || { echo "!! arfusion is not importable from $folder"; return 2; }
+  echo "arfusion: $PWD (through $folder/arfusion)"
+}
+
 start_part() {  # the environment, and which GPUs this machine has
   if [ ! -f .gpu/env.sh ]; then
     echo "!! .gpu/env.sh is missing: provide it (see this script's header) in the project root first"
@@ -131,6 +142,7 @@ start_part() {  # the environment, and which GPUs this machine has
   fi
   # shellcheck source=/dev/null
   source .gpu/env.sh
+  checkout_on_path || return
   nvidia-smi -L
 }
 
