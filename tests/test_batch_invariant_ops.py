@@ -201,18 +201,22 @@ TABLE_ROWS = (1, 7, 64, 128, 512)
 
 def _interpreted_table(rank: int, world_size: int) -> dict:
     """In the TRITON_INTERPRET=1 child: for every entry of the synthetic table and of the repo's
-    (each K plan and its tiles applied to a small 96 x 200 weight), whether rows 0-6 have the
-    same bits at every M of TABLE_ROWS (each M with its bucket's tile), and the max error."""
+    (each K plan applied to a small 96 x 200 weight), whether rows 0-6 have the same bits at every
+    M of TABLE_ROWS, and the max error. The synthetic entry takes each M's bucket tile; the repo's
+    entries keep their first tile at every M: the interpreter's dot is numpy's GEMM, whose bits
+    may follow the tile's row count (measured: the repo's 128-column entry differs at 64 rows),
+    so there the tile changes are checked on the GPU (tests/gpu/test_bi_matmul_table.py)."""
     from arfusion.layers.kernels.bi_matmul_table import load_table, parse_table
     from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, matmul
 
-    entries = list(parse_table(SYNTHETIC_TABLE).values()) + list(load_table().values())
+    synthetic = list(parse_table(SYNTHETIC_TABLE).values())
+    entries = synthetic + list(load_table().values())
     w, b, x = _seeded(96, 200, seed=30), _seeded(96, seed=31), _seeded(max(TABLE_ROWS), 200, seed=32)
     results = []
     for entry in dict.fromkeys(entries):
         outs = []
         for m in TABLE_ROWS:
-            block_m, warps, stages = entry.tile(m)
+            block_m, warps, stages = entry.tile(m if entry in synthetic else 1)
             outs.append(matmul(x[:m], w, b, MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps,
                                                          stages)))
         error = (outs[-1] - F.linear(x, w, b)).abs().max().item()

@@ -19,7 +19,12 @@ from tests.checkout_path import checkout_on_path
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fusion", "layers", "server_args", "engine", "benchmarks", "integrations")
-LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+# An editable install (setuptools' ``__editable__`` finder and its sys.path entry) would add the
+# installed checkout to `arfusion`'s namespace path: the lint drops both, so it reads only the
+# checkout on PYTHONPATH.
+LINT = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]; "
+        "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; "
+        "from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))")
 TOP = "fusion <- layers <- engine <- benchmarks"
 ENGINE = "engine: entry points > server"
 SERVER = "engine.server: rank 0's root > the engine > api"
