@@ -17,6 +17,9 @@ PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 "${PIP[@]}" --no-deps orjson psutil pybase64 triton ipython traitlets pyzmq msgspec einops regex dill \
   openai sniffio partial_json_parser xgrammar sentencepiece compressed-tensors loguru \
   "apache-tvm-ffi==0.1.11" "transformers==5.12.1" "tokenizers==0.22.2" "huggingface-hub>=1.5,<2"
+# `.[test]`'s newest transformers brought `kernels`, whose API transformers 5.12.1 predates (its
+# import fails on "Either a revision or a version must be specified"); 5.12.1 does not need it
+"$VENV/bin/pip" uninstall -q -y kernels
 echo "set-up: $((SECONDS - start)) s"
 "$VENV/bin/python" -m pytest tests/sglang -q -p no:cacheprovider
 echo "set-up + tests: $((SECONDS - start)) s"
