@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-import arfusion.fusion
+from arfusion import fusion
 from arfusion.fusion import AllReduceFusion, FusionConfig
 from arfusion.layers.communicator import LayerCommunicator
 from arfusion.layers.layernorm import RMSNorm

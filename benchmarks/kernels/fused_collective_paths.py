@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-import arfusion.fusion
+from arfusion import fusion
 from arfusion.fusion import norm, reference
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.strategies import DECLARATIONS, Made
