@@ -17,7 +17,7 @@ MLP's. A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_cla
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -133,6 +133,14 @@ class BlockDecoderForCausalLM(nn.Module):
         last = hidden_states if batch.is_decode else hidden_states[batch.last_token_indices()]
         return self.lm_head(last)
 
+    def _checked_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], check: CheckpointTensors
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors that ``check`` takes (it raises on an unexpected or repeated
+        name), in the form the parameters' loaders take them."""
+        for name, tensor in weights:
+            if check.take(name, tuple(tensor.shape)):
+                yield name, tensor
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) HF-named tensors, each rank taking its shard (of every expert,
@@ -141,9 +149,7 @@ class BlockDecoderForCausalLM(nn.Module):
         mismatch, or (after all tensors) any expected tensor that never came."""
         check = CheckpointTensors(type(self).hf_weight_shapes(self.config), self.config)
         params = dict(self.named_parameters())
-        for name, tensor in weights:
-            if not check.take(name, tuple(tensor.shape)):
-                continue
+        for name, tensor in self._checked_tensors(weights, check):
             param_name, shard_id = type(self).param_target(name)
             param = params[param_name]
             loader = getattr(param, "weight_loader", default_weight_loader)

@@ -36,7 +36,7 @@ from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
 from arfusion.engine.models.hf_layouts import ParamShard, block_decoder_param_target, llama_weight_shapes
 from arfusion.layers.attention import Attention
-from arfusion.layers.linear import QKVParallelLinear, RowParallelLinear, check_shape, default_weight_loader
+from arfusion.layers.linear import QKVParallelLinear, RowParallelLinear, check_shape
 from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
 from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
 from arfusion.layers.rotary_embedding import RotaryEmbedding
@@ -127,7 +127,7 @@ class GptOssForCausalLM(BlockDecoderForCausalLM):
     hf_weight_shapes = staticmethod(gpt_oss_weight_shapes)
     param_target = staticmethod(gpt_oss_param_target)
 
-    def _experts_as_loaded(self, weights: Iterable[tuple[str, torch.Tensor]], check: CheckpointTensors
+    def _checked_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], check: CheckpointTensors
                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, each checked, in the form the parameters take: bf16 experts
         transposed to out-by-in; MXFP4 ones, unless kept, dequantized to the model's dtype once
@@ -149,19 +149,3 @@ class GptOssForCausalLM(BlockDecoderForCausalLM):
                 yield base, dequantize_mxfp4(blocks, scales, self.dtype)
             else:
                 yield name, tensor
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """`BlockDecoderForCausalLM.load_weights` for the two expert forms (module docstring);
-        the same checks and errors."""
-        check = CheckpointTensors(type(self).hf_weight_shapes(self.config), self.config)
-        params = dict(self.named_parameters())
-        for name, tensor in self._experts_as_loaded(weights, check):
-            param_name, shard_id = gpt_oss_param_target(name)
-            param = params[param_name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as exc:
-                raise ValueError(f"tensor {name!r}: {exc}") from None
-        check.finish()
