@@ -29,20 +29,18 @@ import random
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
 
+from arfusion.benchmarks.local_server import start_server
+
 from arfusion.engine.common.sampling_params import SamplingParams
 from arfusion.engine.scheduling.request import Request
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def stop_lists(seed: int) -> dict[str, list[str]]:
@@ -113,23 +111,6 @@ async def scenario(url: str, body: Optional[dict[str, Any]], tokens: int) -> tup
         rate = await stream_rate(session, url, tokens)
         stop.set()
         return rate, sum(await asyncio.gather(*abusers))
-
-
-def start_server(port: int, flags: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "arfusion.engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise TimeoutError("the server did not become healthy within 300 s")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

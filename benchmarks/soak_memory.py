@@ -19,16 +19,14 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+from arfusion.benchmarks.local_server import start_server
+
 
 
 def rss_mib(pid: int) -> float:
@@ -125,24 +123,6 @@ async def sample_loop(pid: int, deadline: float, every_s: float, out: Path, coun
             await asyncio.sleep(every_s)
 
 
-def start_server(port: int, flags: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "arfusion.engine.launch_server", "--port", str(port), "--host", "127.0.0.1", *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise TimeoutError("the server did not become healthy within 300 s")
-
-
 async def soak(args: argparse.Namespace, pid: int, port: int) -> list[tuple[float, float]]:
     deadline = time.monotonic() + 60 * args.minutes
     counts = {"requests": 0, "errors": 0}
@@ -166,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_server(port, args.server_flags)
+    proc = start_server(port, args.server_flags, env={"OMP_NUM_THREADS": "1"})
     try:
         samples = asyncio.run(soak(args, proc.pid, port))
     finally:
