@@ -10,11 +10,17 @@ same bits as eager). The decode and extend attention kernels with sinks and a 12
 head dim 64, 8 query heads per KV head, bf16, against layers/sink_attention.py in fp32:
 tests/tolerances.py's bf16.
 
-Model: ``gpt-oss-20b`` (dummy weights, MXFP4 experts kept), teacher-forced logits of 4 prompts
-of 160 tokens (longer than the window) and 24 decode steps, TP1 vs TP2 with fusion on
-(flashinfer): greedy agreement >= 0.9 and mean relative error <= 5e-2 (bf16, different summation
-orders in the reductions and the split heads).
+Model: ``gpt-oss-20b``'s shapes cut to its first 4 layers (two sliding, two full; dummy
+weights, MXFP4 experts kept), fp32, teacher-forced logits of 4 prompts of 160 tokens (longer
+than the window) and 24 decode steps, TP1 vs TP2 with fusion on (flashinfer): greedy agreement
+>= 0.95 and mean relative error <= 1e-3 (fp32: only summation orders differ). Not bf16: the
+dummy model amplifies one bf16 rounding into different top-4 choices; TP1 against itself with
+the experts' other kernel form (same weight values, other summation order) agrees on 19 % of
+greedy tokens at 24 layers, so a bf16 TP2-vs-TP1 bound would test the dummy model's chaos,
+not the TP code (docs/notes.md, "gpt-oss").
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +30,7 @@ from tests.tolerances import TOLERANCES
 pytest.importorskip("triton")
 
 PROMPTS, PROMPT_LEN, STEPS = 4, 160, 24
+MODEL_LAYERS = 4
 
 
 def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,12 +128,16 @@ def _teacher_forced(runner, prompts, tokens):
 
 
 def _model_rank(rank, world, tokens):
+    from arfusion.engine.models import builtin
     from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
 
-    settings = RunnerSettings(model_path="gpt-oss-20b", dtype="bfloat16", context_length=PROMPT_LEN + STEPS + 8,
+    full = builtin.GPT_OSS_20B  # this spawned process's preset: the first MODEL_LAYERS layers
+    cut = dataclasses.replace(full, num_hidden_layers=MODEL_LAYERS, layer_types=full.layer_types[:MODEL_LAYERS])
+    builtin._BUILTIN["gpt-oss-20b"] = lambda: cut
+    settings = RunnerSettings(model_path="gpt-oss-20b", dtype="float32", context_length=PROMPT_LEN + STEPS + 8,
                               max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, kv_slots=2048,
                               mxfp4_experts="keep",
                               fusion=FusionConfig(enabled=world > 1, backend="flashinfer", max_tokens=1024))
@@ -155,7 +166,7 @@ def test_tp2_agrees_with_tp1():
     a, b = tp2["logits"], tp1["logits"]
     agreement = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     rel = ((a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)).mean().item()
-    print(f"\ngpt-oss-20b TP{gpu_world_size()} vs TP1: agreement {agreement:.3f}, mean relative error {rel:.2e}, "
-          f"fusion active {tp2['active']}")
+    print(f"\ngpt-oss-20b ({MODEL_LAYERS} layers, fp32) TP{gpu_world_size()} vs TP1: agreement {agreement:.3f}, "
+          f"mean relative error {rel:.2e}, fusion active {tp2['active']}")
     assert tp2["active"]
-    assert agreement >= 0.9 and rel <= 5e-2
+    assert agreement >= 0.95 and rel <= 1e-3
