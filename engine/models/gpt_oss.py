@@ -33,45 +33,34 @@ from torch import nn
 from arfusion.engine.models.block_decoder import BlockDecoderForCausalLM
 from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
 from arfusion.engine.models.config import ModelConfig
-from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
 from arfusion.engine.models.hf_layouts import ParamShard, block_decoder_param_target, llama_weight_shapes
+from arfusion.engine.models.llama import LlamaAttention
 from arfusion.layers.attention import Attention
-from arfusion.layers.linear import QKVParallelLinear, RowParallelLinear, check_shape
+from arfusion.layers.linear import check_shape
 from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
 from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
-from arfusion.layers.rotary_embedding import RotaryEmbedding
 
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<part>gate_up|down)_proj(?P<kind>_bias|_blocks|_scales)?$")
 
 
-class GptOssAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: Optional[torch.device]) -> None:
-        super().__init__()
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (q/k/v/o biases by ``attention_bias``) with a sink per head and the
+    layer's sliding window."""
+
+    def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
+        """Softmax scale ``head_dim ** -0.5`` times YaRN's factor; sinks loaded per rank."""
         d = config.head_dim
-        self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads,
-                                          bias=True, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, bias=True,
-                                        reduce_results=False, dtype=dtype, device=device)
-        self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, device=device)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
-                              d ** -0.5 * self.rotary_emb.score_factor, sinks=True,
-                              sliding_window=config.window_of(layer_id), device=device)
-        self.attn.sinks.weight_loader = self._load_sinks  # type: ignore[union-attr]
+        attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
+                         d ** -0.5 * self.rotary_emb.score_factor, sinks=True,
+                         sliding_window=config.window_of(layer_id), device=device)
+        attn.sinks.weight_loader = self._load_sinks  # type: ignore[union-attr]
+        return attn
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ParamShard = None) -> None:
         """This rank's query heads of the full ``[heads]`` sinks."""
         proj = self.qkv_proj
         check_shape(loaded, (proj.total_num_heads,))
         param.data.copy_(loaded.narrow(0, proj.tp_rank * proj.num_heads, proj.num_heads))
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
-                kv_cache: KVCache) -> torch.Tensor:
-        """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
-        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
-        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 
 def gpt_oss_moe(config: ModelConfig, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
@@ -88,8 +77,6 @@ def gpt_oss_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if ".mlp." in name:
             continue
         shapes[name] = shape
-        if name.endswith("self_attn.o_proj.weight"):
-            shapes[name[:-len("weight")] + "bias"] = (h,)
         if not name.endswith("post_attention_layernorm.weight"):
             continue
         p = name[: -len("post_attention_layernorm.weight")]

@@ -37,8 +37,8 @@ _PROJ = re.compile(_LAYER + r"(?P<block>self_attn|mlp)\.(?P<proj>\w+)\.(?P<kind>
 
 
 def o_proj_has_bias(config: ModelConfig) -> bool:
-    """HF Llama gives o_proj a bias with ``attention_bias``; Qwen2 biases q/k/v only."""
-    return config.attention_bias and config.architecture == "LlamaForCausalLM"
+    """HF Llama and gpt-oss give o_proj a bias with ``attention_bias``; Qwen2 biases q/k/v only."""
+    return config.attention_bias and config.architecture in ("LlamaForCausalLM", "GptOssForCausalLM")
 
 
 def llama_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

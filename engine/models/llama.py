@@ -30,7 +30,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, bias=o_proj_has_bias(config),
                                         reduce_results=False, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, device=device)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
+        self.attn = self.make_attention(config, layer_id, device)
+
+    def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
+        """This rank's heads attending with softmax scale ``head_dim ** -0.5``."""
+        d = config.head_dim
+        return Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
