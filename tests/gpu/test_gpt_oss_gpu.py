@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
+from tests.static_batch_logits import batch_logits
 from tests.tolerances import TOLERANCES
 
 pytest.importorskip("triton")
@@ -117,20 +118,10 @@ def test_attention_kernels_with_sinks_and_window(window):
         start += new
 
 
-def _teacher_forced(runner, prompts, tokens):
-    from arfusion.engine.scheduling.static_batch import StaticBatch
-
-    batch = StaticBatch(runner, prompts, STEPS + 1)
-    out = [batch.prefill(gather_logits=True).full.clone()]
-    for step in range(STEPS):
-        out.append(batch.decode(tokens[step], gather_logits=True).full.clone())
-    return torch.stack(out)
-
-
 def _model_rank(rank, world, tokens):
     from arfusion.engine.models import builtin
     from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.engine.scheduling.static_batch import random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
 
@@ -144,15 +135,8 @@ def _model_rank(rank, world, tokens):
     runner = ModelRunner(settings, get_tp_group())
     try:
         prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
-        if tokens is None:  # TP1: its own greedy stream
-            batch = StaticBatch(runner, prompts, STEPS + 1)
-            steps = [batch.prefill(gather_logits=True).full.clone()]
-            tokens = [steps[-1].argmax(-1).tolist()]
-            for _ in range(STEPS):
-                steps.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
-                tokens.append(steps[-1].argmax(-1).tolist())
-            return {"logits": torch.stack(steps).cpu(), "tokens": tokens}
-        return {"logits": _teacher_forced(runner, prompts, tokens).cpu(), "active": runner.fusion.active}
+        logits, tokens = batch_logits(runner, prompts, STEPS, tokens)  # tokens None (TP1): its own greedy stream
+        return {"logits": logits.cpu(), "tokens": tokens, "active": runner.fusion.active}
     finally:
         runner.destroy()
 

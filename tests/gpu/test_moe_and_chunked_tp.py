@@ -15,22 +15,12 @@ import pytest
 import torch
 
 from tests.dist_utils import gpu_world_size, run_distributed
+from tests.static_batch_logits import batch_logits
 
 pytestmark = pytest.mark.tp_ranks(gpu_world_size())  # one rank per GPU, or ranks sharing a GPU
 
 PROMPTS, PROMPT_LEN, STEPS = 4, 24, 24
 MOE_MODELS = ("tiny-moe", "qwen3-30b-a3b")
-
-
-def _teacher_forced(runner, prompts, tokens):
-    """[STEPS+1, B, vocab] fp32 logits for the given token stream (copied per step)."""
-    from arfusion.engine.scheduling.static_batch import StaticBatch
-
-    batch = StaticBatch(runner, prompts, STEPS + 1)
-    out = [batch.prefill(gather_logits=True).full.clone()]
-    for step in range(STEPS):
-        out.append(batch.decode(tokens[step], gather_logits=True).full.clone())
-    return torch.stack(out)
 
 
 def _compare(a, b):
@@ -55,26 +45,20 @@ def _moe(rank, world_size):
                                   max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, fusion=off, kv_slots=2048)
         runner = ModelRunner(settings, group)
         prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
-        batch = StaticBatch(runner, prompts, STEPS + 1)  # the unfused model's own greedy stream
-        steps = [batch.prefill(gather_logits=True).full.clone()]
-        tokens = [steps[-1].argmax(-1).tolist()]
-        for _ in range(STEPS):
-            steps.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
-            tokens.append(steps[-1].argmax(-1).tolist())
-        unfused = torch.stack(steps)
+        unfused, tokens = batch_logits(runner, prompts, STEPS)  # the unfused model's own greedy stream
         runner.reconfigure_fusion(replace(off, enabled=True))
         status = runner.fusion.status()
         runner.fusion.counts.clear()
         StaticBatch(runner, prompts, 1).prefill()
         counts = dict(runner.fusion.counts)
-        fused = _teacher_forced(runner, prompts, tokens)
+        fused = batch_logits(runner, prompts, STEPS, tokens)[0]
         runner.reconfigure_fusion(replace(off, enabled=True, backend="torch"))
-        torch_backend = _teacher_forced(runner, prompts, tokens)
+        torch_backend = batch_logits(runner, prompts, STEPS, tokens)[0]
         out[name] = {"active": status["active"], "prefill_counts": counts,
                      "layers": runner.config.num_hidden_layers,
                      "fused_vs_unfused": _compare(fused, unfused), "torch_vs_unfused": _compare(torch_backend, unfused)}
         runner.destroy()
-        del runner, batch
+        del runner
         torch.cuda.empty_cache()
     return out
 
