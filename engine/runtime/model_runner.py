@@ -137,9 +137,19 @@ class ModelRunner:
         self._parsed = startup.parsed  # used by the load, then dropped
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.graphs: Optional[CudaGraphRunner] = None
         with self.stages.stage("weights", self.synchronize):
             load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
         self._parsed = None
+        try:
+            self._set_up_after_load(settings)
+        except BaseException:
+            self.destroy()  # the op's workspaces and any graphs, before the caller tears the group down
+            raise
+
+    def _set_up_after_load(self, settings: RunnerSettings) -> None:
+        """The fusion op's workspaces, the KV cache and the decode graphs, in that order."""
+        group = self.group
         with self.stages.stage("fusion setup", self.synchronize):
             self.fusion.setup()
         with self.stages.stage("KV cache", self.synchronize):
@@ -148,7 +158,6 @@ class ModelRunner:
             self.table = RequestTable(self.max_rows, self.context_len, self.device)
         self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
-        self.graphs: Optional[CudaGraphRunner] = None
         with self.stages.stage("graphs", self.synchronize):
             if self.device.type == "cuda" and not settings.disable_cuda_graph:
                 max_bs = min(settings.cuda_graph_max_bs, self.max_rows)
@@ -223,12 +232,13 @@ class ModelRunner:
         cache gets ``mem_fraction_static`` of the device's memory, less what is in use; ranks
         sharing one GPU split that budget evenly (they measure together, before any of them
         allocates its cache). A context length the user did not set (the model's) is cut to what
-        the slots hold, with the reason logged."""
+        the slots hold, with the reason logged. RuntimeError on every rank, naming the rank, when
+        some rank has room for fewer than 2 slots."""
         per_slot = KVCache.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads_local,
                                           self.config.head_dim, self.dtype)
         want = self.max_rows * self.context_len + 1
         if self.settings.kv_slots is not None:
-            slots = self.settings.kv_slots
+            slots, source = self.settings.kv_slots, f"kv_slots {self.settings.kv_slots}"
         elif self.device.type == "cuda":
             sharers = self.group.ranks_on_this_gpu
             if self.group.shares_gpu:  # the same on every rank: a collective for all or none
@@ -236,14 +246,16 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = (total * self.settings.mem_fraction_static - (total - free)) / sharers
             slots = int(budget // per_slot)
-            if slots < 2:
-                raise RuntimeError(
-                    f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
-                    f"with mem_fraction_static {self.settings.mem_fraction_static}"
-                )
+            source = (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with mem_fraction_static "
+                      f"{self.settings.mem_fraction_static}")
         else:
-            slots = CPU_KV_SLOTS
-        slots = min(self.group.all_gather_object(min(slots, want)))
+            slots, source = CPU_KV_SLOTS, f"the CPU's {CPU_KV_SLOTS} slots"
+        # every rank learns every rank's count, so a rank short of memory fails all ranks together
+        offers = self.group.all_gather_object((min(slots, want), source))
+        slots = min(offer for offer, _ in offers)
+        if slots < 2:  # slot 0 is scratch: no room for a single token
+            short = min(range(len(offers)), key=lambda r: offers[r][0])
+            raise RuntimeError(f"no memory left for the KV cache on TP rank {short}: {offers[short][1]}")
         if self.settings.context_length is None and self.context_len > slots - 1:  # slot 0 is scratch
             why = ("the KV cache is set to that size" if self.settings.kv_slots is not None
                    else f"--mem-fraction-static {self.settings.mem_fraction_static} of the GPU's memory holds no more"
