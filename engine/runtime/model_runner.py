@@ -182,8 +182,10 @@ class ModelRunner:
             if self.group.rank == 0:
                 logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
                             config.vocab_size - vocab, vocab)
+        # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
+        # gpt-oss's torch path; its Triton experts are not yet
         if (self.deterministic and config.architecture == "GptOssForCausalLM" and self.device.type == "cuda"
-                and self.group.rank == 0):  # Qwen3-MoE's and Mixtral's experts are batch-invariant (layers/moe/)
+                and triton_available() and self.group.rank == 0):
             logger.warning("deterministic mode: gpt-oss's expert kernel on the GPU (layers/moe/kernels/"
                            "triton_mxfp4_moe.py) picks its tiles by the rows per expert, so this model's outputs may "
                            "still depend on the batch")
