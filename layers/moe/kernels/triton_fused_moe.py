@@ -50,10 +50,15 @@ them), and then every output element's sums run in an order fixed by the weight'
     out[t, n]  = ((0 + p[tk]) + p[tk + 1]) + ... + p[tk + k - 1]   the folded combine, in slot
                  order whichever program arrives last; "unfused": `combine_topk`'s fixed tree
 
-The routing (layers/moe/kernels/triton_router.py) has fixed tiles in both modes. The config is
-the default's decode tile (16-row blocks, chosen for up to 16 rows per expert: Qwen3-30B-A3B
-decodes up to 256 tokens a step with it in both modes), so decode costs nothing extra; larger
-batches (prefill) keep 16-row blocks, which re-read each expert's weights once per 16 rows.
+Only integer specialisations (the slot count's divisibility) and the counter-zeroing width
+change with the rows; compiled for sm90 by triton 3.9, both launches issue the same
+``mma.sync.m16n8k16`` dots at 1 to 512 tokens of Qwen3-30B-A3B (tests/test_moe_batch_invariant.py
+checks the instruction family offline; tests/gpu/test_moe_batch_invariant.py the bits). The
+routing (layers/moe/kernels/triton_router.py) has fixed tiles in both modes. The config is the
+default's decode tile (16-row blocks, chosen for up to 16 rows per expert: Qwen3-30B-A3B decodes
+up to 256 tokens a step with it in both modes, Mixtral up to 64), so those decode steps run the
+same expert kernels in both modes; larger batches (prefill) keep 16-row blocks, which re-read
+each expert's weights once per 16 rows.
 """
 from __future__ import annotations
 
