@@ -3,11 +3,11 @@ folded combine) in batch-invariant mode on one GPU, bf16, at Qwen3-30B-A3B's TP1
 experts of 768, hidden 2048, top-8, renormalised) and Mixtral-8x7B's (8 experts of 14336, hidden
 4096, top-2), random gate and expert weights.
 
-A token's output has the same bits in every batch: the first 1, 7, 64, 128, 512 and 2048 of one set
-of 2048 random tokens each give the rows the batch of 2048 gives them (the counts cross the
-routing's one-launch limit of 256 tokens, the grouping kernel's of 2048 slots, and the rows per
-expert at which the default tiles grow to 32 and 64 rows and wgmma), eager and, at 7 and 128
-tokens, replayed from a CUDA graph. The batch-invariant output is within bf16 tolerance of the
+A token's routing (weights, ids) and output have the same bits in every batch: the first 1, 7,
+64, 128 and 512 of one set of 2048 random tokens each give the rows the batch of 2048 gives them
+(the counts cross the routing's one-launch limit of 256 tokens, the grouping kernel's of 2048
+slots, and the rows per expert at which the default tiles grow to 32 and 64 rows and wgmma),
+eager and, at 7 and 128 tokens, replayed from a CUDA graph. The batch-invariant output is within bf16 tolerance of the
 default mode's (the same math in another order of sums). Printed with ``-s``: µs per block call
 (CUDA graph) in both modes at 1, 32 and 128 tokens.
 """
@@ -50,6 +50,7 @@ def _block_results(rank: int, world: int, shape: str) -> dict:
         out["default"] = block(h).cpu()
         with batch_invariant.batch_invariant_mode(True):
             out["rows"] = {t: block(h[:t]).cpu() for t in TOKENS}
+            out["routing"] = {t: tuple(r.cpu() for r in block.gate(h[:t])) for t in TOKENS}
             for t in GRAPH_TOKENS:
                 static = h[:t].clone()
                 graph, captured = capture_cuda_graph(lambda: block(static))
@@ -78,6 +79,14 @@ def results(shape: str) -> dict:
 def test_a_token_has_the_same_bits_in_every_batch(shape, tokens):
     rows = results(shape)["rows"]
     assert torch.equal(rows[tokens], rows[max(TOKENS)][:tokens]), (shape, tokens)
+
+
+@pytest.mark.parametrize("tokens", TOKENS[:-1])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_token_has_the_same_routing_in_every_batch(shape, tokens):
+    routing = results(shape)["routing"]
+    for part, whole in zip(routing[tokens], routing[max(TOKENS)]):
+        assert torch.equal(part, whole[:tokens]), (shape, tokens)
 
 
 @pytest.mark.parametrize("tokens", GRAPH_TOKENS)
