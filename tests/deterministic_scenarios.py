@@ -57,9 +57,11 @@ def _serve(runner: Any, chunked_prefill_size: int, requests: list[tuple[list[int
     return {"tokens": tokens, "logprobs": logprobs, "prompt_logprobs": prompt}
 
 
-def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: str = "auto") -> dict:
-    """Collective: a deterministic runner of the tiny model with fusion on (``backend``); rank 0
-    returns the target's results per scenario, the fusion op's counters and status."""
+def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: str = "auto",
+                    model: str = "tiny") -> dict:
+    """Collective: a deterministic runner of the built-in ``model`` (dummy weights) with fusion on
+    (``backend``); rank 0 returns the target's results per scenario, the fusion op's counters and
+    status."""
     from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.fusion import FusionConfig
@@ -67,7 +69,7 @@ def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: s
     from tests.plan_follower import follow_plans
 
     fusion = FusionConfig(enabled=True, backend=backend, deterministic=True)
-    runner = ModelRunner(RunnerSettings(model_path="tiny", dtype=dtype, context_length=256, max_running_requests=40,
+    runner = ModelRunner(RunnerSettings(model_path=model, dtype=dtype, context_length=256, max_running_requests=40,
                                         kv_slots=8192, fusion=fusion), get_tp_group())
     try:
         if rank != 0:

@@ -191,9 +191,13 @@ class ModelRunner:
             if self.group.rank == 0:
                 logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
                             config.vocab_size - vocab, vocab)
-        if self.deterministic and config.num_experts and self.group.rank == 0:
-            logger.warning("deterministic mode: this MoE model's expert kernels are not batch-invariant, so its "
-                           "outputs may still depend on the batch")
+        # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
+        # gpt-oss's torch path; its Triton experts are not yet
+        if (self.deterministic and config.architecture == "GptOssForCausalLM" and self.device.type == "cuda"
+                and triton_available() and self.group.rank == 0):
+            logger.warning("deterministic mode: gpt-oss's expert kernel on the GPU (layers/moe/kernels/"
+                           "triton_mxfp4_moe.py) picks its tiles by the rows per expert, so this model's outputs may "
+                           "still depend on the batch")
         expected = type(self.model).hf_weight_shapes(config)
         total_bytes = sum(math.prod(shape) for shape in expected.values()) * self.dtype.itemsize
         progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=self.group.rank == 0)

@@ -30,7 +30,8 @@ class MoEExperts(nn.Module):
     """``forward(x [T, H], topk_weights fp32 [T, k], topk_ids [T, k]) ->`` this rank's partial
     ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` (a new ``[T, H]``). On GPU with triton: the fused
     MoE (layers/moe/kernels/triton_fused_moe.py) with ``combine`` "folded" (default) or "unfused";
-    elsewhere the torch reference (layers/moe/torch_experts.py)."""
+    elsewhere the torch reference (layers/moe/torch_experts.py). Both keep a token's bits its own
+    in batch-invariant mode (`layers.batch_invariant`; each module's docstring says how)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
@@ -78,9 +79,9 @@ class MoEExperts(nn.Module):
         routing that groups them itself), or None where the torch reference runs."""
         if not (self.w13_weight.is_cuda and triton_available()):
             return None
-        from arfusion.layers.moe.kernels.triton_fused_moe import default_block_config
+        from arfusion.layers.moe.kernels.triton_fused_moe import block_config
 
-        return default_block_config(tokens * top_k, self.num_experts).block_m
+        return block_config(tokens * top_k, self.num_experts).block_m
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:

@@ -15,15 +15,22 @@ The gate weight is replicated on every TP rank (``[E, hidden]``, small) and so i
 every rank computes it from the same all-reduced ``h``, so all ranks pick the same experts.
 On the GPU the routing runs in Triton (layers/moe/kernels/triton_router.py); this module's torch
 code is its reference and the CPU path.
+
+Batch-invariant mode (`layers.batch_invariant.enabled()`): a token's weights and ids must not
+depend on the other tokens. The Triton routing is so in both modes (fixed tiles and split of the
+hidden size, the partial logits added in split order, the softmax's sums over one layout at every
+batch size: triton_router.py's docstring). The torch path takes, in this mode, the logits from
+`batch_invariant.linear` (fp32) and the softmax's and the renormalisation's sums from
+`batch_invariant.tree_sum`; the max, the sort and the gather are exact in any order.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.linear import default_weight_loader
 from arfusion.layers.moe.align import ExpertBlocks
@@ -32,22 +39,30 @@ from arfusion.layers.moe.align import ExpertBlocks
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> ``(weights fp32 [T, top_k], ids int32 [T, top_k])`` by the module
     docstring's math (a stable descending sort gives the tie rule); the softmax and the
-    selection run in fp32 whatever ``logits``' dtype."""
+    selection run in fp32 whatever ``logits``' dtype; in batch-invariant mode the two sums by
+    `batch_invariant.tree_sum`."""
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"top_k must be in 1..{logits.shape[-1]} (the number of experts), got {top_k}")
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
+    fixed = batch_invariant.enabled()
+    if fixed:
+        exp = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        probs = exp / batch_invariant.tree_sum(exp).unsqueeze(-1)
+    else:
+        probs = torch.softmax(logits, dim=-1)
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = probs.gather(-1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = batch_invariant.tree_sum(weights) if fixed else weights.sum(dim=-1)
+        weights = weights / total.unsqueeze(-1)
     return weights, ids.to(torch.int32)
 
 
 def router_logits_torch(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``h [T, hidden]``, ``weight [E, hidden]`` -> fp32 ``[T, E]``: products and sums in fp32
-    (the products of two bf16 / fp16 numbers are exact in fp32)."""
-    return F.linear(hidden_states.float(), weight.float())
+    (the products of two bf16 / fp16 numbers are exact in fp32); `batch_invariant.linear`, so
+    row-invariant in batch-invariant mode."""
+    return batch_invariant.linear(hidden_states.float(), weight.float())
 
 
 class TopKRouter(nn.Module):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from arfusion.layers import batch_invariant
 from arfusion.layers.activation import SiluAndMul
 
 
@@ -33,7 +34,8 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     for expert, count in enumerate(counts):
         if count:
             slots = order[start:start + count]
-            y[slots] = act.forward_torch(x[slots // top_k] @ w13[expert].T) @ w2[expert].T
+            gate_up = batch_invariant.linear(x[slots // top_k], w13[expert])
+            y[slots] = batch_invariant.linear(act.forward_torch(gate_up), w2[expert])
             start += count
     return y.view(tokens, top_k, -1)
 
@@ -41,7 +43,10 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
 def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The unfused combine: ``y [T, k, H]``, ``topk_weights [T, k]`` -> a new ``[T, H]`` of y's
     dtype, ``sum_j w[t, j] * y[t, j]`` in fp32 (a batched ``[1, k] @ [k, H]`` per token, as one
-    reduction launch of an engine's MoE sum would do it), rounded once."""
+    reduction launch of an engine's MoE sum would do it), rounded once; in batch-invariant mode
+    the k fp32 products by `batch_invariant.tree_sum`'s fixed tree."""
+    if batch_invariant.enabled():
+        return batch_invariant.tree_sum((topk_weights.float()[:, :, None] * y.float()).transpose(1, 2)).to(y.dtype)
     return torch.bmm(topk_weights.float().unsqueeze(1), y.float()).squeeze(1).to(y.dtype)
 
 

@@ -33,6 +33,32 @@ verified here. These two launches depend on nothing but triton.
 
 Nothing is read back to the host and every size is a static bound (align.py): the launches can be
 captured in a CUDA graph.
+
+Batch-invariant mode (`layers.batch_invariant.enabled()`, ``--deterministic``): a token's output
+bits must not depend on the other tokens in the call. The default tiles follow the rows per expert
+(`default_block_config`), and with them the order of the sums: BLOCK_K, and the tensor-core
+instruction, since on Hopper Triton compiles ``tl.dot`` to wgmma when BLOCK_M is a multiple of 64
+with 4k warps and to mma.sync below, two instructions whose fp32 sums need not round alike. In
+this mode every launch takes `BATCH_INVARIANT_CONFIG` whatever the rows (only the grid follows
+them), and then every output element's sums run in an order fixed by the weight's shape:
+
+    act[r, n]  = for k0 = 0, BLOCK_K, 2 BLOCK_K, ... < H, in order: acc += the mma.sync products
+                 of x[t, k0:k0+BLOCK_K] and w13[e, n, k0:k0+BLOCK_K]   (the same instructions,
+                 the same k chunks, for row r at any position of any block: no exchange between
+                 rows; padding rows load zeros and are not stored)
+    p[s, n]    = the same for act[r] @ w2[e]^T, times w[s] in fp32
+    out[t, n]  = ((0 + p[tk]) + p[tk + 1]) + ... + p[tk + k - 1]   the folded combine, in slot
+                 order whichever program arrives last; "unfused": `combine_topk`'s fixed tree
+
+Only integer specialisations (the slot count's divisibility) and the counter-zeroing width
+change with the rows; compiled for sm90 by triton 3.9, both launches issue the same
+``mma.sync.m16n8k16`` dots at 1 to 512 tokens of Qwen3-30B-A3B (tests/test_moe_batch_invariant.py
+checks the instruction family offline; tests/gpu/test_moe_batch_invariant.py the bits). The
+routing (layers/moe/kernels/triton_router.py) has fixed tiles in both modes. The config is the
+default's decode tile (16-row blocks, chosen for up to 16 rows per expert: Qwen3-30B-A3B decodes
+up to 256 tokens a step with it in both modes, Mixtral up to 64), so those decode steps run the
+same expert kernels in both modes; larger batches (prefill) keep 16-row blocks, which re-read
+each expert's weights once per 16 rows.
 """
 from __future__ import annotations
 
@@ -44,6 +70,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert, max_padded_rows
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
@@ -77,6 +104,20 @@ def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
         return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64, block_k_down=64,
                               num_stages=4)
     return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64, block_k_down=64)
+
+
+# One tile for every row count in batch-invariant mode (module docstring): 16-row blocks (mma.sync
+# at 4 warps), K steps of 128 (gate/up) and 64 (down).
+BATCH_INVARIANT_CONFIG = MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64,
+                                        block_k_down=64)
+
+
+def block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
+    """The tiles `fused_moe` runs with: `BATCH_INVARIANT_CONFIG` in batch-invariant mode, else
+    `default_block_config`."""
+    if batch_invariant.enabled():
+        return BATCH_INVARIANT_CONFIG
+    return default_block_config(num_slots, num_experts)
 
 
 @triton.jit
@@ -209,7 +250,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``[T, H]`` of x's dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with this rank's
     shards ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (module docstring). ``combine``: "folded" (in
     launch 2's epilogue) or "unfused" (the torch combine after it). ``config``: tile sizes,
-    `default_block_config` by default. ``blocks``: the slots of ``topk_ids`` already grouped by
+    `block_config` by default (a config given in batch-invariant mode is the caller's choice). ``blocks``: the slots of ``topk_ids`` already grouped by
     expert in blocks of the config's ``block_m`` (the routing kernel's, layers/moe/kernels/triton_router.py);
     grouped here when None. Nothing is written in place; no host synchronisation."""
     if combine not in COMBINES:
@@ -221,7 +262,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
-    cfg = config or default_block_config(num_slots, num_experts)
+    cfg = config or block_config(num_slots, num_experts)
     if blocks is None:
         align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
         blocks = align(topk_ids, num_experts, cfg.block_m)

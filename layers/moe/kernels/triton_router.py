@@ -21,7 +21,14 @@ alignment cost one launch per layer. Larger batches take two launches (the parti
 grid, then their sum and the selection by blocks of tokens) and fused_moe's own alignment.
 
 Every tile size is fixed (never chosen by the token count), so a token's logits, weights and ids
-are the same bits whatever batch it is in and whichever path runs. The loops over the k rounds and
+are the same bits whatever batch it is in and whichever path runs (also what batch-invariant mode,
+``--deterministic``, needs; the mode changes nothing here): the logits' dot tile (16 x 16 x 128,
+4 warps: mma.sync), the split of the hidden size and the order of the partials' sum depend on
+(E, hidden) only; the max and min reductions are exact in any order; the two sums (the softmax's
+denominator, the renormalisation) reduce a [SELECT_T, E_POW2] and a [SELECT_T, K_POW2] tile, whose
+order is fixed by the tile's layout, and compiled for sm90 by triton 3.9 both kernels give those
+tiles one layout at every token count (tests/test_moe_routing_triton.py checks it offline, with
+no GPU, at 1 to 512 tokens on both paths). The loops over the k rounds and
 the splits are not unrolled, to keep the last program's code short: inside a decode step the
 launch took about twice its time alone (measured with the rounds unrolled), which instruction
 caches emptied by the kernels between two routing launches would explain (a guess, not measured).
