@@ -74,7 +74,8 @@ class GptOssRouter(TopKRouter):
     bf16 numbers is exact in fp32, so these are the fp32 logits of the reference up to the order
     of the fp32 sums, with no fp32 copy of W. Elsewhere the reference: fp32 logits
     (`router_logits_torch`, row-invariant in batch-invariant mode), then `route_topk_softmax`.
-    transformers rounds its logits to bf16 and takes the softmax in bf16; we keep them in fp32."""
+    transformers rounds its logits to the model's dtype and returns its softmax in it (and its
+    ``torch.topk`` states no tie rule); logits and weights stay fp32 here."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: Optional[torch.dtype],
                  device: Optional[torch.device]) -> None:
