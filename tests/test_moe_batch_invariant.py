@@ -20,7 +20,7 @@ of 128:
   wgmma at 2048 tokens (64-row blocks: why the default mode is not invariant); and the routing's
   two sums (softmax denominator, renormalisation) reduce tiles of one layout at 1 to 512 tokens,
   on the one-launch path (up to 256) and the two-launch path, at Qwen3-30B-A3B's and Mixtral's
-  routers. The GPU itself is checked by tests/gpu/test_moe_batch_invariant.py.
+  routers and gpt-oss-120b's (with its bias). The GPU itself is checked by tests/gpu/test_moe_batch_invariant.py.
 """
 import pytest
 import torch
@@ -118,7 +118,9 @@ def test_torch_path_is_row_invariant(dtype_name):
 # --- compiled for sm90, no GPU needed --------------------------------------------------------
 
 QWEN3 = (128, 2048, 768, 8)  # (experts, hidden, expert intermediate, top_k) of Qwen3-30B-A3B
-ROUTERS = {"qwen3-30b-a3b": (128, 2048, 8), "mixtral-8x7b": (8, 4096, 2)}  # (E, hidden, top_k)
+# (E, hidden, top_k, router bias); gpt-oss's router is the renormalised top-k with a bias
+ROUTERS = {"qwen3-30b-a3b": (128, 2048, 8, False), "mixtral-8x7b": (8, 4096, 2, False),
+           "gpt-oss-120b": (128, 2880, 4, True)}
 COMPILED_TOKENS = (1, 7, 64, 128, 512)
 
 
@@ -170,16 +172,17 @@ def test_sm90_default_tiles_switch_to_wgmma(offline, monkeypatch):
 def test_sm90_routing_sums_have_one_layout_at_every_batch(offline, monkeypatch, router):
     from arfusion.layers.moe.kernels import triton_router
 
-    experts, hidden, top_k = ROUTERS[router]
+    experts, hidden, top_k, has_bias = ROUTERS[router]
     kernels = [offline.RecordedKernel(getattr(triton_router, name)) for name in ("_route_kernel", "_select_kernel")]
     for kernel in kernels:
         monkeypatch.setattr(triton_router, kernel.fn.__name__, kernel)
     monkeypatch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
     g = torch.Generator().manual_seed(0)
     gate = torch.randn(experts, hidden, generator=g).bfloat16()
+    bias = torch.randn(experts, generator=g).bfloat16() if has_bias else None
     for tokens in (*COMPILED_TOKENS, triton_router.FUSED_MAX_TOKENS, triton_router.FUSED_MAX_TOKENS + 1):
         h = torch.randn(tokens, hidden, generator=g).bfloat16()
-        triton_router.route_triton(h, gate, top_k, True, torch.zeros(1, dtype=torch.int32), 16)
+        triton_router.route_triton(h, gate, top_k, True, torch.zeros(1, dtype=torch.int32), 16, bias)
     layouts: dict[tuple[str, ...], set[str]] = {}
     for kernel in kernels:
         for args, kwargs in kernel.calls:

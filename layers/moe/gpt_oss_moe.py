@@ -35,8 +35,9 @@ from torch import nn
 
 from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
-from arfusion.layers.linear import check_shape, default_weight_loader, divide
+from arfusion.layers.linear import check_shape, divide
 from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from arfusion.layers.moe.router import TopKRouter, router_logits_torch
 from arfusion.layers.moe.torch_experts import combine_topk
 from arfusion.layers.parallel_state import get_tp_group
 
@@ -47,7 +48,8 @@ EXPERT_TENSORS = ("gate_up", "gate_up_bias", "down", "down_bias", "gate_up_block
 
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``: the k largest logits (a
-    stable descending sort: equal ones in expert order), softmax over them."""
+    stable descending sort: equal ones in expert order), softmax over them; `GptOssRouter`'s
+    reference (its Triton routing equals it up to fp32 rounding: the class docstring)."""
     logits = logits.float()
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
     return torch.softmax(logits.gather(-1, ids), dim=-1), ids.to(torch.int32)
@@ -60,24 +62,29 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
-class GptOssRouter(nn.Module):
+class GptOssRouter(TopKRouter):
     """``forward(h [T, H]) -> (weights fp32 [T, k], ids int32 [T, k])`` (module docstring);
-    weight ``[E, H]`` and bias ``[E]`` replicated on every rank, logits in fp32."""
+    weight ``[E, H]`` and bias ``[E]`` in the model's dtype, replicated on every rank.
+
+    On a CUDA ``h`` with triton: `TopKRouter`'s one Triton launch with the bias and
+    renormalisation (layers/moe/kernels/triton_router.py; its docstring shows that the softmax
+    over the k chosen logits is the renormalised top-k of the full softmax, the same ids and
+    weights within fp32 rounding). Its dots multiply h and W in the model's dtype (bf16 for the
+    checkpoints, as transformers' router's F.linear) with fp32 accumulation: the product of two
+    bf16 numbers is exact in fp32, so these are the fp32 logits of the reference up to the order
+    of the fp32 sums, with no fp32 copy of W. Elsewhere the reference: fp32 logits
+    (`router_logits_torch`, row-invariant in batch-invariant mode), then `route_topk_softmax`.
+    transformers rounds its logits to the model's dtype and returns its softmax in it (and its
+    ``torch.topk`` states no tie rule); logits and weights stay fp32 here."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: Optional[torch.dtype],
                  device: Optional[torch.device]) -> None:
-        super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
-        self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        super().__init__(hidden_size, num_experts, top_k, renormalize=True, dtype=dtype, device=device, bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = batch_invariant.linear(hidden_states.float(), self.weight.float(), self.bias.float())
-        return route_topk_softmax(logits, self.top_k)
+        if self._triton(hidden_states):
+            return super().forward(hidden_states)
+        return route_topk_softmax(router_logits_torch(hidden_states, self.weight, self.bias), self.top_k)
 
 
 class GptOssExperts(nn.Module):

@@ -1,7 +1,8 @@
 """The MoE router: which ``top_k`` of ``E`` experts each token goes to, and with what weight.
 
-    logits  = h @ W_gate^T                       fp32 accumulation of the products of h and W_gate
-                                                 (both in the model's dtype), kept in fp32
+    logits  = h @ W_gate^T (+ b)                 fp32 accumulation of the products of h and W_gate
+                                                 (both in the model's dtype), kept in fp32; the
+                                                 bias b (gpt-oss's router has one) added in fp32
     probs   = softmax(logits)                    fp32, over all E experts
     ids     = the top_k largest logits           descending; equal logits: the lower expert first
     w       = probs[ids]                         ids: int32 [T, k], distinct per token
@@ -58,23 +59,26 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     return weights, ids.to(torch.int32)
 
 
-def router_logits_torch(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``h [T, hidden]``, ``weight [E, hidden]`` -> fp32 ``[T, E]``: products and sums in fp32
-    (the products of two bf16 / fp16 numbers are exact in fp32); `batch_invariant.linear`, so
-    row-invariant in batch-invariant mode."""
-    return batch_invariant.linear(hidden_states.float(), weight.float())
+def router_logits_torch(hidden_states: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h [T, hidden]``, ``weight [E, hidden]``, optional ``bias [E]`` -> fp32 ``[T, E]``:
+    products, sums and the bias's add in fp32 (the products of two bf16 / fp16 numbers are exact
+    in fp32); `batch_invariant.linear`, so row-invariant in batch-invariant mode."""
+    return batch_invariant.linear(hidden_states.float(), weight.float(), None if bias is None else bias.float())
 
 
 class TopKRouter(nn.Module):
     """``forward(h [T, hidden]) -> (weights fp32 [T, top_k], ids int32 [T, top_k])``; the gate
-    weight ``[num_experts, hidden]`` (in ``dtype``) is loaded whole on every rank.
+    weight ``[num_experts, hidden]`` (in ``dtype``) and, with ``bias``, a bias ``[num_experts]``
+    (in ``dtype``, added to the fp32 logits) are loaded whole on every rank.
 
     On a CUDA ``h`` with triton the routing is one Triton launch (`route` also groups the slots
     by expert for the grouped GEMM in it up to `triton_router.FUSED_MAX_SLOTS` slots); ``_counter``
     is that launch's arrival counter (int32, zero between calls: the launch resets it)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None, bias: bool = False
+                 ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
@@ -84,6 +88,10 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.bias: Optional[nn.Parameter] = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         self.register_buffer("_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def _triton(self, hidden_states: torch.Tensor) -> bool:
@@ -96,13 +104,16 @@ class TopKRouter(nn.Module):
         if self._triton(hidden_states):
             from arfusion.layers.moe.kernels.triton_router import route_triton
 
-            return route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter, block_m)
+            return route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter, block_m,
+                                self.bias)
         return (*self.forward(hidden_states), None)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton(hidden_states):
             from arfusion.layers.moe.kernels.triton_router import route_triton
 
-            weights, ids, _ = route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter)
+            weights, ids, _ = route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter,
+                                           bias=self.bias)
             return weights, ids
-        return select_experts(router_logits_torch(hidden_states, self.weight), self.top_k, self.renormalize)
+        return select_experts(router_logits_torch(hidden_states, self.weight, self.bias), self.top_k,
+                              self.renormalize)

@@ -14,6 +14,20 @@ share one gate row that wins every token):
 Then the routing captured in a CUDA graph and replayed with new inputs (against eager calls), and,
 printed with ``-s``, µs per call (CUDA graphs) of the routing before this kernel (fp32 F.linear,
 torch softmax + topk, the one-launch grouping) and of the one-launch routing.
+
+gpt-oss's router (a bias; softmax over the k chosen logits) at gpt-oss-20b's (32 experts) and
+gpt-oss-120b's (128 experts) shapes, hidden 2880, top-4, bf16 with a bf16 bias N(0, 1), the same
+token counts and ties (the tied experts also share their bias):
+- logits within (1e-4, 1e-4) of `router_logits_torch(h, W, b)`; ids equal to
+  `route_topk_softmax` of the kernel's own logits, weights within (2e-6, 2e-6) of its weights
+  (weights <= 1; the full softmax renormalised against the softmax of the k, and libdevice's
+  exp against torch's: a few fp32 ulps); the grouping, the counter and a second call as above;
+- batch invariance: a token's logits, weights and ids alone, in a batch of 32 and in one of 300
+  (two launches) are the same bits;
+- `GptOssRouter.forward` on CUDA captured in a CUDA graph and replayed with new inputs: the bits
+  of `route_triton` with the bias; then, printed with ``-s``, µs per call of gpt-oss's routing
+  before (fp32 copies of W and b, fp32 F.linear, sort, gather, softmax, int cast) and of
+  `GptOssRouter.forward`.
 """
 import pytest
 import torch
@@ -23,6 +37,7 @@ from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 pytest.importorskip("triton")
 
 from arfusion.layers.moe.align import align_by_expert  # noqa: E402
+from arfusion.layers.moe.gpt_oss_moe import GptOssRouter, route_topk_softmax  # noqa: E402
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
 from arfusion.layers.moe.kernels.triton_router import (FUSED_MAX_TOKENS, route_triton,  # noqa: E402
                                               route_triton_with_logits)
@@ -122,5 +137,109 @@ def test_timing_table():
             counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
             before = median_us_per_call(lambda: _routing_before(h, weight32, top_k), 1)
             after = median_us_per_call(lambda: route_triton(h, weight, top_k, True, counter, BLOCK_M), 1)
+            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  one launch {after:7.1f} us")
+    print("\n" + "\n".join(rows))
+
+
+# --- gpt-oss's router: a bias, softmax over the k chosen logits --------------------------------
+
+GPT_OSS = {"gpt-oss-20b": (32, 2880, 4), "gpt-oss-120b": (128, 2880, 4)}  # (E, hidden, top_k)
+GPT_OSS_WEIGHTS = dict(rtol=2e-6, atol=2e-6)
+
+
+def gpt_oss_inputs(shape: str, tokens: int, seed: int, ties: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, W, bias)`` in bf16: `inputs` at gpt-oss's shapes and a bias N(0, 1) (the tied
+    experts share one value)."""
+    experts, hidden, _ = GPT_OSS[shape]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, device=DEVICE)
+    weight = torch.randn(experts, hidden, generator=g, device=DEVICE) / hidden ** 0.5
+    bias = torch.randn(experts, generator=g, device=DEVICE)
+    if ties:
+        h += 1.0
+        weight[list(TIED)] = 4.0 * torch.rand(hidden, generator=g, device=DEVICE) / hidden ** 0.5
+        bias[list(TIED)] = 1.0
+    return h.bfloat16(), weight.bfloat16(), bias.bfloat16()
+
+
+GPT_OSS_CASES = [(s, t, False) for s in GPT_OSS for t in TOKENS] + [(s, 32, True) for s in GPT_OSS]
+
+
+@pytest.mark.parametrize("shape,tokens,ties", GPT_OSS_CASES)
+def test_gpt_oss_against_torch_reference(shape, tokens, ties):
+    experts, _, top_k = GPT_OSS[shape]
+    h, weight, bias = gpt_oss_inputs(shape, tokens, seed=tokens, ties=ties)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias)
+    assert int(counter) == 0
+    torch.testing.assert_close(logits, router_logits_torch(h, weight, bias), rtol=1e-4, atol=1e-4)
+    expected_weights, expected_ids = route_topk_softmax(logits, top_k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, **GPT_OSS_WEIGHTS)
+    if ties:
+        assert bool((ids[:, :len(TIED)] == torch.tensor(TIED, dtype=torch.int32, device=DEVICE)).all())
+    if tokens > FUSED_MAX_TOKENS:
+        assert blocks is None
+    else:
+        expected = align_by_expert(ids, experts, BLOCK_M)
+        for field in ("sorted_slots", "block_expert", "num_rows"):
+            assert torch.equal(getattr(blocks, field), getattr(expected, field)), field
+    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias)
+    assert torch.equal(again[0], weights) and torch.equal(again[1], ids) and torch.equal(again[3], logits)
+
+
+@pytest.mark.parametrize("shape", list(GPT_OSS))
+def test_gpt_oss_batch_invariant(shape):
+    """A token's bits alone, in a batch of 32 (one launch) and in a batch of 300 (two launches)."""
+    _, _, top_k = GPT_OSS[shape]
+    h, weight, bias = gpt_oss_inputs(shape, 300, seed=7)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    large = route_triton_with_logits(h, weight, top_k, True, counter, None, bias)
+    batch = route_triton_with_logits(h[:32], weight, top_k, True, counter, BLOCK_M, bias)
+    for t in (0, 13, 31):
+        alone = route_triton_with_logits(h[t:t + 1], weight, top_k, True, counter, BLOCK_M, bias)
+        for i in (0, 1, 3):
+            assert torch.equal(alone[i][0], batch[i][t]) and torch.equal(large[i][t], batch[i][t]), (t, i)
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_gpt_oss_router_module_in_a_cuda_graph(tokens):
+    """`GptOssRouter.forward` on CUDA is the one launch (the same bits as `route_triton` with its
+    bias), captured and replayed with new inputs."""
+    experts, hidden, top_k = GPT_OSS["gpt-oss-20b"]
+    static_h, weight, bias = gpt_oss_inputs("gpt-oss-20b", tokens, seed=1)
+    router = GptOssRouter(hidden, experts, top_k, torch.bfloat16, DEVICE)
+    router.weight.data.copy_(weight)
+    router.bias.data.copy_(bias)
+    graph, (weights, ids) = capture_cuda_graph(lambda: router(static_h))
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for seed in (2, 3):
+        h, _, _ = gpt_oss_inputs("gpt-oss-20b", tokens, seed=seed)
+        static_h.copy_(h)
+        graph.replay()
+        direct_weights, direct_ids, _ = route_triton(h, weight, top_k, True, counter, bias=bias)
+        assert torch.equal(weights, direct_weights) and torch.equal(ids, direct_ids)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert int(router._counter) == 0
+
+
+def _gpt_oss_routing_before(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
+    """gpt-oss's routing before the Triton router: fp32 copies of W and b on every call, the fp32
+    linear, a sort, a gather, a softmax and an int cast."""
+    logits = torch.nn.functional.linear(h.float(), weight.float(), bias.float())
+    route_topk_softmax(logits, top_k)
+
+
+def test_gpt_oss_timing_table():
+    rows = []
+    for shape, (experts, hidden, top_k) in GPT_OSS.items():
+        router = GptOssRouter(hidden, experts, top_k, torch.bfloat16, DEVICE)
+        for tokens in (1, 8, 32, 256):
+            h, weight, bias = gpt_oss_inputs(shape, tokens, seed=tokens)
+            router.weight.data.copy_(weight)
+            router.bias.data.copy_(bias)
+            before = median_us_per_call(lambda: _gpt_oss_routing_before(h, weight, bias, top_k), 1)
+            after = median_us_per_call(lambda: router(h), 1)
             rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  one launch {after:7.1f} us")
     print("\n" + "\n".join(rows))

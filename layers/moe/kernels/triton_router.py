@@ -4,7 +4,8 @@ math and its reference are layers/moe/router.py's (`router_logits_torch`, `selec
 
     logits[t, e] = sum over splits s (in increasing s) of sum_c h[t, c] * W[e, c] over the split's
                    SPLIT_WIDTH columns c: tensor-core products of the model's dtype, fp32
-                   accumulation; kept in fp32 (fp32 inputs: IEEE fp32 dots)
+                   accumulation; kept in fp32 (fp32 inputs: IEEE fp32 dots); then + fp32(b[e]) when
+                   a router bias b is given (gpt-oss), one rounding after the sum
     p[t]         = softmax(logits[t])         fp32
     ids[t, j]    = k rounds of: the largest logit not yet taken, the lowest expert index among
                    equal ones (a max, then a min over the experts that reach it): no sort
@@ -33,6 +34,18 @@ the splits are not unrolled, to keep the last program's code short: inside a dec
 launch took about twice its time alone (measured with the rounds unrolled), which instruction
 caches emptied by the kernels between two routing launches would explain (a guess, not measured).
 
+gpt-oss (layers/moe/gpt_oss_moe.py) routes with a bias and a softmax over the k chosen logits
+only: w[t, j] = exp(l_j - m) / sum over the chosen i of exp(l_i - m), m the largest chosen logit,
+which is the row's max. With p = softmax(l) = exp(l - m) / Z, p_j / sum_i p_i is that same
+number (Z cancels), so it is this routing with the bias and renormalisation: the same ids (both
+choose by the logits; its reference's stable descending sort also takes equal logits lowest index
+first) and weights that differ by fp32 rounding only: the exp of the same fp32 difference l_j - m
+(libdevice's exp here, torch's there), then two divisions (by Z, and by the sum of the k
+quotients) where the reference has one, and the sums in other orders. Under the interpreter
+tests/test_gpt_oss_router_triton.py measured at most 1.8e-7 on weights <= 1 and bounds it at
+(1e-6, 1e-6). Z is in [1, E], so dividing by it first underflows nothing but weights below
+E * 1.2e-38.
+
 Why our own kernel: flashinfer 0.7.2's routing (``trtllm_gen_routing``, the routing inside
 ``trtllm_bf16_moe``, ``alphamoe_fused_router``) belongs to its trtllm-gen / AlphaMoE fused-MoE
 modules, which target Blackwell (sm100 / sm103) and are absent from the GPU bundle (a JIT build of
@@ -60,10 +73,11 @@ NUM_WARPS = 4  # two rows of logits per warp at 128 experts: short chains of in-
 
 
 @triton.jit
-def _sum_partials(part_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K: tl.constexpr, SELECT_T: tl.constexpr,
-                  E_POW2: tl.constexpr):
-    """logits[t] = sum over splits s, in increasing s, of part[s, t] for t in t0..t0+SELECT_T-1
-    (stored, fp32), returned with -inf in the columns past num_experts."""
+def _sum_partials(part_ptr, bias_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K: tl.constexpr,
+                  SELECT_T: tl.constexpr, E_POW2: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """logits[t] = sum over splits s, in increasing s, of part[s, t], then + fp32(bias) when
+    HAS_BIAS, for t in t0..t0+SELECT_T-1 (stored, fp32), returned with -inf in the columns past
+    num_experts."""
     offs_t = t0 + tl.arange(0, SELECT_T)
     experts = tl.arange(0, E_POW2)
     mask = (offs_t < tokens)[:, None] & (experts < num_experts)[None, :]
@@ -71,6 +85,8 @@ def _sum_partials(part_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K: tl.con
     logits = tl.zeros([SELECT_T, E_POW2], dtype=tl.float32)
     for s in range(SPLIT_K):
         logits += tl.load(part_ptr + s * tokens * num_experts + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + experts, mask=experts < num_experts, other=0.0).to(tl.float32)[None, :]
     tl.store(logits_ptr + offs, logits, mask=mask)
     return tl.where((experts < num_experts)[None, :], logits, float("-inf"))
 
@@ -155,13 +171,13 @@ def _group_by_expert(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, 
 
 
 @triton.jit
-def _route_kernel(h_ptr, w_ptr, part_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, sorted_slots_ptr,
+def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, sorted_slots_ptr,
                   block_expert_ptr, num_rows_ptr, tokens, hidden, num_experts, stride_h, stride_w, max_rows, max_blocks,
                   TOPK: tl.constexpr, K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,
                   SELECT_T: tl.constexpr, E_POW2: tl.constexpr, FUSED: tl.constexpr, ALIGN: tl.constexpr,
                   ALIGN_BLOCK_M: tl.constexpr, FILL: tl.constexpr, BLOCK_CHUNK: tl.constexpr, FP32_DOT: tl.constexpr,
-                  LIBDEVICE_EXP: tl.constexpr):
+                  LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -191,7 +207,8 @@ def _route_kernel(h_ptr, w_ptr, part_ptr, logits_ptr, counter_ptr, weights_ptr, 
             tl.debug_barrier()  # the acquire above orders the peers' partials before this CTA's reads
             counts = tl.zeros([E_POW2], dtype=tl.int32)
             for t0 in range(0, tokens, SELECT_T):
-                logits = _sum_partials(part_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K, SELECT_T, E_POW2)
+                logits = _sum_partials(part_ptr, bias_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K, SELECT_T,
+                                       E_POW2, HAS_BIAS)
                 taken = _select_rows(logits, weights_ptr, ids_ptr, t0, tokens, num_experts, TOPK, K_POW2,
                                      RENORMALIZE, SELECT_T, E_POW2, LIBDEVICE_EXP)
                 counts += tl.sum(taken, axis=0)
@@ -203,16 +220,18 @@ def _route_kernel(h_ptr, w_ptr, part_ptr, logits_ptr, counter_ptr, weights_ptr, 
 
 
 @triton.jit
-def _select_kernel(part_ptr, logits_ptr, weights_ptr, ids_ptr, tokens, num_experts, TOPK: tl.constexpr,
+def _select_kernel(part_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, tokens, num_experts, TOPK: tl.constexpr,
                    K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr, SELECT_T: tl.constexpr,
-                   E_POW2: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                   E_POW2: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr):
     t0 = tl.program_id(0) * SELECT_T
-    logits = _sum_partials(part_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K, SELECT_T, E_POW2)
+    logits = _sum_partials(part_ptr, bias_ptr, logits_ptr, t0, tokens, num_experts, SPLIT_K, SELECT_T, E_POW2,
+                           HAS_BIAS)
     _select_rows(logits, weights_ptr, ids_ptr, t0, tokens, num_experts, TOPK, K_POW2, RENORMALIZE, SELECT_T, E_POW2,
                  LIBDEVICE_EXP)
 
 
-def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, counter: torch.Tensor) -> None:
+def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, counter: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> None:
     if hidden_states.dim() != 2 or weight.dim() != 2 or hidden_states.shape[1] != weight.shape[1]:
         raise ValueError(f"routing needs h [T, hidden] and a gate weight [E, hidden]; got {tuple(hidden_states.shape)} "
                          f"and {tuple(weight.shape)}")
@@ -226,14 +245,19 @@ def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int,
     if counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != hidden_states.device:
         raise ValueError(f"the routing counter must be int32 on {hidden_states.device}, got {counter.dtype} "
                          f"on {counter.device}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous() or not bias.is_floating_point()
+                             or bias.device != hidden_states.device):
+        raise ValueError(f"the router bias must be a contiguous float [{weight.shape[0]}] on {hidden_states.device}, "
+                         f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
 
 
 def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                             counter: torch.Tensor, block_m: Optional[int] = None
+                             counter: torch.Tensor, block_m: Optional[int] = None,
+                             bias: Optional[torch.Tensor] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks], torch.Tensor]:
     """`route_triton` and the fp32 logits ``[T, E]`` it selected from (the module docstring's
-    ``logits``, for tests against the reference)."""
-    _check_inputs(hidden_states, weight, top_k, counter)
+    ``logits``, bias included, for tests against the reference)."""
+    _check_inputs(hidden_states, weight, top_k, counter, bias)
     tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
     device = hidden_states.device
@@ -256,22 +280,22 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
         slot_args = (blocks.sorted_slots, blocks.block_expert, blocks.num_rows, max_rows, blocks.max_blocks)
     else:
         blocks = None
-        slot_args = (ids, ids, ids, 0, 0)  # not touched without ALIGN
+        slot_args = (ids, ids, ids, 0, 0)  # not touched without ALIGN (nor bias_ptr without a bias)
     interpret = triton.knobs.runtime.interpret
     # Under the interpreter every dot runs in fp32 (its dot multiplies bf16 bit patterns); products
     # of two bf16 / fp16 numbers are exact in fp32, so the math is kept.
     fp32_dot = hidden_states.dtype == torch.float32 or interpret
     grid = triton.cdiv(tokens, BLOCK_T) * triton.cdiv(num_experts, BLOCK_E) * split_k
     _route_kernel[(grid,)](
-        hidden_states, weight, partials, logits, counter, weights, ids, *slot_args[:3], tokens, hidden, num_experts,
-        hidden_states.stride(0), weight.stride(0), *slot_args[3:], TOPK=top_k, K_POW2=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
+        hidden_states, weight, logits if bias is None else bias, partials, logits, counter, weights, ids,
+        *slot_args[:3], tokens, hidden, num_experts, hidden_states.stride(0), weight.stride(0), *slot_args[3:],
+        TOPK=top_k, K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT_K=split_k,
         SPLIT_WIDTH=SPLIT_WIDTH, SELECT_T=_select_tokens(num_experts), E_POW2=triton.next_power_of_2(num_experts),
         FUSED=fused, ALIGN=align, ALIGN_BLOCK_M=block_m or 1, FILL=FILL,
         BLOCK_CHUNK=max(1, BLOCK_ELEMENTS // triton.next_power_of_2(num_experts)), FP32_DOT=fp32_dot,
-        LIBDEVICE_EXP=not interpret, num_warps=NUM_WARPS, num_stages=2)
+        LIBDEVICE_EXP=not interpret, HAS_BIAS=bias is not None, num_warps=NUM_WARPS, num_stages=2)
     if not fused:
-        _launch_select(partials, logits, weights, ids, top_k, renormalize)
+        _launch_select(partials, logits, weights, ids, top_k, renormalize, bias)
     return weights, ids, blocks, logits
 
 
@@ -290,29 +314,31 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
-        _launch_select(logits[None], torch.empty_like(logits), weights, ids, top_k, renormalize)
+        _launch_select(logits[None], torch.empty_like(logits), weights, ids, top_k, renormalize, None)
     return weights, ids
 
 
 def _launch_select(partials: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   top_k: int, renormalize: bool) -> None:
-    """``logits = partials.sum(0)`` (in order), then the selection, by blocks of tokens."""
+                   top_k: int, renormalize: bool, bias: Optional[torch.Tensor]) -> None:
+    """``logits = partials.sum(0)`` (in order) ``+ bias``, then the selection, by blocks of tokens."""
     split_k, tokens, num_experts = partials.shape
     select_t = _select_tokens(num_experts)
     _select_kernel[(triton.cdiv(tokens, select_t),)](
-        partials, logits, weights, ids, tokens, num_experts, TOPK=top_k, K_POW2=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, SPLIT_K=split_k, SELECT_T=select_t, E_POW2=triton.next_power_of_2(num_experts),
-        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS)
+        partials, logits if bias is None else bias, logits, weights, ids, tokens, num_experts, TOPK=top_k,
+        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, SPLIT_K=split_k, SELECT_T=select_t, E_POW2=triton.next_power_of_2(num_experts),
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, HAS_BIAS=bias is not None, num_warps=NUM_WARPS)
 
 
 def route_triton(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                 counter: torch.Tensor, block_m: Optional[int] = None
+                 counter: torch.Tensor, block_m: Optional[int] = None, bias: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
-    """``h [T, hidden]``, gate ``weight [E, hidden]`` (h's dtype) -> new ``(weights fp32 [T, k],
-    ids int32 [T, k], blocks)`` by the module docstring; ``blocks``: the slots grouped by expert
+    """``h [T, hidden]``, gate ``weight [E, hidden]`` (h's dtype) and optional ``bias [E]`` (any
+    float dtype, added to the fp32 logits) -> new ``(weights fp32 [T, k], ids int32 [T, k],
+    blocks)`` by the module docstring; ``blocks``: the slots grouped by expert
     in ``block_m``-row blocks (equal to `layers.moe.align.align_by_expert`'s) when ``block_m`` is
     given and the batch takes the one-launch path, else None. ``counter``: int32, zero on entry,
     zero again once the launch ends (the caller owns it; one routing at a time per counter). No
     host synchronisation; capturable in a CUDA graph."""
-    weights, ids, blocks, _ = route_triton_with_logits(hidden_states, weight, top_k, renormalize, counter, block_m)
+    weights, ids, blocks, _ = route_triton_with_logits(hidden_states, weight, top_k, renormalize, counter, block_m,
+                                                       bias)
     return weights, ids, blocks
