@@ -4,20 +4,25 @@
 
 Starts a server (default: the built-in tiny model) on loopback and measures one client's
 streamed tokens per second (a greedy stream of ``--tokens`` tokens, ``ignore_eos``) alone and
-while two other clients send, back to back, each of these abusive requests:
+while two other clients send, back to back, each of these requests:
 
-    (control)         the same long stream without stop strings: what two other streams cost anyway
-    largest allowed   64 stop strings of 1024 random characters, a long stream (served)
-    40,000 stops      40,000 stop strings (refused: 400)
-    500,000 chars     one stop string of 500,000 characters (refused: 400)
+    (control)            a 400-token stream without stop strings: what two other streams cost anyway
+    largest allowed      the same stream with 64 stop strings of 1024 random characters (served)
+    1 token (control)    a 1-token stream without stop strings: what a flood of short requests costs anyway
+    largest, 1 token     the same with the largest list: an automaton to make for every request
+    40,000 stops         40,000 stop strings (refused: 400)
+    500,000 chars        one stop string of 500,000 characters (refused: 400)
 
 The scenarios take turns, ``--repeats`` rounds. Prints a table of the victim's median tokens/s
-per scenario and its ratio to the median alone. On a loaded machine the end-to-end rates are
-noisy, so it also measures what a stop list costs the thread that runs every request: the
-median time of one `Request.release` (one token's detokenization and stop-string check) of a
-request with each list (a list the server refuses is constructed directly where the checkout
-allows it, else reported refused). Both tables go to ``--out`` as JSON. Run it in another
-checkout (``PYTHONPATH=that/checkout``) for that code's numbers.
+per scenario, its ratio to the median alone, and, for a served stop list, to its control: the
+victim among the same number of the same requests without stop strings, so that the ratio is
+what the stop strings cost (the two others' decode steps share the batch in both). On a loaded
+machine the end-to-end rates are noisy, so it also measures what a stop list costs the thread
+that runs every request: the median time of one `Request.release` (one token's detokenization
+and stop-string check) of a request with each list, and the time to make its stop-string
+automaton (a list the server refuses is constructed directly where the checkout allows it, else
+reported refused). Both tables go to ``--out`` as JSON. Run it in another checkout
+(``PYTHONPATH=that/checkout``) for that code's numbers.
 """
 from __future__ import annotations
 
@@ -54,10 +59,32 @@ def stop_lists(seed: int) -> dict[str, list[str]]:
     }
 
 
+LONG_CONTROL, SHORT_CONTROL = "2 streams, no stop strings (control)", "1-token requests, no stops (control)"
+CONTROLS = {"largest allowed (64 x 1024 chars)": LONG_CONTROL, "largest, 1-token requests": SHORT_CONTROL}
+
+
 def abusive_bodies(seed: int) -> dict[str, Optional[dict[str, Any]]]:
     base = {"prompt": "The stop strings are many", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    return {"alone": None, "2 streams, no stop strings (control)": base,
-            **{name: {**base, "stop": stops} for name, stops in stop_lists(seed).items()}}
+    lists = stop_lists(seed)
+    largest = lists["largest allowed (64 x 1024 chars)"]
+    return {"alone": None, LONG_CONTROL: base, SHORT_CONTROL: {**base, "max_tokens": 1},
+            **{name: {**base, "stop": stops} for name, stops in lists.items()},
+            "largest, 1-token requests": {**base, "max_tokens": 1, "stop": largest}}
+
+
+def build_cost_us(stops: list[str]) -> Optional[float]:
+    """Median microseconds (of 5) to make the stop-string automaton of a request with ``stops``
+    (`SamplingParams.stop_strings`); None when the params are refused."""
+    times = []
+    for _ in range(5):
+        try:
+            params = SamplingParams(max_tokens=1, stop=tuple(stops))
+        except ValueError:
+            return None
+        start = time.perf_counter()
+        params.stop_strings
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
 
 
 def release_cost_us(stops: list[str], tokens: int = 400) -> Optional[float]:
@@ -126,12 +153,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     rows = serving_rows(url, port, args) if not args.release_only else []
-    costs = {"no stop strings": release_cost_us([])} | {name: release_cost_us(stops) for name, stops in stop_lists(0).items()}
-    print(f"\n{'stop list':36} {'one release, us':>16}")
+    lists = {"no stop strings": []} | stop_lists(0)
+    costs = {name: release_cost_us(stops) for name, stops in lists.items()}
+    builds = {name: build_cost_us(stops) for name, stops in lists.items()}
+    print(f"\n{'stop list':36} {'one release, us':>16} {'automaton, us':>14}")
     for name, cost in costs.items():
-        print(f"{name:36} {'refused' if cost is None else f'{cost:.1f}':>16}")
+        print(f"{name:36} {'refused' if cost is None else f'{cost:.1f}':>16} "
+              f"{'refused' if builds[name] is None else f'{builds[name]:.1f}':>14}")
     Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "server_flags": args.server_flags,
-                                          "rows": rows, "release_us": costs}, indent=2) + "\n")
+                                          "rows": rows, "release_us": costs, "automaton_us": builds}, indent=2) + "\n")
 
 
 def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -150,12 +180,15 @@ def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    alone = statistics.median(rates["alone"])
-    rows = [{"scenario": name, "victim_tokens_per_s": round(statistics.median(r), 2), "ratio": round(statistics.median(r) / alone, 3),
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    rows = [{"scenario": name, "victim_tokens_per_s": round(median[name], 2), "ratio": round(median[name] / median["alone"], 3),
+             "vs_control": round(median[name] / median[CONTROLS[name]], 3) if name in CONTROLS else None,
              "runs": [round(x, 2) for x in r], "abusive_requests_sent": sent[name]} for name, r in rates.items()]
-    print(f"{'scenario':36} {'victim tok/s':>12} {'vs alone':>9} {'abusive sent':>13}")
+    print(f"{'scenario':38} {'victim tok/s':>12} {'vs alone':>9} {'vs control':>11} {'others sent':>12}")
     for row in rows:
-        print(f"{row['scenario']:36} {row['victim_tokens_per_s']:12.1f} {row['ratio']:9.3f} {row['abusive_requests_sent']:13d}")
+        vs_control = f"{row['vs_control']:.3f}" if row["vs_control"] is not None else ""
+        print(f"{row['scenario']:38} {row['victim_tokens_per_s']:12.1f} {row['ratio']:9.3f} {vs_control:>11} "
+              f"{row['abusive_requests_sent']:12d}")
     return rows
 
 

@@ -4,6 +4,7 @@ The automaton agrees with a brute-force search (the first stop string to end in 
 longest of those ending there; text that may still grow into one held back) however the text is
 cut into tokens."""
 import random
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -29,12 +30,13 @@ def brute_cut(stops: list[str], text: str, floor: int) -> tuple[int | None, int]
     return None, held
 
 
+@pytest.mark.parametrize("longest", [6, 40])  # 40: deep states, long failure chains (few letters)
 @pytest.mark.parametrize("seed", range(40))
-def test_the_automaton_agrees_with_a_brute_force_search(seed: int):
-    rng = random.Random(seed)
+def test_the_automaton_agrees_with_a_brute_force_search(seed: int, longest: int):
+    rng = random.Random(seed * 100 + longest)
     alphabet = "abc" if seed % 2 else "ab"
-    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 8))]
-    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, longest))) for _ in range(rng.randint(1, 8))]
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10 * longest)))
     floor = rng.randint(0, len(text))
     automaton, state, fed, cut = StopStrings(stops), 0, 0, None
     while fed < len(text) and cut is None:  # the text arrives in random pieces
@@ -42,9 +44,30 @@ def test_the_automaton_agrees_with_a_brute_force_search(seed: int):
         state, cut = automaton.scan(state, piece, fed, floor)
         fed = len(piece)
         if cut is None:
-            assert automaton.depth[state] == brute_cut(stops, piece, len(piece))[1]
+            assert automaton.depth(state) == brute_cut(stops, piece, len(piece))[1]
     expected = brute_cut(stops, text, floor)[0]
     assert cut == expected
+
+
+def test_building_the_automaton_does_not_grow_with_the_list():
+    """The automaton is built lazily: making it for the largest list allowed (64 x 1024
+    characters) takes about as long as for 64 one-character strings (a sort), not the ~100 ms an
+    eager build takes, during which it held the GIL of every thread of the server (a flood of
+    short requests with such lists slowed other clients' streams to a third)."""
+    rng = random.Random(3)
+    largest = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(MAX_STOP_STRING_CHARS))
+               for _ in range(MAX_STOP_STRINGS)]
+    smallest = [chr(ord("!") + i) for i in range(MAX_STOP_STRINGS)]
+
+    def build_s(stops: list[str]) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            StopStrings(stops)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    assert build_s(largest) < 20 * build_s(smallest) + 1e-3
 
 
 class ArmedStops(tuple):
@@ -70,7 +93,7 @@ def test_a_request_never_scans_its_stop_list_per_token(armed, min_tokens: int):
     stops = ArmedStops(["".join(rng.choice("xyz") for _ in range(MAX_STOP_STRING_CHARS))
                         for _ in range(MAX_STOP_STRINGS - 1)] + ["cd"])
     params = SamplingParams(max_tokens=20, min_tokens=min_tokens, stop=stops)
-    assert len(params.stop_strings.depth) > MAX_STOP_STRINGS  # built before the request runs
+    assert params.stop_strings is params.stop_strings  # made (a sort of the list) before the request runs
     armed.armed = True
     tokenizer = build_tiny_tokenizer()
     req = Request([1, 2], params, emit=lambda chunk: None)

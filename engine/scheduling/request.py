@@ -120,7 +120,7 @@ class Request:
             self.finish_reason = "stop"
             releasable = self.text
         elif self.finish_reason is None:
-            held = self.params.stop_strings.depth[self._stop_state] if self.params.stop else 0
+            held = self.params.stop_strings.depth(self._stop_state) if self.params.stop else 0
             releasable = self.text[: max(len(self.released_text), len(self.text) - held)]
         else:
             releasable = self.text

@@ -101,8 +101,10 @@ class Tokenizer:
     @cached_property
     def _text_only(self) -> HFTokenizer:
         """A copy of the tokenizer that splits special tokens' texts like any other text (made at
-        first use, after any tokens were added; a copy, so that no shared flag flips between threads)."""
+        first use, after any tokens were added; a copy, so that no shared flag flips between threads).
+        It shares the tokenizer's model, whose settings (its word cache's capacity) JSON does not keep."""
         copy = HFTokenizer.from_str(self.tokenizer.to_str())
+        copy.model = self.tokenizer.model
         copy.encode_special_tokens = True
         return copy
 
@@ -161,7 +163,11 @@ def gpt2_bytes_to_unicode() -> dict[int, str]:
 def build_tiny_tokenizer() -> Tokenizer:
     """The built-in byte-level tokenizer (deterministic; see the module docstring)."""
     vocab = {ch: byte for byte, ch in gpt2_bytes_to_unicode().items()}
-    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No word cache: the pre-tokenizer does not split the text (use_regex=False), so a "word" is a
+    # whole text, and the cache (by default 10,000 words of under 256 characters, a few KiB each)
+    # would keep every distinct short prompt, about 46 MiB of them once full; with no merges it
+    # saves nothing.
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[], cache_capacity=0))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(list(TINY_SPECIAL_TOKENS))

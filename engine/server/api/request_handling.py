@@ -115,11 +115,7 @@ class RequestHandler:
             raise APIError(400, str(exc)) from exc
 
     async def start(self, ids: list[int], params: SamplingParams) -> Started:
-        """Submit and wait for the first chunk, so that an engine failure is still an HTTP error.
-        The stop-string automaton is built first, in a worker thread (up to tens of milliseconds
-        for the longest lists), not in the thread that runs every request's steps."""
-        if params.stop:
-            await asyncio.to_thread(lambda: params.stop_strings)
+        """Submit and wait for the first chunk, so that an engine failure is still an HTTP error."""
         chunks = None
         try:
             chunks = self.engine.generate(ids, params)
