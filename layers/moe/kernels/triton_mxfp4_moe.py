@@ -20,10 +20,7 @@ operand; rows of tokens are the MMA's M side, at least 16 rows of which one is r
 or ``(W @ x^T)^T`` (the dequantized weight tile the left operand, which Hopper's MMAs take from
 registers, and the few token rows the N side, ``block_m`` as small as 1: Triton pads to the MMA's
 8). With one-row token blocks the products can also skip the MMAs (`Mxfp4MoEConfig.fma`): fp32
-FMAs on the CUDA cores into a ``[BLOCK_N, K-piece]`` accumulator, its rows summed at the end;
-with the word decoder each word's eight unscaled products are summed first and its scale applied
-once to that sum (a power of two: exact while the sum stays in fp32's normal range, which real
-scales and activations keep).
+FMAs on the CUDA cores into a ``[BLOCK_N, K-piece]`` accumulator, its rows summed at the end.
 Either way every output element is one fp32 sum over its K range in a fixed order.
 
 MXFP4 in registers, two decoders (`Mxfp4MoEConfig.word_decode`), both exact:
@@ -237,9 +234,7 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
     starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
     MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight), module
     docstring; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile. FMA: products into the
-    accumulators ``[BLOCK_N, K of a piece]`` (`_zero_acc`) instead of dots; with the word decoder
-    the eight unscaled pieces (E2M1 * 2^-14) first, then each word's sum times its scale factor
-    once (a power of two), one multiply a word instead of one a weight."""
+    accumulators ``[BLOCK_N, K of a piece]`` (`_acc_shape`) instead of dots."""
     if MXFP4:
         if WORD:
             kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -247,27 +242,15 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
             words, factor = _words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn)
             if PAIR:
                 words_up, factor_up = _words(w_ptr, scales_ptr, up_rows, row_mask, kw, k_words, stride_wn, stride_sn)
-            if FMA:
-                part = tl.zeros_like(acc)
-                part_up = tl.zeros_like(acc)
             for q in tl.static_range(4):
                 pairs = _word_pairs(words, q)
                 if PAIR:
                     pairs_up = _word_pairs(words_up, q)
                 for high in tl.static_range(2):
                     xk = _load_x(x_base, x_valid, 8 * kw + q + 4 * high, k_size, SWAP)
-                    if FMA:
-                        part = _mma(_fp16_half(pairs, high), xk, part, SWAP, FMA)
-                        if PAIR:
-                            part_up = _mma(_fp16_half(pairs_up, high), xk, part_up, SWAP, FMA)
-                    else:
-                        acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP, FMA)
-                        if PAIR:
-                            acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP, FMA)
-            if FMA:
-                acc += part * factor
-                if PAIR:
-                    acc_up += part_up * factor_up
+                    acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP, FMA)
+                    if PAIR:
+                        acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP, FMA)
         else:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             even, odd = _byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
