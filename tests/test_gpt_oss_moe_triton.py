@@ -1,16 +1,12 @@
 """gpt-oss's experts in Triton (layers/moe/kernels/triton_mxfp4_moe.py), bf16-form and MXFP4
 weights, against the torch reference (`GptOssExperts.forward_torch`) under Triton's CPU
 interpreter, fp32 activations (the interpreter's bf16 dots multiply bit patterns; bf16 runs in
-tests/gpu/test_gpt_oss_gpu.py and tests/gpu/test_mxfp4_moe_variants.py). One spawned child with
-TRITON_INTERPRET=1; skipped without triton. Routing: random top-4 of 8 experts, some experts
-without tokens, token counts across one and several row blocks; weights and biases seeded random,
-gate/up spread to reach the SwiGLU's clamps. Every variant of `Mxfp4MoEConfig` (CONFIGS): the
-default tiles at hidden = intermediate = 64 (one K-tile, masked columns); small tiles at hidden 96
-(several K-tiles and column tiles, a masked K tail); the word decoder, the weight as the left
-operand (swap) with token blocks of 8, 4 and 1 rows, the CUDA-core products (fma) and K splits of
-the down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and
-intermediate 96 or 160 (two K-tiles of 128, the second masked). MXFP4 scales 2^-4 .. 2^-2, or
-2^-9 .. 2^0 with some scale bytes 0 (2^-127).
+tests/gpu/test_gpt_oss_gpu.py). One spawned child with TRITON_INTERPRET=1; skipped without
+triton. Routing: random top-4 of 8 experts, some experts without tokens, token counts across
+one and several row blocks; weights and biases seeded random, gate/up spread to reach the
+SwiGLU's clamps. Shapes: hidden = intermediate = 64 with the default tiles (one K-tile, masked
+columns), and hidden 96 with small tiles (several K-tiles and column tiles, a masked K tail);
+MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0 with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
 tensors (gate/up interleaved) through `GptOssExperts.weight_loader` and runs the kernel on its
@@ -18,10 +14,9 @@ share; the two partial outputs summed equal the whole experts computed in fp32 f
 tensors (even rows gate, odd rows up, the down bias once), at the same tolerance.
 
 Tolerance: rtol = atol = 1e-4. The dequantized weights are exact, but the kernel sums each
-fp32 dot in its own order (per K-tile and decoder piece: even and odd columns, or the eight
-residues mod 8; per K split) where the reference sums the whole row: pre-activations of tens
-differ by a few fp32 ulps, which the SwiGLU's slope (up to about 8) and the down projection
-carry to the outputs (up to a few hundred here). Measured
+fp32 dot in its own order (even columns, then odd ones, per K-tile) where the reference sums
+the whole row: pre-activations of tens differ by a few fp32 ulps, which the SwiGLU's slope (up
+to about 8) and the down projection carry to the outputs (up to a few hundred here). Measured
 on the 2-core CPU: at most a quarter of the tolerance (the wide-scale case), the others a tenth
 or less."""
 import pytest
@@ -44,10 +39,6 @@ CONFIGS = {
                       swap=True, word_decode=True, split_k_down=3),
     "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                          swap=True, word_decode=True, split_k_down=2),
-    "fma_word": dict(block_m=1, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                     swap=True, word_decode=True, fma=True, split_k_down=2),
-    "fma": dict(block_m=1, block_n_gate_up=32, block_k_gate_up=64, block_n_down=32, block_k_down=32, swap=True,
-                fma=True),
 }
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
@@ -58,8 +49,6 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (1, True, 160, 160, "swap_word", False), (3, True, 160, 160, "swap_word", True),
          (8, True, 160, 160, "swap_word", False), (33, True, 160, 160, "swap_word", False),
          (1, True, 160, 160, "swap_word_m1", False), (3, True, 160, 160, "swap_word_m1", True),
-         (1, True, 160, 160, "fma_word", False), (3, True, 160, 160, "fma_word", True),
-         (1, True, 96, 96, "fma", False), (3, False, 96, 96, "fma", False),
          (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
          (33, False, 96, 96, "swap", False)]
 

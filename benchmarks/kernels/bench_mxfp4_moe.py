@@ -80,9 +80,7 @@ def sweep_candidates(tokens: int) -> list[dict]:
     """The variants ``--sweep`` times at ``tokens`` (overrides of the default, module docstring):
     the weight as the left operand (swap) with the word decoder over token blocks near the rows
     per expert, row tiles matched to the warps (16 rows a warp), K steps of 128 .. 512, K splits
-    of the down projection; up to a token per expert also one-row blocks, with MMAs and with the
-    products on the CUDA cores (fma); the word decoder alone in the default orientation; the swap
-    alone."""
+    of the down projection; the word decoder alone in the default orientation; the swap alone."""
     rows = tokens * TOP_K / MODELS["gpt-oss-20b"]
     block_m = min(64, max(8, 1 << max(0, (int(rows) - 1).bit_length())))
     swap = dict(swap=True, word_decode=True, block_m=block_m)
@@ -95,12 +93,6 @@ def sweep_candidates(tokens: int) -> list[dict]:
     if rows <= 4:
         out.append(dict(swap, block_m=1, block_n_gate_up=32, block_k_gate_up=256, block_n_down=32, block_k_down=256,
                         num_warps=2, num_stages=3))
-    if rows <= 1:  # one-row token blocks with the products on the CUDA cores
-        fma = dict(swap, block_m=1, fma=True)
-        out += [dict(fma, block_n_gate_up=n, block_k_gate_up=k, block_n_down=n, block_k_down=k, num_warps=w,
-                     num_stages=s, split_k_down=split)
-                for n, k, w, s, split in [(16, 256, 1, 3, 1), (32, 256, 2, 3, 1), (64, 256, 4, 3, 1), (32, 512, 2, 2, 1),
-                                          (64, 128, 4, 4, 1), (32, 256, 2, 3, 2), (128, 256, 4, 3, 1)]]
     out.append(dict(word_decode=True))
     out.append(dict(swap=True, block_m=block_m))
     return out
@@ -167,7 +159,7 @@ def describe(row: dict) -> str:
         return "(the default's fields)"
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
-             "split_k_down": "split", "fma": "fma"}
+             "split_k_down": "split"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 

@@ -1,6 +1,6 @@
 """Every variant of gpt-oss's experts kernel (layers/moe/kernels/triton_mxfp4_moe.py:
 `Mxfp4MoEConfig`'s swap, word decoder, token blocks down to one row, K splits of the down
-projection, CUDA-core products) on one GPU at gpt-oss-20b's expert shapes (hidden 2880, intermediate 2880, 8 of its
+projection) on one GPU at gpt-oss-20b's expert shapes (hidden 2880, intermediate 2880, 8 of its
 32 experts to keep the test short, top-4), bf16 activations, MXFP4 and bf16-form weights, 1 / 3
 / 8 / 33 tokens, against `GptOssExperts.forward_torch` on the same weights: relative RMS error
 at most 1e-2 (bf16: one rounding of each product chain in a different order, as
@@ -20,8 +20,6 @@ VARIANTS = {
                             num_warps=4, swap=True, word_decode=True, split_k_down=2),
     "swap_word_m1": dict(block_m=1, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                          num_warps=2, swap=True, word_decode=True, split_k_down=3),
-    "fma_word": dict(block_m=1, block_n_gate_up=32, block_k_gate_up=256, block_n_down=32, block_k_down=256,
-                     num_warps=2, swap=True, word_decode=True, fma=True, split_k_down=2),
     "swap_bytes": dict(block_m=16, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                        swap=True),
     "word": dict(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,

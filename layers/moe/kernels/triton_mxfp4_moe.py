@@ -19,9 +19,7 @@ Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight ti
 operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
 or ``(W @ x^T)^T`` (the dequantized weight tile the left operand, which Hopper's MMAs take from
 registers, and the few token rows the N side, ``block_m`` as small as 1: Triton pads to the MMA's
-8). With one-row token blocks the products can also skip the MMAs (`Mxfp4MoEConfig.fma`): fp32
-FMAs on the CUDA cores into a ``[BLOCK_N, K-piece]`` accumulator, its rows summed at the end.
-Either way every output element is one fp32 sum over its K range in a fixed order.
+8). Either way every output element is one fp32 accumulator over its K range in a fixed order.
 
 MXFP4 in registers, two decoders (`Mxfp4MoEConfig.word_decode`), both exact:
 
@@ -81,8 +79,7 @@ class Mxfp4MoEConfig:
     (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per program
     (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at least
     128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``: MXFP4
-    decoded from 32-bit words; ``split_k_down``: K splits of the down projection; ``fma``: the
-    products in fp32 FMAs on the CUDA cores instead of MMAs (needs swap and block_m 1)."""
+    decoded from 32-bit words; ``split_k_down``: K splits of the down projection."""
 
     block_m: int
     block_n_gate_up: int
@@ -94,7 +91,6 @@ class Mxfp4MoEConfig:
     swap: bool = False
     word_decode: bool = False
     split_k_down: int = 1
-    fma: bool = False
 
 
 def experts_block_config(num_slots: int, num_experts: int) -> Mxfp4MoEConfig:
@@ -123,8 +119,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be a power of two, got {value}")
     if not cfg.swap and cfg.block_m < 16:
         raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
-    if cfg.fma and not (cfg.swap and cfg.block_m == 1):
-        raise ValueError(f"fma=True needs swap=True and block_m 1, got swap={cfg.swap}, block_m {cfg.block_m}")
     if cfg.split_k_down < 1:
         raise ValueError(f"split_k_down must be at least 1, got {cfg.split_k_down}")
     least = (128 if cfg.word_decode else 32) if mxfp4 else 16
@@ -146,14 +140,11 @@ def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _mma(w_nk, xk, acc, SWAP: tl.constexpr, FMA: tl.constexpr):
+def _mma(w_nk, xk, acc, SWAP: tl.constexpr):
     """``acc + x @ w_nk^T`` for ``w_nk [N, K]`` (any float dtype) and ``xk`` from `_load_x`: SWAP
     ``acc [N, M] + w_nk @ xk`` (xk ``[K, M]``), else ``acc [M, N] + xk @ w_nk^T`` (xk ``[M, K]``).
-    The dot in x's dtype (fp32 at IEEE precision), fp32 accumulation. FMA (SWAP, one token row):
-    ``acc [N, K] + w_nk * x`` in fp32 FMAs on the CUDA cores, the sum over k left to the caller."""
-    if FMA:
-        acc = acc + w_nk.to(tl.float32) * tl.reshape(xk, [1, xk.shape[0]]).to(tl.float32)
-    elif xk.dtype == tl.float32:
+    The dot in x's dtype (fp32 at IEEE precision), fp32 accumulation."""
+    if xk.dtype == tl.float32:
         if SWAP:
             acc = tl.dot(w_nk.to(tl.float32), xk, acc, input_precision="ieee")
         else:
@@ -227,14 +218,13 @@ def _byte_halves(w_ptr, scales_ptr, rows, row_mask, kb0, k_size, stride_wn, stri
 @triton.jit
 def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
                 acc_up, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr,
-                FMA: tl.constexpr, PAIR: tl.constexpr):
+                PAIR: tl.constexpr):
     """``(acc, acc_up)`` plus one K-tile (columns k0 .. k0 + BLOCK_K - 1) of ``x @ W[rows]^T``
     (transposed when SWAP) and, when PAIR, of ``x @ W[up_rows]^T`` into ``acc_up`` on the same
     activation loads (else acc_up is returned as given): ``x_base`` pointers at the token rows'
     starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
     MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight), module
-    docstring; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile. FMA: products into the
-    accumulators ``[BLOCK_N, K of a piece]`` (`_acc_shape`) instead of dots."""
+    docstring; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile."""
     if MXFP4:
         if WORD:
             kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -248,9 +238,9 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
                     pairs_up = _word_pairs(words_up, q)
                 for high in tl.static_range(2):
                     xk = _load_x(x_base, x_valid, 8 * kw + q + 4 * high, k_size, SWAP)
-                    acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP, FMA)
+                    acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP)
                     if PAIR:
-                        acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP, FMA)
+                        acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP)
         else:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             even, odd = _byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
@@ -258,51 +248,22 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
                 even_up, odd_up = _byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
                                                stride_sn, BLOCK_K)
             xk = _load_x(x_base, x_valid, 2 * kb, k_size, SWAP)
-            acc = _mma(even, xk, acc, SWAP, FMA)
+            acc = _mma(even, xk, acc, SWAP)
             if PAIR:
-                acc_up = _mma(even_up, xk, acc_up, SWAP, FMA)
+                acc_up = _mma(even_up, xk, acc_up, SWAP)
             xk = _load_x(x_base, x_valid, 2 * kb + 1, k_size, SWAP)
-            acc = _mma(odd, xk, acc, SWAP, FMA)
+            acc = _mma(odd, xk, acc, SWAP)
             if PAIR:
-                acc_up = _mma(odd_up, xk, acc_up, SWAP, FMA)
+                acc_up = _mma(odd_up, xk, acc_up, SWAP)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (k < k_size)[None, :]
         xk = _load_x(x_base, x_valid, k, k_size, SWAP)
-        acc = _mma(tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc, SWAP, FMA)
+        acc = _mma(tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc, SWAP)
         if PAIR:
             acc_up = _mma(tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc_up,
-                          SWAP, FMA)
+                          SWAP)
     return acc, acc_up
-
-
-@triton.jit
-def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-              WORD: tl.constexpr, SWAP: tl.constexpr, FMA: tl.constexpr):
-    """A zero fp32 accumulator: ``[BLOCK_N, BLOCK_M]`` when SWAP, ``[BLOCK_M, BLOCK_N]`` else;
-    FMA ``[BLOCK_N, K of one piece]`` (BLOCK_K / 8 words, BLOCK_K / 2 bytes, or BLOCK_K), summed
-    over its second axis by `_finish_acc`."""
-    if FMA:
-        if MXFP4:
-            if WORD:
-                acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    elif SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _finish_acc(acc, FMA: tl.constexpr):
-    """FMA: the ``[BLOCK_N, 1]`` sums of the accumulator's rows; else the accumulator."""
-    if FMA:
-        acc = tl.sum(acc, axis=1)[:, None]
-    return acc
 
 
 @triton.jit
@@ -310,7 +271,7 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
                     num_slots, hidden, inter, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                     stride_be, stride_act,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, FMA: tl.constexpr):
+                    MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(inter, BLOCK_N)
     block = pid // num_n
@@ -326,12 +287,14 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
     n_mask = offs_n < inter
     gate_rows = offs_n.to(tl.int64)
     up_rows = gate_rows + inter
-    acc_gate = _zero_acc(BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, WORD, SWAP, FMA)
+    if SWAP:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc_gate)
     for k0 in range(0, hidden, BLOCK_K):
         acc_gate, acc_up = _accumulate(x_base, valid, w_expert, s_expert, gate_rows, up_rows, n_mask, k0, hidden,
-                                       stride_wn, stride_sn, acc_gate, acc_up, BLOCK_K, MXFP4, WORD, SWAP, FMA, True)
-    acc_gate, acc_up = _finish_acc(acc_gate, FMA), _finish_acc(acc_up, FMA)
+                                       stride_wn, stride_sn, acc_gate, acc_up, BLOCK_K, MXFP4, WORD, SWAP, True)
     dot_ty = act_ptr.dtype.element_ty
     gate_b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     up_b = tl.load(bias_ptr + expert * stride_be + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -356,8 +319,7 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
                  num_slots, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be,
                  stride_split, stride_slot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, FMA: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -374,13 +336,15 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     rows = offs_n.to(tl.int64)
-    acc = _zero_acc(BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, WORD, SWAP, FMA)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_per_split = tl.cdiv(tl.cdiv(inter, BLOCK_K), SPLIT_K) * BLOCK_K
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, inter), BLOCK_K):
         acc, _ = _accumulate(act_base, valid, w_expert, s_expert, rows, rows, n_mask, k0, inter, stride_wn, stride_sn,
-                             acc, acc, BLOCK_K, MXFP4, WORD, SWAP, FMA, False)
-    acc = _finish_acc(acc, FMA)
+                             acc, acc, BLOCK_K, MXFP4, WORD, SWAP, False)
     slots64 = slots.to(tl.int64)
     if HAS_BIAS:  # split 0 adds it
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -450,7 +414,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         s13, s2 = w13, w2  # unused
         w13_strides = s13_strides = (w13.stride(0), w13.stride(1))
         w2_strides = s2_strides = (w2.stride(0), w2.stride(1))
-    variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap, FMA=cfg.fma, num_warps=cfg.num_warps,
+    variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages)
     act = x.new_empty(blocks.sorted_slots.shape[0], inter)
     _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
