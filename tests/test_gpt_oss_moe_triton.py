@@ -1,12 +1,17 @@
 """gpt-oss's experts in Triton (layers/moe/kernels/triton_mxfp4_moe.py), bf16-form and MXFP4
 weights, against the torch reference (`GptOssExperts.forward_torch`) under Triton's CPU
 interpreter, fp32 activations (the interpreter's bf16 dots multiply bit patterns; bf16 runs in
-tests/gpu/test_gpt_oss_gpu.py). One spawned child with TRITON_INTERPRET=1; skipped without
-triton. Routing: random top-4 of 8 experts, some experts without tokens, token counts across
-one and several row blocks; weights and biases seeded random, gate/up spread to reach the
-SwiGLU's clamps. Shapes: hidden = intermediate = 64 with the default tiles (one K-tile, masked
-columns), and hidden 96 with small tiles (several K-tiles and column tiles, a masked K tail);
-MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0 with some scale bytes 0 (2^-127).
+tests/gpu/test_gpt_oss_gpu.py and tests/gpu/test_mxfp4_moe_variants.py). One spawned child with
+TRITON_INTERPRET=1; skipped without triton. Routing: random top-4 of 8 experts, some experts
+without tokens, token counts across one and several row blocks; weights and biases seeded random,
+gate/up spread to reach the SwiGLU's clamps. Every variant of `Mxfp4MoEConfig` (CONFIGS): the
+default tiles at hidden = intermediate = 64 (one K-tile, masked columns; at 33 and 40 tokens, 16
+and more rows per expert, the default is the weight as the left operand with the word decoder);
+small tiles at hidden 96 (several K-tiles and column tiles, a masked K tail); the word decoder,
+the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and K splits of the
+down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
+96 or 160 (two K-tiles of 128, the second masked). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
+with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
 tensors (gate/up interleaved) through `GptOssExperts.weight_loader` and runs the kernel on its
@@ -14,9 +19,10 @@ share; the two partial outputs summed equal the whole experts computed in fp32 f
 tensors (even rows gate, odd rows up, the down bias once), at the same tolerance.
 
 Tolerance: rtol = atol = 1e-4. The dequantized weights are exact, but the kernel sums each
-fp32 dot in its own order (even columns, then odd ones, per K-tile) where the reference sums
-the whole row: pre-activations of tens differ by a few fp32 ulps, which the SwiGLU's slope (up
-to about 8) and the down projection carry to the outputs (up to a few hundred here). Measured
+fp32 dot in its own order (per K-tile and decoder piece: even and odd columns, or the eight
+residues mod 8; per K split) where the reference sums the whole row: pre-activations of tens
+differ by a few fp32 ulps, which the SwiGLU's slope (up to about 8) and the down projection
+carry to the outputs (up to a few hundred here). Measured
 on the 2-core CPU: at most a quarter of the tolerance (the wide-scale case), the others a tenth
 or less."""
 import pytest

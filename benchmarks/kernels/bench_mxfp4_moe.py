@@ -116,7 +116,7 @@ def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
     rows = []
     for config in configs:
-        used = config or experts_block_config(tokens * TOP_K, experts.num_experts)
+        used = config or experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
         row = {"tokens": tokens, "default": config is None, "config": dataclasses.asdict(used),
                "active_experts": active, "bytes": nbytes, "floor_us": floor_us}
         try:
@@ -187,7 +187,7 @@ def main() -> None:
         for model in args.models:
             experts = make_experts(MODELS[model], args.weights == "mxfp4", seed=0)
             for tokens in args.tokens:
-                base = experts_block_config(tokens * TOP_K, experts.num_experts)
+                base = experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
                 overrides = list(args.configs) + (sweep_candidates(tokens) if args.sweep else [])
                 configs = [None] + [dataclasses.replace(base, **o) for o in overrides]
                 default_us = None

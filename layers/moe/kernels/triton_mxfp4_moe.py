@@ -93,22 +93,34 @@ class Mxfp4MoEConfig:
     split_k_down: int = 1
 
 
-def experts_block_config(num_slots: int, num_experts: int) -> Mxfp4MoEConfig:
-    """Tiles by the mean rows per expert (``num_slots / num_experts``). Decode-sized groups (at
-    most 16): 16-row blocks and 32-column tiles, so that even one token's 4 experts give
-    4 * 2880 / 32 = 360 programs streaming weights over 132 SMs; larger groups taller blocks,
-    64-column tiles and 8 warps (with 4, gate/up at 32 x 64 x 128 needs 224 registers a thread).
-    block_k 128: 64 bytes of each MXFP4 row per step. Speeds: benchmarks/kernels/bench_mxfp4_moe.py
-    (``--sweep`` times the other variants beside these)."""
+def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True) -> Mxfp4MoEConfig:
+    """Tiles by the mean rows per expert (``num_slots / num_experts``), chosen by the sweep of
+    benchmarks/kernels/bench_mxfp4_moe.py (``--sweep``) at gpt-oss-20b's shapes on 1 × H200,
+    MXFP4 weights (µs per call; the best of 7 to 14 configurations at each point):
+
+        tokens  rows/expert  chosen                                         µs     % of 4.8 TB/s
+        1       0.125        x @ W^T, bytes, m 16, n 32, k 128, 4 warps     85.2   12.9
+        8       1            (the same)                                     335.5  17.2
+        32      4            (the same)                                     544.8  15.9
+        128     16           W @ x^T, words, m 16, n 64, k 256, 4 warps     868.3  10.2 (1.30x)
+        512     64           W @ x^T, words, m 64, n 64, k 256, 4 warps     1457.2 6.1  (2.75x)
+
+    (the speed-ups over the tiles used before: x @ W^T with the byte decoder, m 16 / 32). Up
+    to 4 rows no variant beat the tiles of the first row (the weight as the left operand, the word decoder,
+    token blocks of 8 or 1, K splits, 16 .. 128 rows and K steps of 128 .. 512 were all slower).
+    The switch points between the measured rows (8 and 32 rows per expert) are not measured.
+    bf16-form weights (not swept) keep the tiles from before: 16-row blocks up to 16 rows per
+    expert, then 32 and 64, 64-column tiles and 8 warps past 16 rows."""
     rows_per_expert = num_slots / num_experts
+    if mxfp4 and rows_per_expert > 8:
+        return Mxfp4MoEConfig(block_m=16 if rows_per_expert <= 32 else 64, block_n_gate_up=64, block_k_gate_up=256,
+                              block_n_down=64, block_k_down=256, num_warps=4, num_stages=3, swap=True,
+                              word_decode=True)
     if rows_per_expert <= 16:
         return Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                               num_warps=4, num_stages=4)
-    if rows_per_expert <= 64:
-        return Mxfp4MoEConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                              num_warps=8, num_stages=3)
-    return Mxfp4MoEConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                          num_warps=8, num_stages=3)
+    return Mxfp4MoEConfig(block_m=32 if rows_per_expert <= 64 else 64, block_n_gate_up=64, block_k_gate_up=128,
+                          block_n_down=64, block_k_down=128, num_warps=8, num_stages=3)
 
 
 def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
@@ -397,7 +409,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
-    cfg = config or experts_block_config(num_slots, num_experts)
+    cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4)
     check_config(cfg, experts.mxfp4)
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
     blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
