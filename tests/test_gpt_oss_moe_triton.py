@@ -22,9 +22,9 @@ Tolerance: rtol = atol = 1e-4. The dequantized weights are exact, but the kernel
 fp32 dot in its own order (per K-tile and decoder piece: even and odd columns, or the eight
 residues mod 8; per K split) where the reference sums the whole row: pre-activations of tens
 differ by a few fp32 ulps, which the SwiGLU's slope (up to about 8) and the down projection
-carry to the outputs (up to a few hundred here). Measured
-on the 2-core CPU (the largest ``|out - ref| / (atol + rtol * |ref|)`` of a case): at most 0.6 (wide
-scales at hidden 160), 0.33 or less without wide scales."""
+carry to the outputs (up to a few hundred here). Measured on the 2-core CPU (the largest
+``|out - ref| / (atol + rtol * |ref|)`` of a case): at most 0.6 (wide scales at hidden 160),
+0.33 or less without wide scales."""
 import pytest
 import torch
 
