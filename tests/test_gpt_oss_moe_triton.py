@@ -1,12 +1,17 @@
 """gpt-oss's experts in Triton (layers/moe/kernels/triton_mxfp4_moe.py), bf16-form and MXFP4
 weights, against the torch reference (`GptOssExperts.forward_torch`) under Triton's CPU
 interpreter, fp32 activations (the interpreter's bf16 dots multiply bit patterns; bf16 runs in
-tests/gpu/test_gpt_oss_gpu.py). One spawned child with TRITON_INTERPRET=1; skipped without
-triton. Routing: random top-4 of 8 experts, some experts without tokens, token counts across
-one and several row blocks; weights and biases seeded random, gate/up spread to reach the
-SwiGLU's clamps. Shapes: hidden = intermediate = 64 with the default tiles (one K-tile, masked
-columns), and hidden 96 with small tiles (several K-tiles and column tiles, a masked K tail);
-MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0 with some scale bytes 0 (2^-127).
+tests/gpu/test_gpt_oss_gpu.py and tests/gpu/test_mxfp4_moe_variants.py). One spawned child with
+TRITON_INTERPRET=1; skipped without triton. Routing: random top-4 of 8 experts, some experts
+without tokens, token counts across one and several row blocks; weights and biases seeded random,
+gate/up spread to reach the SwiGLU's clamps. Every variant of `Mxfp4MoEConfig` (CONFIGS): the
+default tiles at hidden = intermediate = 64 (one K-tile, masked columns; at 33 and 40 tokens, 16
+and more rows per expert, the default is the weight as the left operand with the word decoder);
+small tiles at hidden 96 (several K-tiles and column tiles, a masked K tail); the word decoder,
+the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and K splits of the
+down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
+96 or 160 (two K-tiles of 128, the second masked). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
+with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
 tensors (gate/up interleaved) through `GptOssExperts.weight_loader` and runs the kernel on its
@@ -14,24 +19,44 @@ share; the two partial outputs summed equal the whole experts computed in fp32 f
 tensors (even rows gate, odd rows up, the down bias once), at the same tolerance.
 
 Tolerance: rtol = atol = 1e-4. The dequantized weights are exact, but the kernel sums each
-fp32 dot in its own order (even columns, then odd ones, per K-tile) where the reference sums
-the whole row: pre-activations of tens differ by a few fp32 ulps, which the SwiGLU's slope (up
-to about 8) and the down projection carry to the outputs (up to a few hundred here). Measured
-on the 2-core CPU: at most a quarter of the tolerance (the wide-scale case), the others a tenth
-or less."""
+fp32 dot in its own order (per K-tile and decoder piece: even and odd columns, or the eight
+residues mod 8; per K split) where the reference sums the whole row: pre-activations of tens
+differ by a few fp32 ulps, which the SwiGLU's slope (up to about 8) and the down projection
+carry to the outputs (up to a few hundred here). Measured on the 2-core CPU (the largest
+``|out - ref| / (atol + rtol * |ref|)`` of a case): at most 0.6 (wide scales at hidden 160),
+0.33 or less without wide scales."""
 import pytest
 import torch
 
 from tests.dist_utils import run_under_triton_interpreter
 
 RTOL = ATOL = 1e-4
-SMALL_TILES = dict(block_m=16, block_n_gate_up=16, block_k_gate_up=64, block_n_down=16, block_k_down=32,
-                   num_warps=4, num_stages=1)
-# (tokens, mxfp4, hidden, small_tiles: SMALL_TILES instead of the default tiles, wide_scales)
-CASES = [(1, False, 64, False, False), (5, True, 64, False, False), (40, True, 64, False, False),
-         (40, False, 64, False, False), (3, True, 96, True, False), (21, True, 96, True, True),
-         (21, False, 96, True, False)]
-
+# the kernel's configurations (`Mxfp4MoEConfig` fields; None: the default tiles): every variant,
+# token blocks of 16 .. 1 rows, K splits of the down projection that leave a split empty or not
+CONFIGS = {
+    "default": None,
+    "small": dict(block_m=16, block_n_gate_up=16, block_k_gate_up=64, block_n_down=16, block_k_down=32, num_warps=4,
+                  num_stages=1),
+    "word": dict(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
+                 word_decode=True),
+    "swap": dict(block_m=4, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, swap=True,
+                 split_k_down=2),
+    "swap_word": dict(block_m=8, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64, block_k_down=128,
+                      swap=True, word_decode=True, split_k_down=3),
+    "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
+                         swap=True, word_decode=True, split_k_down=2),
+}
+# (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
+CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
+         (40, True, 64, 64, "default", False), (33, False, 64, 64, "default", False),
+         (3, True, 96, 64, "small", False), (21, True, 96, 64, "small", True), (21, False, 96, 64, "small", False),
+         (1, True, 160, 160, "word", False), (33, True, 160, 160, "word", True),
+         (3, True, 96, 96, "swap", False), (8, True, 96, 96, "swap", True),
+         (1, True, 160, 160, "swap_word", False), (3, True, 160, 160, "swap_word", True),
+         (8, True, 160, 160, "swap_word", False), (33, True, 160, 160, "swap_word", False),
+         (1, True, 160, 160, "swap_word_m1", False), (3, True, 160, 160, "swap_word_m1", True),
+         (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
+         (33, False, 96, 96, "swap", False)]
 
 def fill_experts(experts, seed: int) -> None:
     """Seeded random weights in place: bf16-form weights N(0, 0.5) on gate/up, N(0, 0.1) on down;
@@ -46,17 +71,23 @@ def fill_experts(experts, seed: int) -> None:
             p.data.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def make_config(name: str):
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig
+
+    return None if CONFIGS[name] is None else Mxfp4MoEConfig(**CONFIGS[name])
+
+
 def _interpreted(rank: int, world: int) -> dict:
     import triton
 
     from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
-    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     assert triton.knobs.runtime.interpret
     results = {}
-    for seed, (tokens, mxfp4, hidden, small_tiles, wide) in enumerate(CASES):
-        experts = GptOssExperts(8, hidden, 64, 1.702, 7.0, mxfp4, torch.float32, None)
+    for seed, case in enumerate(CASES):
+        tokens, mxfp4, hidden, inter, config, wide = case
+        experts = GptOssExperts(8, hidden, inter, 1.702, 7.0, mxfp4, torch.float32, None)
         fill_experts(experts, seed)
         g = torch.Generator().manual_seed(100 + seed)
         if wide:
@@ -66,29 +97,28 @@ def _interpreted(rank: int, world: int) -> dict:
         x = torch.randn(tokens, hidden, generator=g)
         ids = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(tokens)]).to(torch.int32)  # experts 6, 7 idle
         weights = torch.softmax(torch.randn(tokens, 4, generator=g), dim=-1)
-        config = MoEBlockConfig(**SMALL_TILES) if small_tiles else None
-        results[(tokens, mxfp4, hidden, small_tiles, wide)] = (gpt_oss_experts_triton(x, experts, weights, ids, config),
-                                                               experts.forward_torch(x, weights, ids))
+        results[case] = (gpt_oss_experts_triton(x, experts, weights, ids, make_config(config)),
+                         experts.forward_torch(x, weights, ids))
     return results
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    return run_under_triton_interpreter(_interpreted)
+    return run_under_triton_interpreter(_interpreted, timeout_s=600)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "tokens{}-{}-hidden{}{}{}".format(
-    c[0], "mxfp4" if c[1] else "bf16form", c[2], "-small_tiles" if c[3] else "", "-wide_scales" if c[4] else ""))
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "tokens{}-{}-hidden{}-inter{}-{}{}".format(
+    c[0], "mxfp4" if c[1] else "bf16form", c[2], c[3], c[4], "-wide_scales" if c[5] else ""))
 def test_matches_torch_reference(interpreted, case):
     out, expected = interpreted[case]
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
 
 
-# TP shards: (tiles as above or SMALL_TILES, hidden, full intermediate); each rank's share of the
+# TP shards: (configuration as above, hidden, full intermediate); each rank's share of the
 # intermediate is a multiple of 32, one group (32) or several (64, 96)
-TP_CASES = [(False, 64, 128), (True, 96, 192), (True, 64, 64)]
+TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128)]
 
 
 def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:
@@ -128,20 +158,18 @@ def _full_reference(full: dict, x: torch.Tensor, weights: torch.Tensor, ids: tor
 
 def _interpreted_shard(rank: int, world: int) -> dict:
     from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
-    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     partials = {}
-    for seed, (small_tiles, hidden, inter) in enumerate(TP_CASES):
+    for seed, (config, hidden, inter) in enumerate(TP_CASES):
         experts = GptOssExperts(4, hidden, inter, 1.702, 7.0, True, torch.float32, None)
         params = {"gate_up_blocks": experts.w13_blocks, "gate_up_scales": experts.w13_scales,
                   "gate_up_bias": experts.w13_bias, "down_blocks": experts.w2_blocks, "down_scales": experts.w2_scales,
                   "down_bias": experts.w2_bias}
         for shard_id, tensor in _full_checkpoint(hidden, inter, seed).items():
             experts.weight_loader(params[shard_id], tensor, shard_id)
-        config = MoEBlockConfig(**SMALL_TILES) if small_tiles else None
         x, weights, ids = _routing(hidden, 50 + seed)
-        partials[(small_tiles, hidden, inter)] = gpt_oss_experts_triton(x, experts, weights, ids, config)
+        partials[(config, hidden, inter)] = gpt_oss_experts_triton(x, experts, weights, ids, make_config(config))
     return partials
 
 
@@ -152,8 +180,7 @@ def interpreted_shards():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: "{}hidden{}-intermediate{}".format(
-    "small_tiles-" if c[0] else "", c[1], c[2]))
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: "{}-hidden{}-intermediate{}".format(*c))
 def test_tp2_shards_sum_to_the_full_experts(interpreted_shards, case):
     """Each TP2 rank's kernel output on its shard (sharded by `GptOssExperts.weight_loader`), summed
     over the ranks, is the full experts' output from the checkpoint's tensors (RTOL, ATOL)."""

@@ -3,22 +3,27 @@
 bf16 activations, MXFP4 weights kept (``--weights bf16`` for the bf16 form). Random weights
 (MXFP4 bytes uniform, scales 2^-9 .. 2^-5; bf16 N(0, 0.02)), random biases and top-4 routing.
 
-For each token count: µs per call, the median of 10 replays of a CUDA graph of CALLS calls,
-each with its own routing, so consecutive calls mostly read other experts' weights (no L2
-reuse from the call before); the weight bytes a call reads (its active experts' weights,
-biases and scales, the mean over the CALLS routings); the time that takes at 4.8 TB/s and the
-share of 4.8 TB/s reached; and, against `GptOssExperts.forward_torch` on the same weights, the
-relative RMS error of the first call's output (bf16 roundings in another order: about 5e-3).
+For each token count and each configuration (the default, `experts_block_config`, first): µs per
+call, the median of 10 replays of a CUDA graph of CALLS calls, each with its own routing, so
+consecutive calls mostly read other experts' weights (no L2 reuse from the call before); the
+weight bytes a call reads (its active experts' weights, biases and scales, the mean over the
+CALLS routings); the time that takes at 4.8 TB/s and the share of 4.8 TB/s reached; the speed-up
+over the default; against `GptOssExperts.forward_torch` on the same weights, the relative RMS
+error of the first call's output (bf16 roundings in another order: about 5e-3); and whether two
+eager calls gave the same bits ("det"). A configuration that fails to compile or run prints its
+error in its row and the run goes on.
 
-    python -m arfusion.benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --json out/bench_mxfp4_moe.json
+    python -m arfusion.benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --out out/bench_mxfp4_moe.json
 
-``--tiles`` times other tiles too (each ``BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,WARPS,STAGES``,
-e.g. ``16,64,128,64,128,4,4``), one row per tile set after the default tiles' row ("default":
-`experts_block_config`).
+``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
+fields that replace the default's at each token count, e.g. ``swap=1,word_decode=1,block_m=8``
+or ``block_n_down=64,split_k_down=2,num_stages=4``. ``--sweep`` adds this file's candidate list
+(`sweep_candidates`: the variants by token count) after them.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -57,26 +62,46 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
 
 
-def parse_tiles(text: str):
-    """``"16,32,128,32,128,4,4"`` -> a `MoEBlockConfig` (fields in its order)."""
-    from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+def parse_overrides(text: str) -> dict:
+    """``"swap=1,block_m=8"`` -> ``{"swap": True, "block_m": 8}`` (`Mxfp4MoEConfig` fields)."""
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig
 
-    values = [int(v) for v in text.split(",")]
-    if len(values) != 7:
-        raise argparse.ArgumentTypeError(f"--tiles needs 7 integers BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,"
-                                         f"WARPS,STAGES, got {text!r}")
-    return MoEBlockConfig(*values)
+    fields = {f.name: f.type for f in dataclasses.fields(Mxfp4MoEConfig)}
+    overrides = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: need NAME=VALUE with NAME one of {sorted(fields)}")
+        overrides[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
+    return overrides
 
 
-def bench(experts, tokens: int, seed: int, config=None) -> dict:
-    """One row: time, bytes, bandwidth share and error at ``tokens`` (module docstring), with the
-    tiles ``config`` (a `MoEBlockConfig`; None: the kernel's default)."""
-    from functools import partial
+def sweep_candidates(tokens: int) -> list[dict]:
+    """The variants ``--sweep`` times at ``tokens`` (overrides of the default, module docstring):
+    the weight as the left operand (swap) with the word decoder over token blocks near the rows
+    per expert, row tiles matched to the warps (16 rows a warp), K steps of 128 .. 512, K splits
+    of the down projection; the word decoder alone in the default orientation; the swap alone."""
+    rows = tokens * TOP_K / MODELS["gpt-oss-20b"]
+    block_m = min(64, max(8, 1 << max(0, (int(rows) - 1).bit_length())))
+    swap = dict(swap=True, word_decode=True, block_m=block_m)
+    tiles = [(16, 256, 1, 3, 1), (32, 256, 2, 3, 1), (64, 256, 4, 3, 1), (32, 128, 2, 4, 1), (64, 128, 4, 4, 1),
+             (32, 512, 2, 2, 1), (64, 512, 4, 2, 1), (32, 256, 2, 3, 2), (64, 256, 4, 3, 2), (128, 256, 8, 3, 1)]
+    if rows > 4:  # several tokens per expert: fewer, wider candidates
+        tiles = [(64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 256, 8, 3, 1)]
+    out = [dict(swap, block_n_gate_up=n, block_k_gate_up=k, block_n_down=n, block_k_down=k, num_warps=w,
+                num_stages=s, split_k_down=split) for n, k, w, s, split in tiles]
+    if rows <= 4:
+        out.append(dict(swap, block_m=1, block_n_gate_up=32, block_k_gate_up=256, block_n_down=32, block_k_down=256,
+                        num_warps=2, num_stages=3))
+    out.append(dict(word_decode=True))
+    out.append(dict(swap=True, block_m=block_m))
+    return out
 
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton as run
 
-    gpt_oss_experts_triton = partial(run, config=config)
+def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
+    """Rows at ``tokens`` (module docstring), one per configuration in ``configs`` (None: the
+    kernel's default; else a `Mxfp4MoEConfig`), on the same inputs."""
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config, gpt_oss_experts_triton
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = experts.num_experts
@@ -85,31 +110,57 @@ def bench(experts, tokens: int, seed: int, config=None) -> dict:
            for _ in range(CALLS)]
     weights = [torch.softmax(torch.randn(tokens, TOP_K, generator=g, device="cuda"), -1) for _ in range(CALLS)]
     calls = list(zip(xs, weights, ids))
-    first = gpt_oss_experts_triton(xs[0], experts, weights[0], ids[0])  # compiles outside the capture
-    error = rel_rms(first, experts.forward_torch(xs[0], weights[0], ids[0]))
-    for x, w, i in calls:
-        gpt_oss_experts_triton(x, experts, w, i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, w, i in calls:
-            gpt_oss_experts_triton(x, experts, w, i)
-    graph.replay()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    us = statistics.median(times)
+    reference = experts.forward_torch(xs[0], weights[0], ids[0])
     active = statistics.mean(torch.unique(i).numel() for i in ids)
     nbytes = active * expert_bytes(experts)
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
-    used = config or experts_block_config(tokens * TOP_K, experts.num_experts)
-    return {"tokens": tokens, "tiles": "default" if config is None else "given", "config": used.__dict__, "us": us, "active_experts": active, "bytes": nbytes, "floor_us": floor_us,
-            "bandwidth_share": floor_us / us, "rel_rms_error": error}
+    rows = []
+    for config in configs:
+        used = config or experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
+        row = {"tokens": tokens, "default": config is None, "config": dataclasses.asdict(used),
+               "active_experts": active, "bytes": nbytes, "floor_us": floor_us}
+        try:
+            first = gpt_oss_experts_triton(xs[0], experts, weights[0], ids[0], config)  # compiles outside the capture
+            again = gpt_oss_experts_triton(xs[0], experts, weights[0], ids[0], config)
+            row["rel_rms_error"] = rel_rms(first, reference)
+            row["deterministic"] = bool(torch.equal(first, again))
+            for x, w, i in calls:
+                gpt_oss_experts_triton(x, experts, w, i, config)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for x, w, i in calls:
+                    gpt_oss_experts_triton(x, experts, w, i, config)
+            graph.replay()
+            times = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / CALLS)
+            row["us"] = statistics.median(times)
+            row["bandwidth_share"] = floor_us / row["us"]
+            del graph
+        except Exception as exc:  # a candidate that does not compile or run: its row says why
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            torch.cuda.synchronize()
+        rows.append(row)
+    return rows
+
+
+def describe(row: dict) -> str:
+    """A row's configuration in one short line: "default", or its fields that differ from the
+    default's."""
+    if row["default"]:
+        return "default"
+    if not row["changed"]:
+        return "(the default's fields)"
+    short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
+             "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
+             "split_k_down": "split"}
+    return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
 def main() -> None:
@@ -117,34 +168,54 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--weights", choices=("mxfp4", "bf16"), default="mxfp4")
-    parser.add_argument("--tiles", type=parse_tiles, nargs="*", default=[],
-                        help="more tile sets to time, each BLOCK_M,BN_GATE_UP,BK_GATE_UP,BN_DOWN,BK_DOWN,WARPS,STAGES")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--configs", type=parse_overrides, nargs="*", default=[],
+                        help="more configurations to time, each NAME=VALUE,... of Mxfp4MoEConfig fields over the "
+                             "default's")
+    parser.add_argument("--sweep", action="store_true", help="also time the candidate list (sweep_candidates)")
+    parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp4_moe needs a CUDA GPU")
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config
     from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(1, 0, device=torch.device("cuda", 0))
     rows = []
     try:
-        print(f"{'model':>13} {'weights':>7} {'tokens':>6} {'us':>9} {'experts':>7} {'MB read':>8} {'floor us':>8} "
-              f"{'% 4.8TB/s':>9} {'rel rms':>8}  tiles (m, n/k gate_up, n/k down, warps, stages)")
+        print(f"{'model':>13} {'weights':>7} {'tokens':>6} {'us':>8} {'x dflt':>6} {'% 4.8TB/s':>9} {'floor us':>8} "
+              f"{'MB read':>7} {'rel rms':>8} {'det':>3}  config (fields changed from the default)")
         for model in args.models:
             experts = make_experts(MODELS[model], args.weights == "mxfp4", seed=0)
             for tokens in args.tokens:
-                for config in [None, *args.tiles]:
-                    row = {"model": model, "weights": args.weights, **bench(experts, tokens, tokens, config)}
+                base = experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
+                overrides = list(args.configs) + (sweep_candidates(tokens) if args.sweep else [])
+                configs = [None] + [dataclasses.replace(base, **o) for o in overrides]
+                default_us = None
+                for row in bench(experts, tokens, tokens, configs):
+                    row = {"model": model, "weights": args.weights, **row}
+                    row["changed"] = {k: v for k, v in row["config"].items() if getattr(base, k) != v}
                     rows.append(row)
-                    print(f"{model:>13} {args.weights:>7} {tokens:>6} {row['us']:>9.1f} {row['active_experts']:>7.1f} "
-                          f"{row['bytes'] / 1e6:>8.1f} {row['floor_us']:>8.1f} {100 * row['bandwidth_share']:>8.1f}% "
-                          f"{row['rel_rms_error']:>8.1e}  {row['tiles']} {tuple(row['config'].values())}", flush=True)
+                    label = describe(row)
+                    if "error" in row:
+                        print(f"{model:>13} {args.weights:>7} {tokens:>6} {'failed':>8}  {label}: {row['error']}",
+                              flush=True)
+                        continue
+                    default_us = default_us or row["us"]
+                    print(f"{model:>13} {args.weights:>7} {tokens:>6} {row['us']:>8.1f} {default_us / row['us']:>6.2f} "
+                          f"{100 * row['bandwidth_share']:>8.1f}% {row['floor_us']:>8.1f} {row['bytes'] / 1e6:>7.1f} "
+                          f"{row['rel_rms_error']:>8.1e} {'yes' if row['deterministic'] else 'NO':>3}  {label}",
+                          flush=True)
+                best = min((r for r in rows if r["model"] == model and r["tokens"] == tokens and "us" in r),
+                           key=lambda r: r["us"])
+                print(f"{'':>13} best at {tokens} tokens: {best['us']:.1f} us, "
+                      f"{100 * best['bandwidth_share']:.1f}% of 4.8 TB/s: {describe(best)}",
+                      flush=True)
             del experts
             torch.cuda.empty_cache()
     finally:
         destroy_tensor_parallel()
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -1,4 +1,4 @@
-"""gpt-oss's experts in two Triton grouped-GEMM launches, with weights in bf16 or kept in MXFP4
+"""gpt-oss's experts in Triton grouped-GEMM launches, with weights in bf16 or kept in MXFP4
 (weight-only: the 4-bit codes and their scales are dequantized in registers, the dots run on the
 activations' dtype). The math is layers/moe/gpt_oss_moe.py's (`GptOssExperts.forward_torch`,
 the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe.py:
@@ -6,27 +6,48 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
     launch 1  gate = x[t] @ W_gate[e]^T + b_gate[e], up likewise          two fp32 accumulators,
               act[r] = (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)     each rounded to the
               with g = clamp(gate, max=L)                                  dtype, act rounded once
-    launch 2  p[s] = w[s] * (act[r] @ W_down[e]^T (+ b_down[e] on rank 0)) fp32, to a scratch row
-              per slot s = t * k + j
-    combine   out[t] = sum_j p[t * k + j]                                  fp32 in slot order (one
-              torch reduction over [T, k, H]), rounded once: deterministic
+    launch 2  p[s, slot] = act[r] @ W_down[e]^T over split s's K range     fp32, to a scratch row;
+              (+ b_down[e] in split 0 on rank 0)                           S splits of the K range
+    launch 3  out[t] = sum_j w[t, j] * round(p[0, t*k+j] + ... + p[S-1, t*k+j])
+                                                                           fp32 in a fixed order,
+                                                                           rounded once
 
-MXFP4 in registers: a K-tile of BLOCK_K (a multiple of 32) columns of BLOCK_N output rows reads
-each row's ``BLOCK_K / 2`` bytes ``blocks[e, n, k / 32, (k % 32) / 2]`` as one tile contiguous
-along k (coalesced, every byte once) and the scales ``scales[e, n, k / 32]`` beside them; the
-low nibbles are the even-k weights, the high nibbles the odd-k ones, so the activations' even
-and odd columns go into two dots per K-tile. E2M1 by bit operations, no exp2: code c (sign bit
-3, exponent bits 2..1, mantissa bit 0) placed as ``(c & 7) << 9 | (c & 8) << 12`` is the fp16
-E2M1[c] * 2^-14 (e = 0 lands on fp16's subnormals: m / 2 * 2^-14, exact), and the fp32 whose
-bits are ``(scale + 14) << 23`` is 2^(scale - 127) * 2^14; their product (fp32) is the weight,
-exact, then cast to the activations' dtype for the dot. Scale bytes up to 240 (2^113), so all
-real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight bytes read per expert: half a byte per
-weight and a byte per 32, about 3.8x fewer than bf16. bf16-form weights load as ``[BLOCK_N,
-BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
+(round: to the activations' dtype, as the reference rounds each expert's output). The split count
+S (``split_k_down``) is part of the tiles, so it depends on the shapes only.
 
-Deterministic run to run (fixed tiles per shape, each output element summed in one program in
-a fixed order, the combine a fixed torch reduction, no atomics); not batch-invariant (the tiles
-follow the rows per expert, as the README's deterministic section says of the MoE kernels).
+Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
+operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
+or ``(W @ x^T)^T`` (the dequantized weight tile the left operand, which Hopper's MMAs take from
+registers, and the few token rows the N side, ``block_m`` as small as 1: Triton pads to the MMA's
+8). Either way every output element is one fp32 accumulator over its K range in a fixed order.
+
+MXFP4 in registers, two decoders (`Mxfp4MoEConfig.word_decode`), both exact:
+
+* byte decoder: a K-tile of BLOCK_K columns of BLOCK_N rows reads each row's ``BLOCK_K / 2``
+  bytes ``blocks[e, n, k / 32, (k % 32) / 2]`` contiguous along k and the scales beside them; the
+  low nibbles are the even-k weights, the high nibbles the odd-k ones (two dots per K-tile). Code
+  c (sign bit 3, exponent bits 2..1, mantissa bit 0) placed as ``(c & 7) << 9 | (c & 8) << 12``
+  is the fp16 E2M1[c] * 2^-14 (e = 0 lands on fp16's subnormals: m / 2 * 2^-14, exact).
+* word decoder: the same bytes read as 32-bit words, word j of a row holding the codes of k =
+  8j .. 8j + 7 (nibble q = k - 8j at bits 4q .. 4q + 3, little-endian). One word gives four
+  fp16 pairs with three or two 32-bit operations each: pair q (q = 0..3) holds codes q (low half)
+  and q + 4 (high half), both at bits 4q within their half, moved to bits 9..11 and 15 of each
+  half by ``(w << (9 - 4q)) & 0x0E000E00 | (w << (12 - 4q)) & 0x80008000`` (a right shift by 3
+  for q = 3): the same fp16 E2M1 * 2^-14 per half, at under two integer operations a weight
+  instead of five. The eight residues k = 8j + r are eight dots per K-tile (K = BLOCK_K / 8 each),
+  the activations loaded at the matching stride.
+
+Either way the fp32 whose bits are ``(scale + 14) << 23`` is 2^(scale - 127) * 2^14; the fp16
+weight widened to fp32 times it is the weight, exact (a 2-bit significand times a power of two),
+then cast to the activations' dtype for the dot, exact for every scale byte up to 240 (2^113),
+so all real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight
+bytes read per expert: half a byte per weight and a byte per 32, about 3.8x fewer than bf16.
+bf16-form weights load as ``[BLOCK_N, BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
+
+Deterministic run to run (fixed tiles and splits per shape, each partial sum in one program in
+a fixed order, the splits and the combine summed in a fixed order, no atomics); not
+batch-invariant (the tiles follow the rows per expert, as the README's deterministic section says
+of the MoE kernels).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
 weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
@@ -38,6 +59,7 @@ launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,92 +69,213 @@ import triton.language as tl
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
-from arfusion.layers.moe.kernels.triton_fused_moe import MoEBlockConfig
+
+COMBINE_BLOCK = 512  # output columns per program of the combine launch
 
 
-def experts_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
-    """Tiles by the mean rows per expert (``num_slots / num_experts``). Decode-sized groups (at
-    most 16): 16-row blocks and 32-column tiles, so that even one token's 4 experts give
-    4 * 2880 / 32 = 360 programs streaming weights over 132 SMs; larger groups taller blocks,
-    64-column tiles and 8 warps (with 4, gate/up at 32 x 64 x 128 needs 224 registers a thread). block_k 128: 64 bytes of each
-    MXFP4 row per step. Register counts checked by compiling for sm90; speeds not yet measured
-    on a GPU (benchmarks/kernels/bench_mxfp4_moe.py)."""
+@dataclass(frozen=True)
+class Mxfp4MoEConfig:
+    """Tiles and variant of the launches (module docstring). ``block_m``: token rows per block
+    (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per program
+    (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at least
+    128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``: MXFP4
+    decoded from 32-bit words; ``split_k_down``: K splits of the down projection."""
+
+    block_m: int
+    block_n_gate_up: int
+    block_k_gate_up: int
+    block_n_down: int
+    block_k_down: int
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+    word_decode: bool = False
+    split_k_down: int = 1
+
+
+def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True) -> Mxfp4MoEConfig:
+    """Tiles by the mean rows per expert (``num_slots / num_experts``), chosen by the sweep of
+    benchmarks/kernels/bench_mxfp4_moe.py (``--sweep``) at gpt-oss-20b's shapes on 1 × H200,
+    MXFP4 weights (µs per call; the best of 7 to 14 configurations at each point):
+
+        tokens  rows/expert  chosen                                         µs     % of 4.8 TB/s
+        1       0.125        x @ W^T, bytes, m 16, n 32, k 128, 4 warps     85.2   12.9
+        8       1            (the same)                                     335.5  17.2
+        32      4            (the same)                                     544.8  15.9
+        128     16           W @ x^T, words, m 16, n 64, k 256, 4 warps     868.3  10.2 (1.30x)
+        512     64           W @ x^T, words, m 64, n 64, k 256, 4 warps     1457.2 6.1  (2.75x)
+
+    (the speed-ups over the tiles used before: x @ W^T with the byte decoder, m 16 / 32). Up
+    to 4 rows no variant beat the tiles of the first row (the weight as the left operand, the word decoder,
+    token blocks of 8 or 1, K splits, 16 .. 128 rows and K steps of 128 .. 512 were all slower).
+    The switch points between the measured rows (8 and 32 rows per expert) are not measured.
+    bf16-form weights (not swept) keep the tiles from before: 16-row blocks up to 16 rows per
+    expert, then 32 and 64, 64-column tiles and 8 warps past 16 rows."""
     rows_per_expert = num_slots / num_experts
+    if mxfp4 and rows_per_expert > 8:
+        return Mxfp4MoEConfig(block_m=16 if rows_per_expert <= 32 else 64, block_n_gate_up=64, block_k_gate_up=256,
+                              block_n_down=64, block_k_down=256, num_warps=4, num_stages=3, swap=True,
+                              word_decode=True)
     if rows_per_expert <= 16:
-        return MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
+        return Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                               num_warps=4, num_stages=4)
-    if rows_per_expert <= 64:
-        return MoEBlockConfig(block_m=32, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                              num_warps=8, num_stages=3)
-    return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
-                          num_warps=8, num_stages=3)
+    return Mxfp4MoEConfig(block_m=32 if rows_per_expert <= 64 else 64, block_n_gate_up=64, block_k_gate_up=128,
+                          block_n_down=64, block_k_down=128, num_warps=8, num_stages=3)
+
+
+def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
+    """ValueError naming the field when ``cfg`` cannot run (`Mxfp4MoEConfig`'s limits)."""
+    for name in ("block_m", "block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down"):
+        value = getattr(cfg, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if not cfg.swap and cfg.block_m < 16:
+        raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
+    if cfg.split_k_down < 1:
+        raise ValueError(f"split_k_down must be at least 1, got {cfg.split_k_down}")
+    least = (128 if cfg.word_decode else 32) if mxfp4 else 16
+    for name in ("block_k_gate_up", "block_k_down"):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"
+                             f"{', word decoder' if mxfp4 and cfg.word_decode else ''}), got {getattr(cfg, name)}")
 
 
 @triton.jit
-def _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, kb0, half_k, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                  BLOCK_KH: tl.constexpr):
-    """The even-k and odd-k weights of output rows ``rows`` (int64, ``BLOCK_N`` of them) over the
-    bytes kb0 .. kb0 + BLOCK_KH - 1 of each row (k = 2 * byte, 2 * byte + 1): two ``[BLOCK_N,
-    BLOCK_KH]`` fp32 tiles, dequantized as the module docstring says. The bytes load contiguous
-    along k; each scale once (``[BLOCK_N, BLOCK_KH / 16]``), broadcast over its 16 bytes."""
-    kb = kb0 + tl.arange(0, BLOCK_KH)
-    mask = row_mask[:, None] & (kb < half_k)[None, :]
+def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
+    """The activations ``x[rows, k]`` for column indices ``k`` (1-D), rows at ``rows_base``
+    (pointers, 1-D), invalid rows and k >= k_size as zeros: ``[K, M]`` when SWAP, else ``[M, K]``."""
+    if SWAP:
+        tile = tl.load(rows_base[None, :] + k[:, None], mask=rows_valid[None, :] & (k < k_size)[:, None], other=0.0)
+    else:
+        tile = tl.load(rows_base[:, None] + k[None, :], mask=rows_valid[:, None] & (k < k_size)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _mma(w_nk, xk, acc, SWAP: tl.constexpr):
+    """``acc + x @ w_nk^T`` for ``w_nk [N, K]`` (any float dtype) and ``xk`` from `_load_x`: SWAP
+    ``acc [N, M] + w_nk @ xk`` (xk ``[K, M]``), else ``acc [M, N] + xk @ w_nk^T`` (xk ``[M, K]``).
+    The dot in x's dtype (fp32 at IEEE precision), fp32 accumulation."""
+    if xk.dtype == tl.float32:
+        if SWAP:
+            acc = tl.dot(w_nk.to(tl.float32), xk, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, tl.trans(w_nk).to(tl.float32), acc, input_precision="ieee")
+    else:
+        if SWAP:
+            acc = tl.dot(w_nk.to(xk.dtype), xk, acc)
+        else:
+            acc = tl.dot(xk, tl.trans(w_nk).to(xk.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _scale_factor(scales_ptr, rows, groups, mask):
+    """fp32 ``2^(scale - 127) * 2^14`` of the scale bytes at ``scales_ptr + rows + groups`` (offsets
+    broadcast together; masked ones give 2^-113, times a zero weight): bits ``(scale + 14) << 23``."""
+    scale = tl.load(scales_ptr + rows + groups, mask=mask, other=0).to(tl.int32)
+    return ((scale + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_half(pairs, HIGH: tl.constexpr):
+    """The fp32 value of the low or high fp16 half of each 32-bit word of ``pairs``."""
+    if HIGH:
+        half = (pairs >> 16).to(tl.uint16)
+    else:
+        half = (pairs & 0xFFFF).to(tl.uint16)
+    return half.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn):
+    """Word decoder's input: the 32-bit words ``kw`` (1-D, a multiple of 4 first) of ``rows``
+    (``[N, KW]`` uint32, zeros past ``k_words``) and each word's scale factor (`_scale_factor`).
+    ``stride_wn`` (bytes) is a multiple of 16, so that rows start on 16 bytes (vector loads)."""
+    mask = row_mask[:, None] & (kw < k_words)[None, :]
+    row_words = (rows * (stride_wn // 16))[:, None] * 4
+    words = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + row_words + kw[None, :], mask=mask, other=0)
+    return words, _scale_factor(scales_ptr, rows[:, None] * stride_sn, (kw // 4)[None, :], mask)
+
+
+@triton.jit
+def _word_pairs(words, q: tl.constexpr):
+    """Codes q (low half) and q + 4 (high half) of each word as fp16 E2M1 * 2^-14 (module
+    docstring): ``(w << (9 - 4q)) & 0x0E000E00 | (w << (12 - 4q)) & 0x80008000``."""
+    if q < 3:
+        magnitude = words << (9 - 4 * q)
+    else:
+        magnitude = words >> 3
+    return (magnitude & 0x0E000E00) | ((words << (12 - 4 * q)) & 0x80008000)
+
+
+@triton.jit
+def _byte_halves(w_ptr, scales_ptr, rows, row_mask, kb0, k_size, stride_wn, stride_sn, BLOCK_K: tl.constexpr):
+    """Byte decoder: the even-k and odd-k weights (fp32 ``[N, BLOCK_K / 2]``, module docstring)
+    of ``rows`` over the bytes kb0 .. kb0 + BLOCK_K / 2 - 1 (kb0 a multiple of 16); each scale
+    loaded once and broadcast over its 16 bytes."""
+    kb = kb0 + tl.arange(0, BLOCK_K // 2)
+    mask = row_mask[:, None] & (kb < k_size // 2)[None, :]
     byte = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0).to(tl.uint16)
-    groups = kb0 // 16 + tl.arange(0, BLOCK_KH // 16)
-    scale = tl.load(scales_ptr + rows[:, None] * stride_sn + groups[None, :],
-                    mask=row_mask[:, None] & (groups < half_k // 16)[None, :], other=0).to(tl.int32)
-    factor = ((scale + 14) << 23).to(tl.float32, bitcast=True)  # 2^(scale - 127) * 2^14
-    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [BLOCK_N, BLOCK_KH // 16, 16]), [BLOCK_N, BLOCK_KH])
+    groups = kb0 // 16 + tl.arange(0, BLOCK_K // 32)
+    factor = _scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
+                           row_mask[:, None] & (groups < k_size // 32)[None, :])
+    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [rows.shape[0], BLOCK_K // 32, 16]),
+                        [rows.shape[0], BLOCK_K // 2])
     even = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
     odd = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
     return even.to(tl.float32) * factor, odd.to(tl.float32) * factor
 
 
 @triton.jit
-def _dot_nk(a, w_nk, acc):
-    """``acc + a @ w_nk^T`` (``a [M, K]`` of the activations' dtype, ``w_nk [N, K]``): the dot in
-    a's dtype (fp32 at IEEE precision), fp32 accumulation."""
-    if a.dtype == tl.float32:
-        acc = tl.dot(a, tl.trans(w_nk).to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, tl.trans(w_nk).to(a.dtype), acc)
-    return acc
-
-
-@triton.jit
-def _load_act(a_base, a_valid, k0, k_size, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
-    """The activations of one K-tile, rows at ``a_base`` (pointers ``[BLOCK_M, 1]``), invalid rows
-    and k >= k_size as zeros. MXFP4: its even and odd columns (``[BLOCK_M, BLOCK_K / 2]`` each,
-    matching the low and high nibbles); bf16 form: the whole tile, twice."""
+def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
+                acc_up, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr,
+                PAIR: tl.constexpr):
+    """``(acc, acc_up)`` plus one K-tile (columns k0 .. k0 + BLOCK_K - 1) of ``x @ W[rows]^T``
+    (transposed when SWAP) and, when PAIR, of ``x @ W[up_rows]^T`` into ``acc_up`` on the same
+    activation loads (else acc_up is returned as given): ``x_base`` pointers at the token rows'
+    starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
+    MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight), module
+    docstring; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile."""
     if MXFP4:
-        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        mask = a_valid[:, None] & (k_even < k_size)[None, :]
-        first = tl.load(a_base + k_even[None, :], mask=mask, other=0.0)
-        second = tl.load(a_base + (k_even + 1)[None, :], mask=mask, other=0.0)
+        if WORD:
+            kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+            k_words = (k_size // 32) * 4
+            words, factor = _words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn)
+            if PAIR:
+                words_up, factor_up = _words(w_ptr, scales_ptr, up_rows, row_mask, kw, k_words, stride_wn, stride_sn)
+            for q in tl.static_range(4):
+                pairs = _word_pairs(words, q)
+                if PAIR:
+                    pairs_up = _word_pairs(words_up, q)
+                for high in tl.static_range(2):
+                    xk = _load_x(x_base, x_valid, 8 * kw + q + 4 * high, k_size, SWAP)
+                    acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP)
+                    if PAIR:
+                        acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP)
+        else:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            even, odd = _byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
+            if PAIR:
+                even_up, odd_up = _byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
+                                               stride_sn, BLOCK_K)
+            xk = _load_x(x_base, x_valid, 2 * kb, k_size, SWAP)
+            acc = _mma(even, xk, acc, SWAP)
+            if PAIR:
+                acc_up = _mma(even_up, xk, acc_up, SWAP)
+            xk = _load_x(x_base, x_valid, 2 * kb + 1, k_size, SWAP)
+            acc = _mma(odd, xk, acc, SWAP)
+            if PAIR:
+                acc_up = _mma(odd_up, xk, acc_up, SWAP)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        first = tl.load(a_base + k[None, :], mask=a_valid[:, None] & (k < k_size)[None, :], other=0.0)
-        second = first
-    return first, second
-
-
-@triton.jit
-def _accumulate(a_first, a_second, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-                BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
-    """``acc`` plus one K-tile of ``A @ W[rows]^T`` (``a_first, a_second`` from `_load_act`;
-    ``w_ptr``, ``scales_ptr`` at one expert; ``rows`` int64 output rows): MXFP4 two dots, even
-    columns against low nibbles and odd against high; bf16 form one dot on the ``[BLOCK_N,
-    BLOCK_K]`` tile, loaded contiguous along k."""
-    if MXFP4:
-        w_even, w_odd = _mxfp4_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size // 2, stride_wn, stride_sn,
-                                      rows.shape[0], BLOCK_K // 2)
-        acc = _dot_nk(a_second, w_odd, _dot_nk(a_first, w_even, acc))
-    else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < k_size)[None, :],
-                    other=0.0)
-        acc = _dot_nk(a_first, w, acc)
-    return acc
+        mask = row_mask[:, None] & (k < k_size)[None, :]
+        xk = _load_x(x_base, x_valid, k, k_size, SWAP)
+        acc = _mma(tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc, SWAP)
+        if PAIR:
+            acc_up = _mma(tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc_up,
+                          SWAP)
+    return acc, acc_up
 
 
 @triton.jit
@@ -140,7 +283,7 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
                     num_slots, hidden, inter, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                     stride_be, stride_act,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MXFP4: tl.constexpr):
+                    MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(inter, BLOCK_N)
     block = pid // num_n
@@ -149,74 +292,113 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
-    x_base = x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x
+    x_base = x_ptr + (slots // TOPK).to(tl.int64) * stride_x
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
     offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     gate_rows = offs_n.to(tl.int64)
     up_rows = gate_rows + inter
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc_gate)
     for k0 in range(0, hidden, BLOCK_K):
-        a_first, a_second = _load_act(x_base, valid, k0, hidden, BLOCK_K, MXFP4)
-        acc_gate = _accumulate(a_first, a_second, w_expert, s_expert, gate_rows, n_mask, k0, hidden, stride_wn,
-                               stride_sn, acc_gate, BLOCK_K, MXFP4)
-        acc_up = _accumulate(a_first, a_second, w_expert, s_expert, up_rows, n_mask, k0, hidden, stride_wn,
-                             stride_sn, acc_up, BLOCK_K, MXFP4)
+        acc_gate, acc_up = _accumulate(x_base, valid, w_expert, s_expert, gate_rows, up_rows, n_mask, k0, hidden,
+                                       stride_wn, stride_sn, acc_gate, acc_up, BLOCK_K, MXFP4, WORD, SWAP, True)
     dot_ty = act_ptr.dtype.element_ty
     gate_b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     up_b = tl.load(bias_ptr + expert * stride_be + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    gate = (acc_gate + gate_b[None, :]).to(dot_ty).to(tl.float32)
-    up = (acc_up + up_b[None, :]).to(dot_ty).to(tl.float32)
+    if SWAP:
+        gate_b, up_b = gate_b[:, None], up_b[:, None]
+        act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_act + offs_n[:, None]
+        store_mask = n_mask[:, None]
+    else:
+        gate_b, up_b = gate_b[None, :], up_b[None, :]
+        act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+        store_mask = n_mask[None, :]
+    gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
+    up = (acc_up + up_b).to(dot_ty).to(tl.float32)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-    tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :], act.to(dot_ty),
-             mask=n_mask[None, :])
+    tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, scratch_ptr, topk_weights_ptr, sorted_slots_ptr,
-                 block_expert_ptr, num_rows_ptr, num_slots, hidden, inter, stride_act, stride_we, stride_wn,
-                 stride_se, stride_sn, stride_be, stride_scratch,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
+                 num_slots, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                 stride_split, stride_slot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K
     num_n = tl.cdiv(hidden, BLOCK_N)
-    block = pid // num_n
+    block = tile // num_n
     if block * BLOCK_M >= tl.load(num_rows_ptr):
         return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
-    act_base = act_ptr + offs_m.to(tl.int64)[:, None] * stride_act
+    act_base = act_ptr + offs_m.to(tl.int64) * stride_act
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     rows = offs_n.to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        a_first, a_second = _load_act(act_base, valid, k0, inter, BLOCK_K, MXFP4)
-        acc = _accumulate(a_first, a_second, w_expert, s_expert, rows, n_mask, k0, inter, stride_wn, stride_sn, acc,
-                          BLOCK_K, MXFP4)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)  # the expert's output in the dtype, as the reference rounds it
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_per_split = tl.cdiv(tl.cdiv(inter, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, inter), BLOCK_K):
+        acc, _ = _accumulate(act_base, valid, w_expert, s_expert, rows, rows, n_mask, k0, inter, stride_wn, stride_sn,
+                             acc, acc, BLOCK_K, MXFP4, WORD, SWAP, False)
     slots64 = slots.to(tl.int64)
-    routing = tl.load(topk_weights_ptr + slots64, mask=valid, other=0.0)
-    tl.store(scratch_ptr + slots64[:, None] * stride_scratch + offs_n[None, :], y * routing[:, None],
-             mask=valid[:, None] & n_mask[None, :])
+    if HAS_BIAS:  # split 0 adds it
+        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        bias = tl.where(split == 0, bias, 0.0)
+    else:
+        bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc += bias[:, None]
+        ptrs = partial_ptr + split * stride_split + slots64[None, :] * stride_slot + offs_n[:, None]
+        mask = valid[None, :] & n_mask[:, None]
+    else:
+        acc += bias[None, :]
+        ptrs = partial_ptr + split * stride_split + slots64[:, None] * stride_slot + offs_n[None, :]
+        mask = valid[:, None] & n_mask[None, :]
+    tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split, stride_slot, stride_out,
+                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t, cols] = sum_j w[t, j] * round(sum_s p[s, t*k+j, cols])``: the splits summed in
+    order, rounded to out's dtype (the expert's output), weighted and summed over j in order in
+    fp32, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        slot = token * TOPK + j
+        y = tl.load(partial_ptr + slot * stride_slot + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            y += tl.load(partial_ptr + s * stride_split + slot * stride_slot + cols, mask=mask, other=0.0)
+        total += tl.load(topk_weights_ptr + slot) * y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           config: Optional[MoEBlockConfig] = None) -> torch.Tensor:
+                           config: Optional[Mxfp4MoEConfig] = None) -> torch.Tensor:
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
-    ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles
-    (`experts_block_config` by default; block_k a multiple of 32, block_n and block_k / 2 at
-    least 16)."""
+    ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
+    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked)."""
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -227,13 +409,15 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
-    cfg = config or experts_block_config(num_slots, num_experts)
-    if experts.mxfp4 and (cfg.block_k_gate_up % 32 or cfg.block_k_down % 32):
-        raise ValueError(f"MXFP4 tiles need block_k multiples of 32, got {cfg.block_k_gate_up}, {cfg.block_k_down}")
+    cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4)
+    check_config(cfg, experts.mxfp4)
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
     blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
     if experts.mxfp4:
         w13, s13, w2, s2 = experts.w13_blocks, experts.w13_scales, experts.w2_blocks, experts.w2_scales
+        if cfg.word_decode and any(t.data_ptr() % 16 or t.stride(0) % 16 or t.stride(1) % 16 for t in (w13, w2)):
+            raise ValueError("the word decoder reads the MXFP4 blocks as 16-byte vectors of 32-bit words: their "
+                             "start and row strides must be multiples of 16 bytes")
         # a row's bytes are contiguous ([..., K/32, 16] flattened): stride over rows, bytes at k / 2
         w13_strides, s13_strides = (w13.stride(0), w13.stride(1)), (s13.stride(0), s13.stride(1))
         w2_strides, s2_strides = (w2.stride(0), w2.stride(1)), (s2.stride(0), s2.stride(1))
@@ -242,19 +426,24 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         s13, s2 = w13, w2  # unused
         w13_strides = s13_strides = (w13.stride(0), w13.stride(1))
         w2_strides = s2_strides = (w2.stride(0), w2.stride(1))
+    variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages)
     act = x.new_empty(blocks.sorted_slots.shape[0], inter)
     _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
         x, w13, s13, experts.w13_bias, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, experts.alpha, experts.limit, x.stride(0), *w13_strides, *s13_strides,
         experts.w13_bias.stride(0), act.stride(0),
-        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
-        MXFP4=experts.mxfp4, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    scratch = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.to(torch.float32).contiguous()
-    _down_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
-        act, w2, s2, experts.w2_bias, scratch, weights, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, **variant)
+    partial = torch.empty(cfg.split_k_down, num_slots, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down) * cfg.split_k_down,)](
+        act, w2, s2, experts.w2_bias, partial, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, act.stride(0), *w2_strides, *s2_strides, experts.w2_bias.stride(0),
-        scratch.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, MXFP4=experts.mxfp4,
-        HAS_BIAS=experts.tp_rank == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return scratch.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        partial.stride(0), partial.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, SPLIT_K=cfg.split_k_down,
+        HAS_BIAS=experts.tp_rank == 0, **variant)
+    out = x.new_empty(tokens, hidden)
+    weights = topk_weights.to(torch.float32).contiguous()
+    _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+        partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
+        TOPK=top_k, SPLIT_K=cfg.split_k_down, BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out
