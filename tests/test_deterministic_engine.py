@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from tests.deterministic_scenarios import (BATCHES, assert_generation_matches_alone, assert_score_matches_alone,
+from tests.deterministic_scenarios import (GENERATION, assert_generation_matches_alone, assert_score_matches_alone,
                                           serve_scenarios)
 from tests.dist_utils import run_distributed
 
@@ -26,7 +26,7 @@ def results(world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("scenario", ["alone_again", *(f"batch_{n}" for n in BATCHES), "concurrent"])
+@pytest.mark.parametrize("scenario", GENERATION)
 def test_greedy_logprobs_are_bit_identical_whatever_the_batch(world_size: int, scenario: str):
     assert_generation_matches_alone(results(world_size), scenario)
 

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from tests.deterministic_scenarios import (BATCHES, assert_generation_matches_alone, assert_score_matches_alone,
+from tests.deterministic_scenarios import (GENERATION, assert_generation_matches_alone, assert_score_matches_alone,
                                           serve_scenarios)
 from tests.dist_utils import gpu_world_size, run_distributed
 
@@ -24,7 +24,7 @@ def results(world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("scenario", ["alone_again", *(f"batch_{n}" for n in BATCHES), "concurrent"])
+@pytest.mark.parametrize("scenario", GENERATION)
 def test_greedy_logprobs_are_bit_identical_whatever_the_batch(world_size: int, scenario: str):
     assert_generation_matches_alone(results(world_size), scenario)
 
