@@ -96,13 +96,13 @@ def split_decodes(batch: AttentionBatch) -> tuple[BatchPart, BatchPart]:
     if not 0 < d < batch.seq_lens.shape[0]:
         raise ValueError(f"need 0 < num_decodes < {batch.seq_lens.shape[0]} sequences, got {d}")
 
-    def part(rows: slice, tokens: slice, decode: bool) -> BatchPart:
+    def part(rows: slice, decode: bool) -> BatchPart:  # sequences ``rows``, whose tokens are ``rows`` too
         by_row = batch.row_ids is not None
-        return BatchPart(decode, batch.seq_lens[rows], batch.extend_lens[rows], batch.slot_mapping[tokens],
+        return BatchPart(decode, batch.seq_lens[rows], batch.extend_lens[rows], batch.slot_mapping[rows],
                          batch.req_to_token if by_row else batch.req_to_token[rows],
                          batch.row_ids[rows] if by_row else None, 1 if decode else batch.max_extend_len)
 
-    return part(slice(0, d), slice(0, d), True), part(slice(d, None), slice(d, None), False)
+    return part(slice(0, d), True), part(slice(d, None), False)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -151,7 +151,9 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: AttentionBatch) -> torch.Tensor:
         """``q [T, num_heads*head_dim]`` -> ``[T, num_heads*head_dim]`` over the cache, whose slots
-        must already hold the new tokens' keys and values. Reads the cache only."""
+        must already hold the new tokens' keys and values. Reads the cache only. In
+        batch-invariant mode an extend batch with ``num_decodes`` runs as a decode call on its
+        first rows and an extend call on the rest (`split_decodes`)."""
         tokens = q.shape[0]
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         if batch.is_decode:

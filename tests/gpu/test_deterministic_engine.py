@@ -1,9 +1,10 @@
 """Batch invariance of the whole engine under ``deterministic`` on the GPU: the tiny model in
 bf16 with CUDA graphs (TP1), and at TP2 (two GPUs, or two ranks sharing one) with flashinfer's
 all-reduce fusion on; the scenarios of tests/deterministic_scenarios.py. The target request's
-tokens and logprob bits must be the same alone, in batches of 2, 8 and 32 and among concurrent
-requests of other lengths; its prompt score's bits the same alone, under load, and in chunks of
-64 or whole. At TP2 every reduction must have run by a fused strategy, none by NCCL."""
+tokens and logprob bits must be the same alone, in batches of 2, 8 and 32, among concurrent
+requests of other lengths and in steps shared with another prompt's chunks (``mixed``: its decode
+rows run eagerly in the decode kernel beside the extend kernel's prompt rows, alone they replay a
+CUDA graph); its prompt score's bits the same alone, under load, and in chunks of 64 or whole. At TP2 every reduction must have run by a fused strategy, none by NCCL."""
 import functools
 
 import pytest
