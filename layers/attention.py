@@ -28,9 +28,15 @@ on its position only, and blocks past it leave its running sums exactly as they 
 both run layers/batch_invariant_attention.py (fixed-shape GEMMs over key blocks aligned at key
 0, the blocks added by a fixed tree), whose rows depend on nothing else (a prompt row and the
 same position decoded give the same bits), in pieces within `MAX_SCORES` as the default path.
+An extend batch whose first ``num_decodes`` sequences are decodes riding along with prompt
+chunks (a mixed step) runs, in this mode, as two calls on its row ranges: the decodes as a decode
+batch, the prompt chunks as an extend batch (`split_decodes`), so that every row's attention is
+computed exactly as in a step of its own kind (on GPU the decode kernel and the extend kernel
+add in different orders); with the mode off the whole batch is one extend call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Protocol
 
@@ -65,6 +71,38 @@ class AttentionBatch(Protocol):
     req_to_token: torch.Tensor  # [B, max_context], or [R, max_context] with row_ids
     row_ids: Optional[torch.Tensor]  # [B]: sequence i's row of req_to_token (None: row i)
     max_extend_len: Optional[int]  # host int >= max(extend_lens), or None (read from the device)
+    num_decodes: int  # an extend batch: its first num_decodes sequences are decodes (one new token each)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPart:
+    """Some sequences of an `AttentionBatch`, as a batch of their own (`split_decodes`)."""
+
+    is_decode: bool
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    req_to_token: torch.Tensor
+    row_ids: Optional[torch.Tensor]
+    max_extend_len: Optional[int]
+    num_decodes: int = 0
+
+
+def split_decodes(batch: AttentionBatch) -> tuple[BatchPart, BatchPart]:
+    """An extend batch whose first ``d = batch.num_decodes`` sequences (0 < d < B) are decodes:
+    ``(a decode batch of sequences [0, d), an extend batch of sequences [d, B))``, views of its
+    tensors (the decodes' new tokens are the first d of the packed T)."""
+    d = batch.num_decodes
+    if not 0 < d < batch.seq_lens.shape[0]:
+        raise ValueError(f"need 0 < num_decodes < {batch.seq_lens.shape[0]} sequences, got {d}")
+
+    def part(rows: slice, decode: bool) -> BatchPart:  # sequences ``rows``, whose tokens are ``rows`` too
+        by_row = batch.row_ids is not None
+        return BatchPart(decode, batch.seq_lens[rows], batch.extend_lens[rows], batch.slot_mapping[rows],
+                         batch.req_to_token if by_row else batch.req_to_token[rows],
+                         batch.row_ids[rows] if by_row else None, 1 if decode else batch.max_extend_len)
+
+    return part(slice(0, d), True), part(slice(d, None), False)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,11 +151,19 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: AttentionBatch) -> torch.Tensor:
         """``q [T, num_heads*head_dim]`` -> ``[T, num_heads*head_dim]`` over the cache, whose slots
-        must already hold the new tokens' keys and values. Reads the cache only."""
+        must already hold the new tokens' keys and values. Reads the cache only. In
+        batch-invariant mode an extend batch with ``num_decodes`` runs as a decode call on its
+        first rows and an extend call on the rest (`split_decodes`)."""
         tokens = q.shape[0]
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         if batch.is_decode:
             out = self._decode(q, k_cache, v_cache, batch)
+        elif batch_invariant.enabled() and batch.num_decodes:
+            decodes, prompts = split_decodes(batch)
+            d = batch.num_decodes
+            out = torch.empty_like(q)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, decodes)
+            out[d:] = self._extend(q[d:], k_cache, v_cache, prompts)
         else:
             out = self._extend(q, k_cache, v_cache, batch)
         return out.reshape(tokens, self.num_heads * self.head_dim)

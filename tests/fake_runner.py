@@ -36,7 +36,7 @@ class FakeRunner:
         self.num_kv_slots, self.max_rows, self.context_len = slots, rows, context_len
         self.config = types.SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB)
         self.device = torch.device("cpu")
-        self.deterministic = False  # as ModelRunner: batch-invariant mode (the scheduler keeps decodes apart)
+        self.deterministic = False  # as ModelRunner: batch-invariant mode (the server reports it)
         self.table = RequestTable(rows, self.context_len, torch.device("cpu"))
         self.fail_at, self.calls, self.batch_sizes = fail_at, 0, []
         self.hold_at, self.release = hold_at, threading.Event()

@@ -1,8 +1,11 @@
 """Batch invariance of the whole engine under ``deterministic`` on CPU: the tiny model (fp32), TP1
 and TP2 over gloo with all-reduce fusion on (the torch fusion backend), through the scheduler
 (tests/deterministic_scenarios.py has the scenarios). The target request's tokens and logprob
-bits must be the same alone, in batches of 2, 8 and 32 and among concurrent requests of other
-lengths; its prompt score's bits the same alone, under load, and in chunks of 64 or whole. At
+bits must be the same alone, in batches of 2, 8 and 32, among concurrent requests of other
+lengths and in steps shared with another prompt's chunks (``mixed``; here the torch attention
+gives decode and prompt rows the same bits anyway: tests/test_deterministic_mixed_steps.py runs
+that case with the GPU's kernels); its prompt score's bits the same alone, under load, and in
+chunks of 64 or whole. At
 TP2 the layers' reductions must have run by a fused strategy, not NCCL (the fusion op's
 counters). Each property compares bits: with the mode off, 9 of these cases fail on a 2-core
 AVX-512 CPU with torch 2.13 (every batch and concurrent case but batch 2 at TP2, and both TP2
@@ -16,7 +19,7 @@ import functools
 
 import pytest
 
-from tests.deterministic_scenarios import (BATCHES, assert_generation_matches_alone, assert_score_matches_alone,
+from tests.deterministic_scenarios import (GENERATION, assert_generation_matches_alone, assert_score_matches_alone,
                                           serve_scenarios)
 from tests.dist_utils import run_distributed
 
@@ -32,7 +35,7 @@ def results(world_size: int, model: str = "tiny") -> dict:
 
 
 @pytest.mark.parametrize("world_size,model", RUNS)
-@pytest.mark.parametrize("scenario", ["alone_again", *(f"batch_{n}" for n in BATCHES), "concurrent"])
+@pytest.mark.parametrize("scenario", GENERATION)
 def test_greedy_logprobs_are_bit_identical_whatever_the_batch(world_size: int, model: str, scenario: str):
     assert_generation_matches_alone(results(world_size, model), scenario)
 

@@ -35,25 +35,6 @@ def test_chunked_prefill_mixes_decodes_with_prompt_chunks(seed: int):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_separate_decodes_alternates_prompt_steps_with_decode_steps(seed: int):
-    """Deterministic mode: no step holds both decode rows and prompt chunks (the decode and
-    prompt attention kernels add in different orders), and no decode waits more than one step."""
-    policy = SchedulePolicy(num_kv_slots=128, max_rows=2, context_len=64, max_prefill_tokens=32,
-                            chunked_prefill_size=8, separate_decodes=True)
-    a, b = _requests([5, 11], seed)
-    policy.waiting.extend([a, b])
-    plan, reqs = policy.next_step()
-    assert plan.kind == "extend" and reqs == [a, b] and plan.new_tokens == [a.prompt_ids, b.prompt_ids[:3]]
-    a.tokens_in_flight = 1
-    plan, reqs = policy.next_step()
-    assert plan.kind == "decode" and reqs == [a], "a decodes alone: b's chunk waits one step"
-    plan, reqs = policy.next_step()
-    assert plan.kind == "extend" and reqs == [b] and plan.new_tokens == [b.prompt_ids[3:11]] and not plan.tokens_on_device
-    plan, reqs = policy.next_step()
-    assert plan.kind == "decode" and reqs == [a, b]
-
-
-@pytest.mark.parametrize("seed", [0, 1])
 def test_without_chunking_whole_prompts_fill_the_prefill_budget_then_decode(seed: int):
     policy = SchedulePolicy(num_kv_slots=128, max_rows=4, context_len=64, max_prefill_tokens=12)
     a, b, c = _requests([5, 6, 9], seed)

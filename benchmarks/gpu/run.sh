@@ -33,9 +33,11 @@
 #   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
 #                  (default 1 32 128), FUSION (default off on), input 128 / output 64;
 #                  PROFILE=1 adds --profile.
-#   serving        the server with fusion off and on, interleaved, REPEATS (default 3) times
-#                  each; bench_serving at CONCURRENCY (default 1 32), input 512 / output 1024,
-#                  NUM_PROMPTS (default 2 x concurrency, at least 4) into $OUT/serving.jsonl.
+#   serving        the server with fusion off and on (COMPARE=deterministic: in the default mode
+#                  and with --deterministic, fusion FUSION, default off), interleaved, REPEATS
+#                  (default 3) times each; bench_serving at CONCURRENCY (default 1 32), input
+#                  INPUT_LEN (default 512) / output OUTPUT_LEN (default 1024), NUM_PROMPTS (default
+#                  2 x concurrency, at least 4) into $OUT/serving.jsonl, a median table per setting.
 #   accuracy       benchmarks.accuracy_regression on MODEL (default /tmp/model.gguf, see
 #                  model-piece): TP1, then TP (default 2) with fusion off and on, on the
 #                  evaluation data you provide in .data/ (gsm8k/test.jsonl and train.jsonl, mmlu/
@@ -243,12 +245,17 @@ stop_server() {  # stop_server PID: SIGTERM to the server's process group (led b
 }
 
 serve_and_measure() {  # serve_and_measure SETTING REPEAT PORT: one server, bench_serving at every concurrency
+  # SETTING: off / on (fusion), or default / deterministic (the mode; fusion as FUSION says)
   local setting=$1 repeat=$2 port=$3 flags=() server_args concurrency pid c n rc=0
-  local runs=/tmp/serving_run.jsonl
+  local runs=/tmp/serving_run.jsonl fusion=$1
   read -ra server_args <<< "${SERVER_ARGS:---context-length 8192 --max-running-requests 64 --cuda-graph-max-bs 64}"
   read -ra concurrency <<< "${CONCURRENCY:-1 32}"
-  [ "$setting" = on ] && flags=(--enable-flashinfer-allreduce-fusion)
-  echo "== fusion $setting, repeat $repeat, port $port ($(left) s left)" | tee -a "$OUT/servers.log"
+  case $setting in
+    default | deterministic) fusion=${FUSION:-off} ;;
+  esac
+  [ "$fusion" = on ] && flags=(--enable-flashinfer-allreduce-fusion)
+  [ "$setting" = deterministic ] && flags+=(--deterministic)
+  echo "== $setting (fusion $fusion), repeat $repeat, port $port ($(left) s left)" | tee -a "$OUT/servers.log"
   # timeout leads a process group of its own: stop_server ends the server and its TP workers
   timeout -k 15 "$(left)" python -m arfusion.engine.launch_server --model-path "${MODEL:-llama3-8b}" --tp-size "$TP" \
     "${server_args[@]}" "${flags[@]}" --port "$port" >> "$OUT/servers.log" 2>&1 &
@@ -262,44 +269,49 @@ serve_and_measure() {  # serve_and_measure SETTING REPEAT PORT: one server, benc
   for c in "${concurrency[@]}"; do
     n=${NUM_PROMPTS:-$((2 * c > 4 ? 2 * c : 4))}
     rm -f "$runs"
-    run_timed 300 python -m arfusion.benchmarks.bench_serving --port "$port" --random-input-len 512 \
-      --random-output-len 1024 --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$c" \
+    run_timed 300 python -m arfusion.benchmarks.bench_serving --port "$port" --random-input-len "${INPUT_LEN:-512}" \
+      --random-output-len "${OUTPUT_LEN:-1024}" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$c" \
       --warmup-requests 2 --no-progress --output-file "$runs" || rc=1
-    [ -f "$runs" ] && python - "$runs" "$OUT/serving.jsonl" "$setting" "$repeat" << 'PY'
+    [ -f "$runs" ] && python - "$runs" "$OUT/serving.jsonl" "$setting" "$fusion" "$repeat" << 'PY'
 import json, sys
-runs, out, setting, repeat = sys.argv[1:]
+runs, out, setting, fusion, repeat = sys.argv[1:]
 with open(out, "a") as f:
     for line in open(runs):
-        f.write(json.dumps({"fusion": setting, "repeat": int(repeat), **json.loads(line)}) + "\n")
+        f.write(json.dumps({"setting": setting, "fusion": fusion, "deterministic": setting == "deterministic",
+                            "repeat": int(repeat), **json.loads(line)}) + "\n")
 PY
   done
   stop_server "$pid"
   return "$rc"
 }
 
-serving_summary() {  # median over repeats per (concurrency, setting) of $OUT/serving.jsonl
+serving_summary() {  # median over repeats per (concurrency, setting) of $OUT/serving.jsonl, and each
+  # setting's output throughput over that of fusion off (or the default mode) at that concurrency
   python - "$OUT/serving.jsonl" << 'PY'
 import json, statistics, sys
 from collections import defaultdict
 runs = defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    runs[r["max_concurrency"], r["fusion"]].append(r)
-print(f"{'conc':>4} {'fusion':>6} {'runs':>4} {'out tok/s':>10} {'TPOT ms':>8} {'TTFT ms':>8}")
-for (c, fusion), rs in sorted(runs.items()):
+    runs[r["max_concurrency"], r.get("setting", r["fusion"])].append(r)
+first = {}
+print(f"{'conc':>4} {'setting':>13} {'runs':>4} {'out tok/s':>10} {'ratio':>6} {'TPOT ms':>8} {'TTFT ms':>8}")
+for (c, setting), rs in sorted(runs.items()):  # off before on, default before deterministic
     med = lambda key: statistics.median(r[key] for r in rs if r[key] is not None)
-    print(f"{c:>4} {fusion:>6} {len(rs):>4} {med('output_throughput'):>10.1f} {med('median_tpot_ms'):>8.3f} "
-          f"{med('median_ttft_ms'):>8.1f}")
+    first.setdefault(c, med("output_throughput"))
+    print(f"{c:>4} {setting:>13} {len(rs):>4} {med('output_throughput'):>10.1f} "
+          f"{med('output_throughput') / first[c]:>6.3f} {med('median_tpot_ms'):>8.3f} {med('median_ttft_ms'):>8.1f}")
 PY
 }
 
 part_serving() {
-  local repeat setting port=${PORT:-31000} rc=0
+  local repeat setting settings=(off on) port=${PORT:-31000} rc=0
+  [ "${COMPARE:-fusion}" = deterministic ] && settings=(default deterministic)
   need_gpus "$TP" || return
   for ((repeat = 1; repeat <= ${REPEATS:-3}; repeat++)); do
-    for setting in off on; do
+    for setting in "${settings[@]}"; do
       if (($(left) < ${SERVER_MIN_S:-90})); then
-        echo "!! $(left) s left: stopping before repeat $repeat, fusion $setting"
+        echo "!! $(left) s left: stopping before repeat $repeat, $setting"
         rc=124
         break 2
       fi

@@ -3,8 +3,8 @@
 A batch holds B sequences. Sequence i has ``seq_lens[i]`` tokens in total, of which the last
 ``extend_lens[i]`` are new in this pass (a prefill: the whole prompt, or the part after a
 cached prefix, such as a chunk of a long prompt; a decode step: one token; a mixed extend batch
-has both, decodes riding along with prefill chunks). The T = sum(extend_lens) new tokens are
-packed sequence after sequence.
+has both, decodes riding along with prefill chunks: its first ``num_decodes`` sequences, one
+new token each). The T = sum(extend_lens) new tokens are packed sequence after sequence.
 
 KV cache: token-slot paging. Every layer has one K and one V tensor of shape
 ``[num_slots, num_kv_heads_local, head_dim]``; any slot can hold any token of any sequence.
@@ -43,6 +43,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [B, max_context] int64, the slots of each sequence's tokens ([R, ...] with row_ids)
     row_ids: Optional[torch.Tensor] = None  # [B] int64, sequence i's row of req_to_token (None: row i)
     max_extend_len: Optional[int] = None  # host int >= max(extend_lens) when known (sizes kernels without a sync)
+    num_decodes: int = 0  # EXTEND: the first num_decodes sequences are decodes riding along (one new token each)
 
     @property
     def is_decode(self) -> bool:

@@ -10,7 +10,10 @@ rank 0 also logs the progress of the long ones (`engine.common.progress`: tensor
 bytes loaded, graphs captured); `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
 in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
-else is in its batch, and the fusion op keeps to its deterministic strategies.
+else is in its batch, and the fusion op keeps to its deterministic strategies. Its eager steps
+read the whole request table through row ids, as the decode graphs do: the decode rows of a
+mixed step (decodes riding along with prompt chunks, which attention then runs as a decode
+batch) launch the graphs' decode kernel, of one shape whatever the step.
 """
 from __future__ import annotations
 
@@ -300,12 +303,12 @@ class ModelRunner:
         if plan.kind == "decode" and self.graphs is not None and self.graphs.can_run(plan.batch_size):
             logits, self._step_rows = self.graphs.replay(plan)
         elif plan.prompt_logprobs:
-            batch, self._step_rows = self.table.apply(plan)
+            batch, self._step_rows = self.table.apply(plan, whole_table=self.deterministic)
             hidden = self.model.hidden_states(batch, self.kv_cache)
             logits = self.model.last_token_logits(batch, hidden)
             prompt = self._prompt_logprobs(plan, hidden)
         else:
-            batch, self._step_rows = self.table.apply(plan)
+            batch, self._step_rows = self.table.apply(plan, whole_table=self.deterministic)
             logits = self.model(batch, self.kv_cache)
         self._step_greedy = None if plan.gather_logits else logits.greedy_tokens
         return StepLogits(logits.greedy_tokens, logits.gather() if plan.gather_logits else None, prompt)

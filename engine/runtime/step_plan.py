@@ -90,11 +90,14 @@ class RequestTable:
         """In place: ``last_tokens[rows[i]] = tokens[i]`` (the sampled next token of each row)."""
         self.last_tokens[rows] = tokens
 
-    def apply(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor]:
+    def apply(self, plan: StepPlan, whole_table: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
         """Record the plan's new slots in the table (in place) and build its batch, whose
-        ``req_to_token`` is the plan's rows gathered, as wide as its longest sequence; returns
-        it and the plan's rows on the device. All the plan's integers travel to the device in
-        one copy."""
+        ``req_to_token`` is the plan's rows gathered, as wide as its longest sequence, or with
+        ``whole_table`` the whole table read through ``row_ids`` (as a decode graph reads it, so
+        that kernels launched from its width see one shape whatever the step); returns it and
+        the plan's rows on the device. An extend plan's leading sequences whose tokens are read
+        on the device are its decodes (``num_decodes``). All the plan's integers travel to the
+        device in one copy."""
         check_token_source(plan)
         rows, cols, slots = [], [], []
         for row, new, seq_len in zip(plan.rows, plan.new_slots, plan.seq_lens):
@@ -129,8 +132,10 @@ class RequestTable:
             seq_lens=seq_lens,
             extend_lens=extend_lens_t,
             slot_mapping=slot_mapping,
-            req_to_token=self.table[plan_rows, :max(plan.seq_lens)],
+            req_to_token=self.table if whole_table else self.table[plan_rows, :max(plan.seq_lens)],
+            row_ids=plan_rows if whole_table else None,
             max_extend_len=max(extend_lens),
+            num_decodes=on_device if plan.kind == "extend" else 0,
         )
         return batch, plan_rows
 

@@ -17,12 +17,10 @@ or two, however long the prompt in progress); then the prompts being prefilled c
 waiting requests are admitted while they fit (the first of them chunked). The prompt in progress
 keeps at least half of every step, so no stream of short requests starves it. A chunk that does
 not end its prompt samples nothing (its row of the step's requests is None). A step with no
-prompt tokens is a plain decode step (a CUDA graph).
-With ``separate_decodes`` (deterministic mode) decodes and prompt chunks never share a step: a
-step of prompt chunks alternates with a decode step of every running request. A decode row
-then always runs the decode attention kernel, whose order of additions differs from the
-prompt (extend) kernel's, so a token's bits do not depend on whether other requests were
-being prefilled when it was made.
+prompt tokens is a plain decode step (a CUDA graph). Deterministic mode mixes them the same way:
+there the attention of a mixed step runs its decode rows as a decode batch and its prompt
+chunks as an extend batch (layers/attention.py), so a token's bits do not depend on whether
+other requests were being prefilled when it was made.
 Without chunking (``chunked_prefill_size`` <= 0): admit whole prompts as one prefill-only step
 while they fit ``max_prefill_tokens`` (the first one whatever its length); otherwise run one
 decode step over every running request.
@@ -42,11 +40,8 @@ class SchedulePolicy:
     """The waiting and running requests and the KV slots and request rows they hold."""
 
     def __init__(self, num_kv_slots: int, max_rows: int, context_len: int, max_prefill_tokens: int,
-                 chunked_prefill_size: int = -1, step_time_target_s: float = 0.0,
-                 separate_decodes: bool = False) -> None:
+                 chunked_prefill_size: int = -1, step_time_target_s: float = 0.0) -> None:
         self.context_len = context_len
-        self.separate_decodes = separate_decodes
-        self._last_step_prompts = False  # with separate_decodes: the last step ran prompt chunks
         self.max_prefill_tokens = max_prefill_tokens
         # most tokens of a mixed step (decodes and prompt chunks); None: whole prompts, unmixed
         self.max_step_tokens = min(chunked_prefill_size, max_prefill_tokens) if chunked_prefill_size > 0 else None
@@ -136,11 +131,6 @@ class SchedulePolicy:
         plan when there is no chunk."""
         assert self.budget is not None
         decodes = [r for r in self.running if r.wants_decode_step]
-        if self.separate_decodes:
-            if decodes and self._last_step_prompts:
-                self._last_step_prompts = False
-                return self._plan_decode()
-            decodes = []
         budget = self.budget.prompt_tokens(len(decodes))
         prefilling = [r for r in self.running if not r.prefill_done]
         jumping = self._admit_short(budget // 2) if prefilling and budget > 0 else []
@@ -163,7 +153,6 @@ class SchedulePolicy:
             req.prefilled = len(req.prompt_ids)
         if not chunks:
             return self._plan_decode()
-        self._last_step_prompts = True
         prefills = [r for r, _ in chunks]
         plan = StepPlan("extend", rows=[r.row for r in decodes + prefills],
                         new_tokens=[r.prompt_ids[start:r.prefilled] for r, start in chunks],

@@ -84,8 +84,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
         self.policy = SchedulePolicy(runner.num_kv_slots, runner.max_rows, runner.context_len, max_prefill_tokens,
-                                     chunked_prefill_size, step_time_target_s,
-                                     separate_decodes=runner.deterministic)
+                                     chunked_prefill_size, step_time_target_s)
         self.timer = timer if timer is not None else StepTimer(runner.device)
         self.seed = seed
         self.overlap = overlap

@@ -2,7 +2,9 @@
 (tolerance) and row-invariant in bits for M = 1 ... 2048, eager and in a CUDA graph; decode
 attention with fixed keys per split: a sequence's output bits the same alone and in a batch of
 64 (other lengths beside it); extend attention: a prompt's rows the same whole, in chunks of
-64, and batched with other prompts; the log-softmax and the layer's RMSNorm row-invariant."""
+64, and batched with other prompts; a mixed step's decode rows the bits of a decode batch replayed
+from a CUDA graph, its prompt rows those of an extend batch; the log-softmax and the layer's
+RMSNorm row-invariant."""
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from arfusion.layers import batch_invariant as bi  # noqa: E402
-from arfusion.layers.attention import DETERMINISTIC_KEYS_PER_SPLIT, Attention  # noqa: E402
+from arfusion.layers.attention import DETERMINISTIC_KEYS_PER_SPLIT, Attention, BatchPart  # noqa: E402
 from arfusion.layers.kernels.triton_bi_matmul import matmul  # noqa: E402
 from arfusion.layers.layernorm import RMSNorm  # noqa: E402
 from tests.tolerances import TOLERANCES  # noqa: E402
@@ -95,7 +97,7 @@ def test_extend_attention_rows_do_not_depend_on_chunks_or_batch():
     def run(seq_lens, extend_lens, q_rows, req_rows):
         batch = SimpleNamespace(is_decode=False, seq_lens=torch.tensor(seq_lens, device=DEV),
                                 extend_lens=torch.tensor(extend_lens, device=DEV), req_to_token=req_rows, row_ids=None,
-                                max_extend_len=max(extend_lens))
+                                max_extend_len=max(extend_lens), num_decodes=0)
         return attention.attend(q_rows, k_cache, v_cache, batch)
 
     with bi.batch_invariant_mode(True):
@@ -104,6 +106,40 @@ def test_extend_attention_rows_do_not_depend_on_chunks_or_batch():
                             for start, end in zip(range(0, length, 64), [*range(64, length, 64), length])])
         batched = run([length, other], [length, other], q, rows)[:length]
     assert torch.equal(chunks, whole) and torch.equal(batched, whole)
+
+
+def test_mixed_step_rows_have_the_bits_of_a_graph_decode_and_of_an_extend():
+    """A mixed step (3 decodes, 2 prompt chunks; the request table read through row ids, as the
+    runner does) in batch-invariant mode: its decode rows equal a decode batch of them replayed
+    from a CUDA graph, its prompt rows an extend batch of the chunks alone."""
+    attention = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    decode_lens, prompts = [700, 70, 5], [(40, 300), (0, 129)]  # prompts: (cached prefix, new tokens)
+    seq_lens = decode_lens + [p + n for p, n in prompts]
+    extend_lens = [1] * 3 + [n for _, n in prompts]
+    rows, width = 16, 1024
+    table = torch.randperm(rows * width, generator=torch.Generator(device=DEV).manual_seed(16), device=DEV)
+    table = table.view(rows, width)
+    row_ids = torch.tensor([11, 2, 7, 0, 5], device=DEV)
+    k_cache, v_cache = _randn(rows * width, KV_HEADS, HEAD_DIM, seed=17), _randn(rows * width, KV_HEADS, HEAD_DIM, seed=18)
+    q = _randn(sum(extend_lens), HEADS * HEAD_DIM, seed=19, scale=2.0)
+    lens, news = torch.tensor(seq_lens, device=DEV), torch.tensor(extend_lens, device=DEV)
+    mapping = torch.zeros(sum(extend_lens), dtype=torch.int64, device=DEV)  # unread by attend
+
+    def batch(decode: bool, part: slice, num_decodes: int = 0) -> BatchPart:
+        return BatchPart(decode, lens[part], news[part], mapping, table, row_ids[part], max(extend_lens[part]),
+                         num_decodes)
+
+    with bi.batch_invariant_mode(True):
+        mixed = attention.attend(q, k_cache, v_cache, batch(False, slice(None), 3))
+        prompt_rows = attention.attend(q[3:], k_cache, v_cache, batch(False, slice(3, None)))
+        decodes, static_q = batch(True, slice(0, 3)), q[:3].clone()
+        attention.attend(static_q, k_cache, v_cache, decodes)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = attention.attend(static_q, k_cache, v_cache, decodes)
+        graph.replay()
+    assert max(decode_lens) > DETERMINISTIC_KEYS_PER_SPLIT  # a decode row of several splits
+    assert torch.equal(mixed[:3], graphed) and torch.equal(mixed[3:], prompt_rows)
 
 
 def test_log_softmax_and_rms_norm_are_row_invariant():
