@@ -27,22 +27,39 @@ class RecordedKernel:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def ttgir(fn: Any, args: tuple, kwargs: dict, target: GPUTarget = SM90) -> str:
-    """The TTGIR of ``fn`` launched with ``args`` / ``kwargs`` (tensors may live on the CPU: only
-    their dtypes and the alignment of their addresses matter), compiled for ``target``, without
-    location comments."""
+def compiled_asm(fn: Any, args: tuple, kwargs: dict, target: GPUTarget = SM90) -> dict[str, Any]:
+    """The stages (``"ttgir"``, ``"ptx"``, ...) of ``fn`` launched with ``args`` / ``kwargs``
+    (tensors may live on the CPU: only their dtypes and the alignment of their addresses matter),
+    compiled for ``target``."""
     backend = make_backend(target)
     kwargs = {**kwargs, "debug": False}
     bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    text = re.sub(r" loc\([^)]*\)", "", compiled.asm["ttgir"])
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm
+
+
+def ttgir(fn: Any, args: tuple, kwargs: dict, target: GPUTarget = SM90) -> str:
+    """The TTGIR of `compiled_asm`, without location comments."""
+    text = re.sub(r" loc\([^)]*\)", "", compiled_asm(fn, args, kwargs, target)["ttgir"])
     return "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
 
 
 def mma_versions(ir: str) -> list[int]:
     """The tensor-core instruction family of every MMA layout: 2 mma.sync, 3 wgmma."""
     return [int(v) for v in re.findall(r"#ttg\.nvidia_mma<\{versionMajor = (\d)", ir)]
+
+
+def dot_k_extents(ir: str) -> list[int]:
+    """The K extent of every dot (``tt.dot``: mma.sync, ``ttng.warp_group_dot``: wgmma) in a
+    TTGIR: its A operand's columns, i.e. one BLOCK_K step of the K loop."""
+    dot = r"(?:tt\.dot|ttng\.warp_group_dot) .*? : (?:tensor|!ttg\.memdesc)<\d+x(\d+)x"
+    return [int(k) for k in re.findall(dot, ir)]
+
+
+def ptx_mma_k(ptx: str) -> set[int]:
+    """The k of every tensor-core instruction in a PTX (``mma.sync.aligned.m16n8k16...``,
+    ``wgmma.mma_async.sync.aligned.m64n64k16...``): the chunk of K one instruction sums."""
+    return {int(k) for k in re.findall(r"\b(?:mma\.sync|wgmma\.mma_async\.sync)\.aligned\.m\d+n\d+k(\d+)", ptx)}
 
 
 def add_reduction_layouts(ir: str) -> list[str]:

@@ -9,19 +9,27 @@ of 128:
 
 - the Triton routing and fused MoE (layers/moe/kernels/) under Triton's CPU interpreter
   (TRITON_INTERPRET=1, one spawned process), bf16 and fp32, folded and unfused combine: the
-  routing's weights and ids, and the expert output. At 128 tokens the default tiles would be
-  taller (32 rows per expert), the batch-invariant ones are not;
+  routing's weights and ids, and the expert output, every batch at the batch of 128's
+  batch-invariant tile (32 rows, the pinned K steps). Not across tiles: the interpreter has no
+  tensor-core instructions, its dot is numpy's fp32 matmul of the whole tile, whose order of sums
+  follows the tile's shape (16- against 32-row tiles differ in fp32 there), so neither wgmma nor
+  mma.sync nor the tile switch can be checked on the CPU: the GPU test checks those bits;
 - the torch path (CPU): `router_logits_torch` + `select_experts` + `moe_experts_torch`, fp32 and
   bf16 (torch's CPU matmul alone changes a row's bits between 1-3 rows and more, see
   tests/test_batch_invariant_ops.py);
+- `block_config` in batch-invariant mode: the default's tiles with only the K steps pinned;
 - compiled for sm90 without a GPU (tests/offline_triton.py; skipped where triton's NVIDIA
-  backend cannot compile): the batch-invariant tiles give every dot of both expert launches the
-  mma.sync instruction at 1 to 512 tokens of Qwen3-30B-A3B's shapes, where the default tiles give
-  wgmma at 2048 tokens (64-row blocks: why the default mode is not invariant); and the routing's
+  backend cannot compile): at 1 to 2048 tokens of Qwen3-30B-A3B's shapes every dot of both expert
+  launches in batch-invariant mode takes K steps of the pinned size (128 gate/up, 64 down) and its
+  PTX sums them in k16 instructions, while the instruction family changes from mma.sync (1 token)
+  to wgmma (2048 tokens): that the two round alike is measured on the GPU only. The default
+  tiles' K steps change with the batch (why the default mode is not invariant); and the routing's
   two sums (softmax denominator, renormalisation) reduce tiles of one layout at 1 to 512 tokens,
   on the one-launch path (up to 256) and the two-launch path, at Qwen3-30B-A3B's and Mixtral's
   routers and gpt-oss-120b's (with its bias). The GPU itself is checked by tests/gpu/test_moe_batch_invariant.py.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,21 +58,20 @@ def make_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 def _interpreted(rank: int, world: int) -> dict:
-    from arfusion.layers.moe.kernels.triton_fused_moe import block_config, default_block_config, fused_moe
+    from arfusion.layers.moe.kernels.triton_fused_moe import block_config, fused_moe
     from arfusion.layers.moe.kernels.triton_router import route_triton
 
-    results = {"default_block_m": default_block_config(ALL * TOP_K, EXPERTS).block_m}
+    results = {}
     with batch_invariant.batch_invariant_mode(True):
+        config = block_config(ALL * TOP_K, EXPERTS)  # one tile for every batch: see the module docstring
         for dtype_name, dtype in DTYPES.items():
             h, gate, w13, w2 = make_inputs(dtype)
             for tokens in (*BATCHES, ALL):
                 counter = torch.zeros(1, dtype=torch.int32)
-                block_m = block_config(tokens * TOP_K, EXPERTS).block_m
-                weights, ids, blocks = route_triton(h[:tokens], gate, TOP_K, True, counter, block_m)
-                results["block_m", tokens] = block_m
+                weights, ids, blocks = route_triton(h[:tokens], gate, TOP_K, True, counter, config.block_m)
                 results["routing", dtype_name, tokens] = (weights, ids)
                 for combine in COMBINES:
-                    results[dtype_name, combine, tokens] = fused_moe(h[:tokens], w13, w2, weights, ids, combine,
+                    results[dtype_name, combine, tokens] = fused_moe(h[:tokens], w13, w2, weights, ids, combine, config,
                                                                      blocks=blocks if combine == "folded" else None)
     return results
 
@@ -74,9 +81,25 @@ def interpreted() -> dict:
     return run_under_triton_interpreter(_interpreted, timeout_s=600)
 
 
-def test_the_tiles_do_not_follow_the_rows(interpreted):
-    assert {interpreted["block_m", t] for t in (*BATCHES, ALL)} == {16}
-    assert interpreted["default_block_m"] != 16  # so the batch of 128 would take other tiles by default
+def test_the_rows_change_the_tiles_but_not_the_k_steps():
+    from arfusion.layers.moe.kernels.triton_fused_moe import block_config, default_block_config
+
+    with batch_invariant.batch_invariant_mode(True):
+        configs = [block_config(t * TOP_K, EXPERTS) for t in (*BATCHES, ALL)]
+    assert [c.block_m for c in configs] == [16, 16, 16, 32]  # the batches cross a tile switch
+    assert {(c.block_k_gate_up, c.block_k_down) for c in configs} == {(128, 64)}
+    assert default_block_config(ALL * TOP_K, EXPERTS).block_k_gate_up != 128  # the default's K step changes
+
+
+@pytest.mark.parametrize("num_slots", [1, 16 * 128, 16 * 128 + 1, 64 * 128, 64 * 128 + 1, 200_000])
+def test_batch_invariant_tiles_are_the_defaults_with_pinned_k_steps(num_slots):
+    from arfusion.layers.moe.kernels.triton_fused_moe import block_config, default_block_config
+
+    default = default_block_config(num_slots, 128)
+    with batch_invariant.batch_invariant_mode(True):
+        fixed = block_config(num_slots, 128)
+    assert fixed == dataclasses.replace(default, block_k_gate_up=128, block_k_down=64)
+    assert block_config(num_slots, 128) == default  # the default mode keeps its tiles
 
 
 @pytest.mark.parametrize("tokens", BATCHES)
@@ -122,6 +145,7 @@ QWEN3 = (128, 2048, 768, 8)  # (experts, hidden, expert intermediate, top_k) of 
 ROUTERS = {"qwen3-30b-a3b": (128, 2048, 8, False), "mixtral-8x7b": (8, 4096, 2, False),
            "gpt-oss-120b": (128, 2880, 4, True)}
 COMPILED_TOKENS = (1, 7, 64, 128, 512)
+PINNED_K = {"_gate_up_silu_kernel": 128, "_down_kernel": 64}  # BATCH_INVARIANT_BLOCK_K per launch
 
 
 @pytest.fixture(scope="module")
@@ -156,16 +180,34 @@ def _expert_launches(offline, monkeypatch, tokens: int, on: bool) -> list:
     return [(recorder.fn, *call) for recorder in kernels.values() for call in recorder.calls]
 
 
-@pytest.mark.parametrize("tokens", COMPILED_TOKENS)
-def test_sm90_batch_invariant_tiles_use_mma_sync_at_every_batch(offline, monkeypatch, tokens):
-    for fn, args, kwargs in _expert_launches(offline, monkeypatch, tokens, on=True):
-        versions = offline.mma_versions(offline.ttgir(fn, args, kwargs))
-        assert versions and set(versions) == {2}, (fn.__name__, versions)
+@pytest.mark.parametrize("tokens", (*COMPILED_TOKENS, 2048))
+def test_sm90_batch_invariant_dots_take_the_same_k_chunks_at_every_batch(offline, monkeypatch, tokens):
+    launches = _expert_launches(offline, monkeypatch, tokens, on=True)
+    assert len(launches) == 2
+    for fn, args, kwargs in launches:
+        asm = offline.compiled_asm(fn, args, kwargs)
+        extents = offline.dot_k_extents(asm["ttgir"])
+        assert extents and set(extents) == {PINNED_K[fn.__name__]}, (fn.__name__, extents)
+        assert offline.ptx_mma_k(asm["ptx"]) == {16}, fn.__name__
 
 
-def test_sm90_default_tiles_switch_to_wgmma(offline, monkeypatch):
-    launches = _expert_launches(offline, monkeypatch, 2048, on=False)
-    assert all(3 in offline.mma_versions(offline.ttgir(*launch)) for launch in launches)
+def test_sm90_batch_invariant_tiles_cross_the_instruction_switch(offline, monkeypatch):
+    """1 token runs mma.sync, 2048 tokens (64-row tiles) wgmma: the GPU test's comparisons of
+    1 to 512 tokens against 2048 check that the two round alike."""
+    for tokens, version in ((1, 2), (2048, 3)):
+        with monkeypatch.context() as patch:  # the kernels unpatched between the two
+            launches = _expert_launches(offline, patch, tokens, on=True)
+        for launch in launches:
+            assert set(offline.mma_versions(offline.ttgir(*launch))) == {version}, (tokens, launch[0].__name__)
+
+
+def test_sm90_default_k_steps_follow_the_rows(offline, monkeypatch):
+    steps = {}
+    for tokens in (1, 2048):
+        with monkeypatch.context() as patch:
+            steps[tokens] = {fn.__name__: set(offline.dot_k_extents(offline.ttgir(fn, args, kwargs)))
+                             for fn, args, kwargs in _expert_launches(offline, patch, tokens, on=False)}
+    assert steps[1]["_gate_up_silu_kernel"] == {128} and steps[2048]["_gate_up_silu_kernel"] == {64}
 
 
 @pytest.mark.parametrize("router", list(ROUTERS))

@@ -35,34 +35,42 @@ Nothing is read back to the host and every size is a static bound (align.py): th
 captured in a CUDA graph.
 
 Batch-invariant mode (`layers.batch_invariant.enabled()`, ``--deterministic``): a token's output
-bits must not depend on the other tokens in the call. The default tiles follow the rows per expert
-(`default_block_config`), and with them the order of the sums: BLOCK_K, and the tensor-core
-instruction, since on Hopper Triton compiles ``tl.dot`` to wgmma when BLOCK_M is a multiple of 64
-with 4k warps and to mma.sync below, two instructions whose fp32 sums need not round alike. In
-this mode every launch takes `BATCH_INVARIANT_CONFIG` whatever the rows (only the grid follows
-them), and then every output element's sums run in an order fixed by the weight's shape:
+bits must not depend on the other tokens in the call. What fixes an output element's sums is the
+order of its k-chunks: the K loop's BLOCK_K steps, in k order, each a sequence of k16 tensor-core
+MMA chunks in k order, with no split-K. The default tiles (`default_block_config`) change BLOCK_K
+with the rows per expert; in this mode `block_config` takes the default's tiles for the rows
+(BLOCK_M, BLOCK_N, warps, stages) and pins only the K steps to values fixed by the weight's shape
+(`BATCH_INVARIANT_BLOCK_K`: 128 for gate/up, 64 for down):
 
-    act[r, n]  = for k0 = 0, BLOCK_K, 2 BLOCK_K, ... < H, in order: acc += the mma.sync products
-                 of x[t, k0:k0+BLOCK_K] and w13[e, n, k0:k0+BLOCK_K]   (the same instructions,
-                 the same k chunks, for row r at any position of any block: no exchange between
-                 rows; padding rows load zeros and are not stored)
-    p[s, n]    = the same for act[r] @ w2[e]^T, times w[s] in fp32
+    act[r, n]  = for k0 = 0, 128, 256, ... < H, in order: acc += the k16 MMA chunks of
+                 x[t, k0:k0+128] and w13[e, n, k0:k0+128], in k order   (the same k chunks for
+                 row r at any position of any block: no exchange between rows; padding rows
+                 load zeros and are not stored)
+    p[s, n]    = the same for act[r] @ w2[e]^T in steps of 64, times w[s] in fp32
     out[t, n]  = ((0 + p[tk]) + p[tk + 1]) + ... + p[tk + k - 1]   the folded combine, in slot
                  order whichever program arrives last; "unfused": `combine_topk`'s fixed tree
 
-Only integer specialisations (the slot count's divisibility) and the counter-zeroing width
-change with the rows; compiled for sm90 by triton 3.9, both launches issue the same
-``mma.sync.m16n8k16`` dots at 1 to 512 tokens of Qwen3-30B-A3B (tests/test_moe_batch_invariant.py
-checks the instruction family offline; tests/gpu/test_moe_batch_invariant.py the bits). The
-routing (layers/moe/kernels/triton_router.py) has fixed tiles in both modes. The config is the
-default's decode tile (16-row blocks, chosen for up to 16 rows per expert: Qwen3-30B-A3B decodes
-up to 256 tokens a step with it in both modes, Mixtral up to 64), so those decode steps run the
-same expert kernels in both modes; larger batches (prefill) keep 16-row blocks, which re-read
-each expert's weights once per 16 rows.
+What still follows the rows: the M/N tiles, the warps, the grid, and with them the tensor-core
+instruction family: on Hopper Triton compiles ``tl.dot`` to wgmma where BLOCK_M is a multiple of
+64 with 4k warps (the default's 64-row tile, from 65 rows per expert: 2048 tokens of
+Qwen3-30B-A3B) and to mma.sync below. That wgmma's and mma.sync's fp32 sums over the same k16
+chunks round alike is a measured fact, not a guarantee: on 1 × H200 with triton 3.9, fused_moe
+at Qwen3-30B-A3B's shapes (2048 tokens, bf16, random inputs) with these K steps gives every row
+at 32-row (4 warps), 64-row (4 and 8 warps) and 128-row tiles (8 warps) the bits of 16-row tiles,
+column tiles 32 / 64 and 3 stages (neither the column tile nor the stages move a k-chunk).
+tests/gpu/test_moe_batch_invariant.py checks it on the GPU at hand (1 to 512 tokens against
+2048: 16-, 32- and 64-row tiles, mma.sync and wgmma); tests/test_moe_batch_invariant.py checks
+offline that every launch's dots run BLOCK_K steps of the pinned size in k16 chunks at every
+batch size, and under the CPU interpreter the bits at one tile (the interpreter has no
+tensor-core instructions, and its dot's order of sums follows the tile's shape). A
+new triton or GPU must pass the GPU test again. The routing (layers/moe/kernels/triton_router.py)
+has fixed tiles in both modes; its grouping takes `block_config`'s BLOCK_M (layers/moe/experts.py).
+Up to 16 rows per expert (decode: 256 tokens of Qwen3-30B-A3B, 64 of Mixtral) both modes run the
+same tiles; above, this mode differs from the default only in the K steps of the taller tiles.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -106,18 +114,18 @@ def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
     return MoEBlockConfig(block_m=64, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64, block_k_down=64)
 
 
-# One tile for every row count in batch-invariant mode (module docstring): 16-row blocks (mma.sync
-# at 4 warps), K steps of 128 (gate/up) and 64 (down).
-BATCH_INVARIANT_CONFIG = MoEBlockConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=64,
-                                        block_k_down=64)
+# The K steps of batch-invariant mode (gate/up, down), fixed by the weight's shape (module docstring).
+BATCH_INVARIANT_BLOCK_K = (128, 64)
 
 
 def block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
-    """The tiles `fused_moe` runs with: `BATCH_INVARIANT_CONFIG` in batch-invariant mode, else
-    `default_block_config`."""
+    """The tiles `fused_moe` runs with: `default_block_config`, and in batch-invariant mode the
+    same tiles with the K steps set to `BATCH_INVARIANT_BLOCK_K` (module docstring)."""
+    config = default_block_config(num_slots, num_experts)
     if batch_invariant.enabled():
-        return BATCH_INVARIANT_CONFIG
-    return default_block_config(num_slots, num_experts)
+        block_k_gate_up, block_k_down = BATCH_INVARIANT_BLOCK_K
+        return replace(config, block_k_gate_up=block_k_gate_up, block_k_down=block_k_down)
+    return config
 
 
 @triton.jit
