@@ -15,14 +15,19 @@ nor run twice.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from arfusion.fusion.errors import FusionInputError
 
-if TYPE_CHECKING:
-    from arfusion.fusion.allreduce_fusion import AllReduceFusion
+
+class Reducer(Protocol):
+    """What reduces a `PartialSum`: `fusion.AllReduceFusion` (named here by its method, so that
+    this module does not import the op's)."""
+
+    def reduce_add_rms_norm(self, partial: "PartialSum", residual: Optional[torch.Tensor], weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class PartialSum(SimpleNamespace):
@@ -35,7 +40,7 @@ class PartialSum(SimpleNamespace):
 
     pending: Optional[torch.Tensor]
     layer_id: int
-    op: "AllReduceFusion"
+    op: Reducer
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
