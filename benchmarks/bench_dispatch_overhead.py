@@ -6,8 +6,8 @@
 Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the public decision) and
 `AllReduceFusion.strategy` (the lookup each reduction makes) on cache hits, for one key and in a
 decode loop over 32 layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache
-cleared each call) over a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of the same loop
-calling a no-op Python function (printed as the baseline).
+cleared each call) over a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of
+the same loop calling a no-op Python function (printed as the baseline).
 
 With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
 stack of layers' reductions at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).

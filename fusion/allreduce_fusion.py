@@ -26,9 +26,10 @@ Deterministic mode (``FusionConfig(deterministic=True)``) keeps fusion on: the o
 strategies `fusion.backends.deterministic` allows, each following the canonical recipe of
 `fusion.reference` (rank-order fp32 sum, one rounding; the residual added at one point; the
 row's sum of squares by a tree fixed by the hidden size), NCCL's included. So the dispatch may
-still switch strategies by batch size: a row's bits never depend on the other rows of the call. flashinfer's kernels are
-left out (`status` says so); which backend is primary (bounds the fusion limit) and which are
-made on demand in each mode, the declarations say (`fusion.strategies`).
+still switch strategies by batch size: a row's bits never depend on the other rows of the call.
+flashinfer's kernels are left out (`status` says so); which backend is primary (bounds the
+fusion limit) and which are made on demand in each mode, the declarations say
+(`fusion.strategies`).
 """
 from __future__ import annotations
 

@@ -164,8 +164,8 @@ def _sweep(rank, world, token_counts, with_residual, dtype):
         parts = [rank_rows(r, tokens, HIDDEN, dtype)[0] for r in range(world)]
         recipe = reference.canonical_all_reduce_add_rms_norm(parts, res, weight, EPS)
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        outputs = {"dispatch": fusion.reduce_add_rms_norm(PartialSum(pending=x.clone(), layer_id=0, op=fusion), clone(res),
-                                                               weight, EPS)}
+        partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
+        outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, clone(res), weight, EPS)}
         out["picked"][tokens] = fusion.strategy(0, tokens).value
         for name in status["deterministic_strategies"]:
             if fusion.backends[Strategy(name)].fits(tokens):

@@ -11,8 +11,10 @@ A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
                                                          partial sum of the combined experts
 and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
 of the model's fusion op (`layers.layernorm`), by the strategy of the layer that made it, so a
-MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense MLP's. A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``,
-``make_mlp``) and its checkpoint layout (``hf_weight_shapes``, ``param_target``).
+MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense MLP's.
+
+A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``, ``make_mlp``) and
+its checkpoint layout (``hf_weight_shapes``, ``param_target``).
 """
 from __future__ import annotations
 

@@ -109,8 +109,8 @@ def _sweep(rank, world, hidden):
         x, residual, weight, at = _inputs(rank, tokens, hidden, group.device)
         expected = _probe_expected(world, tokens, hidden, group.device)
         picked[tokens] = fusion.strategy(0, tokens).value
-        keep(("dispatch", tokens), *fusion.reduce_add_rms_norm(PartialSum(pending=x.clone(), layer_id=0, op=fusion), residual.clone(), weight, EPS),
-             tokens, at)
+        partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
+        keep(("dispatch", tokens), *fusion.reduce_add_rms_norm(partial, residual.clone(), weight, EPS), tokens, at)
         for strategy in allowed:
             if not fusion.backends[strategy].fits(tokens):
                 continue
