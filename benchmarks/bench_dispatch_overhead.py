@@ -3,14 +3,14 @@
     python -m arfusion.benchmarks.bench_dispatch_overhead [--calls 1000000] [--batch-sizes 64]
     python -m arfusion.benchmarks.bench_dispatch_overhead --layers 8 --tp 2 [--tokens 4]
 
-Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the call a layer's communicator
-makes) and `AllReduceFusion.strategy` on cache hits, for one key and in a decode loop over 32
-layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache cleared each call) over
-a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of the same loop
-calling a no-op Python function (printed as the baseline).
+Times `AllReduceFusion.should_fuse_allreduce_residual_rmsnorm` (the public decision) and
+`AllReduceFusion.strategy` (the lookup each reduction makes) on cache hits, for one key and in a
+decode loop over 32 layers x ``--batch-sizes`` batch sizes, and the decision on a miss (cache
+cleared each call) over a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of
+the same loop calling a no-op Python function (printed as the baseline).
 
 With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
-`LayerCommunicator` stack at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
+stack of layers' reductions at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--batch-sizes", type=int, default=64, help="distinct batch sizes cycled through")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--layers", type=int, help="measure a LayerCommunicator stack of this many layers instead")
+    parser.add_argument("--layers", type=int, help="measure a stack of this many decoder layers' reductions instead")
     parser.add_argument("--tp", type=int, default=2, help="with --layers: TP ranks (gloo, CPU)")
     parser.add_argument("--tokens", type=int, default=4, help="with --layers: tokens per forward")
     args = parser.parse_args()

@@ -1,17 +1,17 @@
-"""The Python a decoder layer's three reduction points cost, over a stack of `LayerCommunicator`s
-at TP ``tp`` on CPU (gloo), fusion on with the torch backend (what `bench_dispatch_overhead
---layers N --tp T` reports).
+"""The Python a decoder layer's reductions cost, over a stack of layers at TP ``tp`` on CPU
+(gloo), fusion on with the torch backend (what `bench_dispatch_overhead --layers N --tp T`
+reports).
 
-Per layer: ``prepare_attn`` (the previous layer's deferred reduction fused into the input norm),
-``prepare_mlp`` (the attention reduction fused into the post-attention norm) and
-``postprocess_layer`` (the MLP reduction deferred or run). The layers pass their normed output on
-unchanged: no attention or MLP, only the reductions.
+Per layer, as `engine.models.block_decoder` runs it: the input norm (the previous layer's
+deferred reduction fused into it), the attention output as a `fusion.PartialSum` into the
+post-attention norm, and the MLP output as a `PartialSum` handed on; then the final norm. The
+layers pass their normed output on unchanged: no attention or MLP, only the reductions.
 
     calls per layer   Python function calls into fusion/ (nested ones too), counted with
                       sys.setprofile over one forward after a warm-up forward
     µs per layer      wall time of a forward / layers, with the collective and the norm math
                       replaced by functions that return their inputs: what remains is the
-                      Python of the communicator and the fusion op (median and minimum
+                      Python of the norms and the fusion op (median and minimum
                       of repeats of 100 forwards)
 """
 from __future__ import annotations
@@ -27,27 +27,31 @@ import torch
 import torch.multiprocessing as mp
 
 from arfusion import fusion
-from arfusion.fusion import AllReduceFusion, FusionConfig
-from arfusion.layers.communicator import LayerCommunicator
+from arfusion.fusion import AllReduceFusion, FusionConfig, PartialSum
 from arfusion.layers.layernorm import RMSNorm
 
 FUSION_DIR = str(Path(fusion.__file__).parent)
 HIDDEN, EPS = 64, 1e-6
 
 
-def build_stack(op: AllReduceFusion, layers: int) -> list[LayerCommunicator]:
-    return [LayerCommunicator(i, layers, RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS), op) for i in range(layers)]
+def build_stack(layers: int) -> list[tuple[RMSNorm, RMSNorm]]:
+    """Each layer's (input norm, post-attention norm)."""
+    return [(RMSNorm(HIDDEN, EPS), RMSNorm(HIDDEN, EPS)) for _ in range(layers)]
 
 
-def forward(stack: list[LayerCommunicator], final_norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """The three reduction points of every layer, then the final norm."""
+def forward(op: AllReduceFusion, stack: list[tuple[RMSNorm, RMSNorm]], final_norm: RMSNorm,
+            x: torch.Tensor) -> torch.Tensor:
+    """Every layer's norms over its partial sums, then the final norm."""
     h: Any = x
     residual: Optional[torch.Tensor] = None
-    for comm in stack:
-        h, residual = comm.prepare_attn(h, residual)
-        h, residual = comm.prepare_mlp(h, residual)
-        h, residual = comm.postprocess_layer(h, residual)
-    return stack[-1].prepare_final_norm(h, residual, final_norm)
+    for i, (input_layernorm, post_attention_layernorm) in enumerate(stack):
+        if residual is None:
+            h, residual = input_layernorm(h), h
+        else:
+            h, residual = input_layernorm(h, residual)
+        h, residual = post_attention_layernorm(PartialSum(pending=h, layer_id=i, op=op), residual)
+        h = PartialSum(pending=h, layer_id=i, op=op)
+    return final_norm(h, residual)[0]
 
 
 def count_fusion_calls(step: Callable[[], Any]) -> int:
@@ -88,17 +92,17 @@ def _worker(rank: int, tp: int, port: int, layers: int, tokens: int, repeats: in
             op = AllReduceFusion(get_tp_group(), FusionConfig(enabled=True, backend="torch", max_tokens=64),
                                  HIDDEN, torch.float32)
             op.setup()
-            stack, final_norm = build_stack(op, layers), RMSNorm(HIDDEN, EPS)
+            stack, final_norm = build_stack(layers), RMSNorm(HIDDEN, EPS)
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(0))
-            forward(stack, final_norm, x.clone())  # warm-up: the decisions are cached
-            calls = count_fusion_calls(lambda: forward(stack, final_norm, x.clone()))
+            forward(op, stack, final_norm, x.clone())  # warm-up: the decisions are cached
+            calls = count_fusion_calls(lambda: forward(op, stack, final_norm, x.clone()))
             _identity_collective_and_math(op)
             samples = []
             for _ in range(repeats):
                 inputs = [x.clone() for _ in range(100)]
                 start = time.perf_counter()
                 for inp in inputs:
-                    forward(stack, final_norm, inp)
+                    forward(op, stack, final_norm, inp)
                 samples.append((time.perf_counter() - start) / len(inputs))
             if rank == 0:
                 out.put({"layers": layers, "tp": tp, "tokens": tokens, "calls_per_layer": calls / layers,

@@ -2,44 +2,40 @@
 its config, one backend per strategy (`fusion.backends`) and the cached dispatch decision.
 
 An engine builds one per model before it builds the model (no collective yet), calls `setup()`
-(collective) and `reserve()` before CUDA-graph capture, and hands the op to every layer's
-`LayerCommunicator`. Each reduction point makes one lookup in the dispatch plan and one call:
+(collective) and `reserve()` before CUDA-graph capture, and hands the op to every layer. A
+layer wraps each row-parallel output in a `PartialSum` (layer id, this op); the norm that takes
+it (`layers.layernorm.RMSNorm`) makes the one call of a reduction point:
 
-    all_reduce_add_rms_norm(x, residual, w, eps, layer_id)  x partial: reduce + add + norm by
-                                                            layer_id's strategy (prepare_mlp)
-    strategy(layer_id, n) -> PartialSum(pending=x, ...)     the MLP output deferred, carrying its
-      or all_reduce(x)                                      strategy; or reduced now (NCCL, in place)
-    add_rms_norm(h, residual, w, eps)                       the next norm: a `PartialSum` is reduced
-                                                            into it by the strategy it carries (no
-                                                            lookup), a tensor is added + normed
+    reduce_add_rms_norm(partial, residual, w, eps)  (rms_norm(sum(x) + residual), sum(x) + residual)
+                                                    by the strategy the plan gives (layer_id, tokens)
 
-so every reduction runs exactly once, by a strategy whose backend fits the batch. The op keeps
-no state between layers; it counts the reductions it runs, by strategy (``counts``).
+so every reduction runs exactly once, by a strategy whose backend fits the batch (NCCL, reduce
+then norm, is one of them). The op keeps no state between layers; it counts the reductions it
+runs, by strategy (``counts``). ``run`` reduces by an explicit strategy (tuner, benchmarks).
 
 The decision is ``plan`` (`fusion.dispatch.decision.DispatchPlan`), immutable; the op replaces
 it on every event that changes its inputs: a backend's ``on_change`` (a resource made, grown or
 destroyed, a peer timeout), a table arriving, set-up, reconfigure and destroy. ``strategy`` is
 the current plan's cached lookup itself (a hit is a C call).
 
-Inputs are checked where they enter (`fusion.validation`): fully in `all_reduce_add_rms_norm`,
-`add_rms_norm` of a tensor and `run`; a `PartialSum`'s tensor, taken from the layer before,
-needs only to match the residual stream (same shape, dtype, device; contiguous), which the op
-checked at the layer's first reduction, so one full check runs per layer.
+Inputs are checked where they enter (`fusion.validation`): in `reduce_add_rms_norm` fully
+unless `CheckedInputs` trusts them (the residual the op returned last, a weight it checked:
+one full check per forward), in `run` always.
 
 Deterministic mode (``FusionConfig(deterministic=True)``) keeps fusion on: the op builds only the
 strategies `fusion.backends.deterministic` allows, each following the canonical recipe of
 `fusion.reference` (rank-order fp32 sum, one rounding; the residual added at one point; the
-row's sum of squares by a tree fixed by the hidden size), and its unfused calls (``all_reduce``,
-``add_rms_norm`` of a reduced tensor) follow it too. So the dispatch may still switch strategies
-by batch size: a row's bits never depend on the other rows of the call. flashinfer's kernels are
-left out (`status` says so); which backend is primary (bounds the fusion limit) and which are
-made on demand in each mode, the declarations say (`fusion.strategies`).
+row's sum of squares by a tree fixed by the hidden size), NCCL's included. So the dispatch may
+still switch strategies by batch size: a row's bits never depend on the other rows of the call.
+flashinfer's kernels are left out (`status` says so); which backend is primary (bounds the
+fusion limit) and which are made on demand in each mode, the declarations say
+(`fusion.strategies`).
 """
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -78,7 +74,6 @@ class AllReduceFusion:
         self.table: Optional[StrategyTable] = None
         self._off_reason: Optional[str] = NOT_SET_UP
         self.backends: dict[Strategy, Backend] = build_backends(self.group, config)
-        self._nccl = self.backends[_NCCL]
         roles = {s: DECLARATIONS[s].role(config.deterministic) for s in self.backends}
         self._primary = next(self.backends[s] for s, role in roles.items() if role is Made.PRIMARY)
         self._on_demand = [s for s, role in roles.items() if role is Made.ON_DEMAND]
@@ -176,53 +171,22 @@ class AllReduceFusion:
 
     # ---- the hot path
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                                eps: float, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(sum(x) + residual), sum(x) + residual)`` by layer ``layer_id``'s strategy;
-        ``x`` (this rank's partial sum) and ``residual`` are consumed."""
+    def reduce_add_rms_norm(self, partial: PartialSum, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(s + residual), s + residual)``, ``s`` the sum over the group of
+        ``partial``'s tensor (taken: a second call raises), by the strategy of
+        ``(partial.layer_id, tokens)``; with ``residual`` None the sum is ``s``. The tensor and
+        ``residual`` are consumed (a backend may overwrite both)."""
+        x, partial.pending = partial.pending, None
+        if x is None:
+            raise partial.taken_twice()
         inputs = self._inputs  # trusted residual and weight: the cheap test (`CheckedInputs`)
         if not (residual is not None and residual is inputs.residual and x.shape == residual.shape
                 and x.dtype is residual.dtype and x.is_contiguous() and inputs.weights.get(id(weight)) is weight):
             inputs.check(x, residual, weight)
-        strategy = self.strategy(layer_id, x.shape[0])
+        strategy = self.strategy(partial.layer_id, x.shape[0])
         self.counts[strategy] += 1
         normed, residual_out = self.backends[strategy].run(x, residual, weight, eps, None)[:2]
-        inputs.residual = residual_out  # the next reduction's trusted residual
-        return normed, residual_out
-
-    def partial_sum(self, x: torch.Tensor, layer_id: int) -> PartialSum:
-        """Layer ``layer_id``'s MLP output, un-reduced, for the next `add_rms_norm` to reduce by
-        the layer's strategy (a caller that looked the strategy up already makes the
-        `PartialSum` itself: `layers.communicator`)."""
-        return PartialSum(pending=x, layer_id=layer_id, strategy=self.strategy(layer_id, x.shape[0]))
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the group now, in place (NCCL; deterministic mode: the canonical
-        rank-order sum); returns ``x``."""
-        self.counts[_NCCL] += 1
-        return self._nccl.all_reduce(x)
-
-    def add_rms_norm(self, x: Union[torch.Tensor, PartialSum], residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(s + residual), s + residual)``: ``s`` is a `PartialSum` reduced here by
-        its strategy (fused into this norm), or an already reduced tensor. Inputs consumed (see
-        `fusion.norm.add_rms_norm` and the backends)."""
-        deferred = x.__class__ is PartialSum
-        if deferred:
-            tensor, x.pending = x.pending, None  # `PartialSum.take`, without a Python call
-            if tensor is None:
-                raise x.taken_twice()
-        else:
-            tensor = x
-        inputs = self._inputs  # trusted residual and weight: the cheap test (`CheckedInputs`)
-        if not (residual is not None and residual is inputs.residual and tensor.shape == residual.shape
-                and tensor.dtype is residual.dtype and tensor.is_contiguous() and inputs.weights.get(id(weight)) is weight):
-            inputs.check(tensor, residual, weight)
-        if deferred:
-            self.counts[x.strategy] += 1
-            normed, residual_out = self.backends[x.strategy].run(tensor, residual, weight, eps, None)[:2]
-        else:
-            normed, residual_out = self._nccl.add_rms_norm(tensor, residual, weight, eps)
         inputs.residual = residual_out  # the next reduction's trusted residual
         return normed, residual_out
 

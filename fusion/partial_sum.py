@@ -1,47 +1,49 @@
-"""`PartialSum`: a layer's MLP output not yet summed over the TP ranks, handed to the next norm.
+"""`PartialSum`: this rank's output of a row-parallel projection, not yet summed over the TP
+ranks, handed to the next norm.
 
-When layer i's strategy fuses (``should_fuse_allreduce_residual_rmsnorm(i, tokens)``), its
-``down_proj`` output is not all-reduced where it is made: `LayerCommunicator.postprocess_layer`
-returns it wrapped in a `PartialSum`, and the next layer's ``prepare_attn`` (or the final norm)
-runs ``rms_norm(sum over ranks + residual)`` as one fused reduction by the recorded strategy.
-Nothing is stored on the op between layers: the deferral is this value.
+A decoder layer wraps its attention output (``o_proj``) and its MLP output (``down_proj``, or
+a MoE block's combined experts) in a `PartialSum` instead of all-reducing them. The norm that
+takes it (`layers.layernorm.RMSNorm`) calls ``op.reduce_add_rms_norm``, which runs
+``rms_norm(sum over ranks + residual)`` as one reduction, by the strategy the op's plan gives
+(``layer_id``, tokens). Nothing is stored on the op between layers: the deferral is this value.
 
 A `PartialSum` is not a tensor: passing it where a reduced tensor is expected fails (torch
 raises a TypeError, the fusion op a `FusionInputError`), and it can be reduced exactly once
-(`take` raises the second time), so a deferred reduction can neither be skipped nor run twice.
+(the second reduction raises `taken_twice`), so a deferred reduction can neither be skipped
+nor run twice.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from arfusion.fusion.errors import FusionInputError
-from arfusion.fusion.strategy import Strategy
+
+
+class Reducer(Protocol):
+    """What reduces a `PartialSum`: `fusion.AllReduceFusion` (named here by its method, so that
+    this module does not import the op's)."""
+
+    def reduce_add_rms_norm(self, partial: "PartialSum", residual: Optional[torch.Tensor], weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class PartialSum(SimpleNamespace):
-    """This rank's partial sum ``pending`` [tokens, hidden] of layer ``layer_id``'s MLP, to be
-    reduced by ``strategy`` (looked up once, when the layer deferred it).
+    """This rank's partial sum ``pending`` [tokens, hidden] of layer ``layer_id``, to be reduced
+    by ``op`` (`fusion.AllReduceFusion`).
 
-    Made with keywords, ``PartialSum(pending=x, layer_id=i, strategy=s)``: SimpleNamespace's
+    Made with keywords, ``PartialSum(pending=x, layer_id=i, op=op)``: SimpleNamespace's
     initialiser is C, so a deferral costs no Python call on the hot path. ``pending`` is the
-    tensor until a reduction takes it (`take`), then None. Compared and hashed by identity."""
+    tensor until a reduction takes it, then None. Compared and hashed by identity."""
 
     pending: Optional[torch.Tensor]
     layer_id: int
-    strategy: Strategy
+    op: Reducer
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
-
-    def take(self) -> torch.Tensor:
-        """The partial sum, once: the reduction that takes it consumes it."""
-        tensor, self.pending = self.pending, None
-        if tensor is None:
-            raise self.taken_twice()
-        return tensor
 
     def taken_twice(self) -> FusionInputError:
         return FusionInputError(f"the partial sum of layer {self.layer_id} was already reduced: a deferred "
@@ -49,4 +51,4 @@ class PartialSum(SimpleNamespace):
 
     def __repr__(self) -> str:
         state = "taken" if self.pending is None else f"{tuple(self.pending.shape)} {self.pending.dtype}"
-        return f"PartialSum(layer {self.layer_id}, {self.strategy}, {state})"
+        return f"PartialSum(layer {self.layer_id}, {state})"

@@ -15,8 +15,8 @@ def check_fusion_inputs(x: torch.Tensor, residual: Optional[torch.Tensor], weigh
     and ``weight`` is [hidden] of the same dtype and device."""
     if not isinstance(x, torch.Tensor) or not (residual is None or isinstance(residual, torch.Tensor)):
         raise FusionInputError(f"input and residual must be tensors, got {type(x).__name__} and "
-                               f"{type(residual).__name__} (a PartialSum is reduced by the next norm: "
-                               "LayerCommunicator.prepare_attn or prepare_final_norm)")
+                               f"{type(residual).__name__} (a PartialSum is reduced by the norm that "
+                               "takes it: RMSNorm(partial, residual))")
     if x.dim() != 2:
         raise FusionInputError(f"input must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:

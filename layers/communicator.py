@@ -1,5 +1,5 @@
-"""`LayerCommunicator`: where a decoder layer's TP reductions happen, so that fusing them into
-the norms is a drop-in.
+"""`LayerCommunicator`: the reduction points of a decoder layer written against SGLang's
+communicator, over our norms (`layers.layernorm.RMSNorm`, which take a `fusion.PartialSum`).
 
 Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
 
@@ -7,16 +7,15 @@ Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
                                     otherwise input_norm(h + residual), where h is layer i-1's
                                     `fusion.PartialSum` (its all-reduce fused into this norm) or
                                     a reduced tensor
-    prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, fused when
-                                    layer i's strategy says so
-    postprocess_layer(h_partial, r) the down_proj all-reduce: deferred as a `PartialSum` (carrying
-                                    the layer's strategy) when layer i fuses at this many tokens,
-                                    performed now otherwise
+    prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, by layer i's
+                                    strategy
+    postprocess_layer(h_partial, r) the down_proj all-reduce, deferred as a `PartialSum` into
+                                    the next norm
     prepare_final_norm(h, r, norm)  (last layer) the final norm, reducing a `PartialSum` into it
 
-Each is one call into the model's `fusion.AllReduceFusion`, which looks the layer's strategy up
-once (the op's dispatch plan, cached on (layer_id, tokens), identical on all ranks; a
-`PartialSum` carries it to the next norm) and runs; every reduction runs exactly once.
+Each reduction is one call of the model's `fusion.AllReduceFusion` (``reduce_add_rms_norm``,
+made by the norm), which looks layer i's strategy up in its plan (cached on (layer_id, tokens),
+identical on all ranks) and runs it; every reduction runs exactly once.
 """
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ from typing import Optional, Union
 
 import torch
 
-from arfusion.fusion import AllReduceFusion, FusionInputError, PartialSum, Strategy
+from arfusion.fusion import AllReduceFusion, FusionInputError, PartialSum
 from arfusion.layers.layernorm import RMSNorm
 
-_NCCL = Strategy.NCCL
-LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its MLP reduction deferred
+LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its reduction deferred
 
 
 class LayerCommunicator:
@@ -45,30 +43,25 @@ class LayerCommunicator:
     def prepare_attn(self, hidden_states: LayerOutput,
                      residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(normed input for attention, residual)``."""
-        norm = self.input_layernorm
         if residual is None:
             if isinstance(hidden_states, PartialSum):
                 raise FusionInputError(f"layer {self.layer_id} got {hidden_states} without a residual: only the "
                                        "embeddings start a forward")
-            return norm(hidden_states), hidden_states
+            return self.input_layernorm(hidden_states), hidden_states
         self._check_from(hidden_states, self.layer_id - 1)
-        return self.fusion.add_rms_norm(hidden_states, residual, norm.weight_for_fusion(), norm.eps)
+        return self.input_layernorm(hidden_states, residual)
 
     def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the attention output (o_proj with ``reduce_results=False``) into the residual
         and normalise: ``(normed input for the MLP, residual)``."""
-        norm = self.post_attention_layernorm
-        return self.fusion.all_reduce_add_rms_norm(hidden_states, residual, norm.weight_for_fusion(), norm.eps,
-                                                   self.layer_id)
+        partial = PartialSum(pending=hidden_states, layer_id=self.layer_id, op=self.fusion)
+        return self.post_attention_layernorm(partial, residual)
 
     def postprocess_layer(self, hidden_states: torch.Tensor,
                           residual: torch.Tensor) -> tuple[LayerOutput, torch.Tensor]:
-        """The MLP output (down_proj with ``reduce_results=False``): a `PartialSum` for the next
-        norm when this layer fuses, reduced here otherwise."""
-        strategy = self.fusion.strategy(self.layer_id, hidden_states.shape[0])  # the one lookup (a cache hit: C)
-        if strategy is _NCCL:
-            return self.fusion.all_reduce(hidden_states), residual
-        return PartialSum(pending=hidden_states, layer_id=self.layer_id, strategy=strategy), residual
+        """The MLP output (down_proj with ``reduce_results=False``) as a `PartialSum`, reduced by
+        the next norm (``prepare_attn`` of the next layer, or ``prepare_final_norm``)."""
+        return PartialSum(pending=hidden_states, layer_id=self.layer_id, op=self.fusion), residual
 
     def prepare_final_norm(self, hidden_states: LayerOutput, residual: torch.Tensor,
                            final_norm: RMSNorm) -> torch.Tensor:
@@ -76,8 +69,7 @@ class LayerCommunicator:
         if self.layer_id != self.num_layers - 1:
             raise ValueError(f"prepare_final_norm belongs to the last layer, not layer {self.layer_id}")
         self._check_from(hidden_states, self.layer_id)
-        normed, _ = self.fusion.add_rms_norm(hidden_states, residual, final_norm.weight_for_fusion(), final_norm.eps)
-        return normed
+        return final_norm(hidden_states, residual)[0]
 
     @staticmethod
     def _check_from(hidden_states: LayerOutput, layer_id: int) -> None:

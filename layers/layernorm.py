@@ -4,12 +4,16 @@
     forward(x, residual)  -> (rms_norm(x + residual), x + residual)
     RMS(v) = sqrt(mean(v**2) + eps), computed in fp32.
 
+``x`` may be a `fusion.PartialSum` (a row-parallel output not yet summed over the TP ranks):
+then ``x`` above is its sum over the ranks, and the norm is one call of the partial's op,
+``op.reduce_add_rms_norm(x, residual, weight, eps)``, which all-reduces it fused into this norm
+(or reduces, then normalises) by the strategy the op's plan gives the layer at this many tokens.
+
 On GPU with flashinfer the residual form runs flashinfer's ``fused_add_rmsnorm`` in place
 (``residual`` receives the sum, ``x`` the normed output), as in vLLM and SGLang
-(`fusion.norm`). Fused with a TP all-reduce, the same norm runs through the model's fusion op
-(`layers.communicator.LayerCommunicator`).
+(`fusion.norm`).
 
-Batch-invariant mode (`layers.batch_invariant`) keeps flashinfer's kernels where they run (one
+Batch-invariant mode (`layers.batch_invariant`), for a reduced tensor, keeps flashinfer's kernels where they run (one
 CTA per row, launched from the hidden size alone: row-invariant); elsewhere it follows the
 fusion op's canonical add + RMSNorm (`fusion.reference.canonical_add_rms_norm`: the sum of
 squares by a fixed tree), so that no reduction kernel can split a row by the number of rows.
@@ -21,9 +25,10 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from arfusion.fusion import norm, reference
+from arfusion.fusion import PartialSum, norm, reference
 from arfusion.layers import batch_invariant
 
+NormInput = Union[torch.Tensor, PartialSum]
 NormOutput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -35,13 +40,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
-    def weight_for_fusion(self) -> torch.Tensor:
-        """``self.weight``, read from the parameter table directly: nn.Module's attribute
-        lookup of a parameter is slow, and a decoder layer passes its norms' weights to the
-        fusion op at three reduction points."""
-        return self._parameters["weight"]
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOutput:
+    def forward(self, x: NormInput, residual: Optional[torch.Tensor] = None) -> NormOutput:
+        if x.__class__ is PartialSum:
+            # the weight read from the parameter table: nn.Module's attribute lookup is slow
+            normed, summed = x.op.reduce_add_rms_norm(x, residual, self._parameters["weight"], self.eps)
+            return normed if residual is None else (normed, summed)
         if batch_invariant.enabled() and not norm.uses_flashinfer(x):
             normed, summed = reference.canonical_add_rms_norm(x, residual, self.weight, self.eps)
             return normed if residual is None else (normed, summed)

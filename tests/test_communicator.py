@@ -124,7 +124,7 @@ def _lookups_and_partial_sums(rank, world_size):
         errors[name] = str(err.value)
 
     partial, _ = model.comms[0].postprocess_layer(x.clone(), residual.clone())
-    assert isinstance(partial, PartialSum) and partial.layer_id == 0 and partial.strategy is Strategy.TORCH
+    assert isinstance(partial, PartialSum) and partial.layer_id == 0 and partial.op is fusion
     refused("as a reduced input", lambda: comm.prepare_mlp(partial, residual.clone()))
     refused("to a later layer", lambda: comm.prepare_attn(partial, residual.clone()))
     refused("to a torch op", lambda: partial @ x, TypeError)
@@ -136,9 +136,8 @@ def _lookups_and_partial_sums(rank, world_size):
 def test_a_deferred_reduction_is_a_value_that_cannot_be_misused():
     per_rank = run_distributed(_lookups_and_partial_sums, timeout_s=120)
     lookups, errors, out = per_rank[0]
-    assert lookups == 2 * LAYERS, ("one cached lookup per reduction point: prepare_mlp's and postprocess_layer's; "
-                                   "the PartialSum carries its strategy to the next norm")
-    assert "a PartialSum is reduced by the next norm" in errors["as a reduced input"]
+    assert lookups == 2 * LAYERS, "one cached lookup per reduction: the attention's and the MLP's, by their norms"
+    assert "a PartialSum is reduced by the norm that takes it" in errors["as a reduced input"]
     assert "reached the norm after layer 1" in errors["to a later layer"]
     assert "PartialSum" in errors["to a torch op"]
     assert "already reduced" in errors["twice"]

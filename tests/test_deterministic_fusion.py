@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from arfusion.fusion import FusionConfig, Strategy, reference
+from arfusion.fusion import FusionConfig, PartialSum, Strategy, reference
 from arfusion.fusion.backends import deterministic
 from arfusion.fusion.strategies import deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
@@ -164,13 +164,12 @@ def _sweep(rank, world, token_counts, with_residual, dtype):
         parts = [rank_rows(r, tokens, HIDDEN, dtype)[0] for r in range(world)]
         recipe = reference.canonical_all_reduce_add_rms_norm(parts, res, weight, EPS)
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        outputs = {"dispatch": fusion.all_reduce_add_rms_norm(x.clone(), clone(res), weight, EPS, 0)}
+        partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
+        outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, clone(res), weight, EPS)}
         out["picked"][tokens] = fusion.strategy(0, tokens).value
         for name in status["deterministic_strategies"]:
             if fusion.backends[Strategy(name)].fits(tokens):
                 outputs[name] = fusion.run(Strategy(name), x.clone(), clone(res), weight, EPS)
-        if with_residual:  # the deferred reduction done now, then the next norm
-            outputs["unfused"] = fusion.add_rms_norm(fusion.all_reduce(x.clone()), res.clone(), weight, EPS)
         out["rows"][tokens] = {"recipe": _probe(*recipe, at), **{k: _probe(*v[:2], at) for k, v in outputs.items()}}
         out["differs"].update({(k, tokens): _differs(v, recipe) for k, v in outputs.items() if _differs(v, recipe)})
     fusion.destroy()

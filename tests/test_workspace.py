@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from arfusion.fusion import AllReduceFusionWorkspace
+from arfusion.fusion import AllReduceFusionWorkspace, PartialSum
 from arfusion.layers.parallel_state import get_tp_group
 from tests.dist_utils import make_fusion, run_distributed
 from tests.tolerances import assert_close
@@ -74,7 +74,8 @@ def _fusion_falls_back_together(rank, world_size):
     residual = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
     weight = torch.rand(64, generator=torch.Generator().manual_seed(10)) + 0.5
     expected_sum = sum(torch.randn(4, 64, generator=torch.Generator().manual_seed(r)) + 1 for r in range(world_size))
-    normed, res = fusion.all_reduce_add_rms_norm(x, residual.clone(), weight, 1e-6, layer_id=0)
+    partial = PartialSum(pending=x, layer_id=0, op=fusion)
+    normed, res = fusion.reduce_add_rms_norm(partial, residual.clone(), weight, 1e-6)
     assert_close(res, expected_sum + residual)
     assert fusion.counts == {"nccl": 1}
     return fusion.status()["reason_inactive"]

@@ -246,7 +246,7 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         notes.append(f"arfusion_dispatch chose {chosen}" + (f" ({why})" if why else ""))
         # what a layer runs: the cached decision for (layer 0, tokens), then its strategy
         def dispatch(x: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
-            return op.all_reduce_add_rms_norm(x, r, inputs.weight, EPS, 0)[0]
+            return op.reduce_add_rms_norm(fusion.PartialSum(pending=x, layer_id=0, op=op), r, inputs.weight, EPS)[0]
 
         paths.append(Path("arfusion_dispatch", None, uncapturable) if uncapturable and chosen is fusion.Strategy.NCCL
                      else Path("arfusion_dispatch", dispatch))

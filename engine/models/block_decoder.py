@@ -2,18 +2,19 @@
 Llama / Qwen2 / Mistral (engine/models/llama.py), Qwen3 (q/k RMSNorm per head), Qwen3-MoE and
 Mixtral (a sparse MoE MLP).
 
-A layer runs engine/models/llama.py's reductions, one for one (see that module's docstring):
+A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
 
-    h, residual = comm.prepare_attn(h, residual)         input RMSNorm (takes the deferred all-reduce)
-    h_partial   = self_attn(h)                           o_proj: reduce_results=False
-    h, residual = comm.prepare_mlp(h_partial, residual)  all-reduce + add + post-attention RMSNorm
-    h_partial   = mlp(h)                                 dense: down_proj's partial sum; MoE: the
+    h, residual = input_layernorm(h, residual)           layer 0: input_layernorm(h), h
+    h = PartialSum(self_attn(h))                         o_proj: reduce_results=False
+    h, residual = post_attention_layernorm(h, residual)  all-reduce + add + RMSNorm
+    h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
                                                          partial sum of the combined experts
-    h, residual = comm.postprocess_layer(h_partial, r)   reduce now, or hand on a PartialSum
+and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
+of the model's fusion op (`layers.layernorm`), by the strategy of the layer that made it, so a
+MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense MLP's.
 
-so a MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense
-MLP's. A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``,
-``make_mlp``) and its checkpoint layout (``hf_weight_shapes``, ``param_target``).
+A subclass of `BlockDecoderForCausalLM` names its blocks (``attention_class``, ``make_mlp``) and
+its checkpoint layout (``hf_weight_shapes``, ``param_target``).
 """
 from __future__ import annotations
 
@@ -26,9 +27,8 @@ from arfusion.engine.models.checkpoint_tensors import CheckpointTensors
 from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
 from arfusion.engine.models.hf_layouts import ParamShard
-from arfusion.fusion import AllReduceFusion
-from arfusion.layers.communicator import LayerCommunicator, LayerOutput
-from arfusion.layers.layernorm import RMSNorm
+from arfusion.fusion import AllReduceFusion, PartialSum
+from arfusion.layers.layernorm import NormInput, RMSNorm
 from arfusion.layers.linear import default_weight_loader
 from arfusion.layers.moe import SparseMoeBlock
 from arfusion.layers.sharded_logits import ShardedLogits
@@ -52,17 +52,20 @@ class BlockDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
-        self.comm = LayerCommunicator(layer_id, config.num_hidden_layers, self.input_layernorm,
-                                      self.post_attention_layernorm, fusion)
+        self.layer_id = layer_id
+        self.fusion = fusion
 
-    def forward(self, positions: torch.Tensor, hidden_states: LayerOutput, residual: Optional[torch.Tensor],
-                batch: ForwardBatch, kv_cache: KVCache) -> tuple[LayerOutput, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],
+                batch: ForwardBatch, kv_cache: KVCache) -> tuple[NormInput, torch.Tensor]:
         """``(h, residual)`` in, ``(h, residual)`` out; h may be a `fusion.PartialSum` (module docstring)."""
-        hidden_states, residual = self.comm.prepare_attn(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, batch, kv_cache)
-        hidden_states, residual = self.comm.prepare_mlp(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        return self.comm.postprocess_layer(hidden_states, residual)
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = PartialSum(pending=self.self_attn(positions, hidden_states, batch, kv_cache),
+                                   layer_id=self.layer_id, op=self.fusion)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return PartialSum(pending=self.mlp(hidden_states), layer_id=self.layer_id, op=self.fusion), residual
 
 
 class BlockDecoderModel(nn.Module):
@@ -75,18 +78,18 @@ class BlockDecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]``: the final-normed hidden state of every new token."""
-        hidden_states: LayerOutput = self.embed_tokens(batch.input_ids)
+        hidden_states: NormInput = self.embed_tokens(batch.input_ids)
         residual: Optional[torch.Tensor] = None
         for layer in self.layers:
             hidden_states, residual = layer(batch.positions, hidden_states, residual, batch, kv_cache)
         assert residual is not None
-        return self.layers[-1].comm.prepare_final_norm(hidden_states, residual, self.norm)
+        return self.norm(hidden_states, residual)[0]
 
 
 class BlockDecoderForCausalLM(nn.Module):
     """``forward(batch, kv_cache) ->`` the logits of each sequence's last new token, as
     `ShardedLogits` (``LlamaForCausalLM``'s contract). ``fusion``: the model's fused all-reduce
-    op, shared by every layer's communicator. Subclasses set the class attributes below."""
+    op, shared by every layer. Subclasses set the class attributes below."""
 
     attention_class: type[nn.Module]  # (config, layer_id, dtype, device) -> the attention block of a layer
     make_mlp: MlpFactory  # (config, dtype, device) -> the MLP block of a layer

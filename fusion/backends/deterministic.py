@@ -3,7 +3,6 @@ unfused path, on every device, and which strategies may run under it.
 
     reduce_then_norm(group, x, residual, weight, eps)   the canonical (normed, residual_out) of
                                                           the group's partial sums ``x``
-    ordered_all_reduce(group, x)                          the canonical sum, in place
     add_rms_norm(s, residual, weight, eps)                the recipe's add + norm of a reduced ``s``
 
 The reduction: at 2 ranks the group's all-reduce (NCCL, gloo: one addition per element, so the
@@ -57,14 +56,6 @@ def gather_parts(group: TensorParallelGroup, x: torch.Tensor) -> torch.Tensor:
     parts = torch.empty((group.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     group.all_gather_into(parts, x)
     return parts.view(group.world_size, *x.shape)
-
-
-def ordered_all_reduce(group: TensorParallelGroup, x: torch.Tensor) -> torch.Tensor:
-    """Collective: ``x`` becomes the canonical sum of every rank's ``x`` (in place); returns ``x``."""
-    if group.world_size <= 2:
-        return group.all_reduce(x)
-    x.copy_(reference.rank_order_sum(list(gather_parts(group, x))))
-    return x
 
 
 def reduce_then_norm(group: TensorParallelGroup, x: torch.Tensor, residual: Optional[torch.Tensor],

@@ -49,21 +49,6 @@ class NcclBackend(Backend):
     def fits(self, num_tokens: int) -> bool:
         return True
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the group now, in place (deterministic: the canonical rank-order sum,
-        `fusion.backends.deterministic.ordered_all_reduce`); returns ``x``."""
-        if self.deterministic:
-            return deterministic.ordered_all_reduce(self.group, x)
-        return self.group.all_reduce(x)
-
-    def add_rms_norm(self, s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(s + residual), s + residual)`` of an already reduced ``s``, as this
-        backend's `run` ends (in place where `fusion.norm.add_rms_norm` is)."""
-        if self.deterministic:
-            return deterministic.add_rms_norm(s, residual, weight, eps)
-        return norm.add_rms_norm(s, residual, weight, eps)
-
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:
         """In place where `fusion.norm.add_rms_norm` is: ``x`` ends as the normed output and

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from arfusion.fusion import norm
+from arfusion.fusion import PartialSum, norm
 from arfusion.integrations.sglang import layer_scope, runtime
 
 _COMM = "sglang.srt.layers.communicator"
@@ -84,7 +84,8 @@ def allreduce_residual_rmsnorm(input_tensor: torch.Tensor, residual: torch.Tenso
     op = runtime.fusion_op()
     reason = _unfit_reason(op, coordinator, input_tensor, residual, weight)
     if reason is None:
-        return op.all_reduce_add_rms_norm(input_tensor, residual, weight, eps, layer_scope.current())
+        return op.reduce_add_rms_norm(PartialSum(pending=input_tensor, layer_id=layer_scope.current(), op=op), residual,
+                                      weight, eps)
     runtime.unfused[reason] += 1
     reduced = coordinator.all_reduce(input_tensor.contiguous())
     return norm.add_rms_norm(reduced, residual.contiguous(), weight.contiguous(), eps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from arfusion.fusion import PartialSum
 from arfusion.integrations.vllm import runtime
 
 OP_NAMESPACE = "arfusion"
@@ -36,7 +37,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
                             site: int) -> None:
     op = runtime.fusion_for(x)
     runtime.calls[site] += 1
-    normed, total = op.all_reduce_add_rms_norm(x, residual, weight, eps, site)
+    normed, total = op.reduce_add_rms_norm(PartialSum(pending=x, layer_id=site, op=op), residual, weight, eps)
     if normed.data_ptr() == residual.data_ptr() or total.data_ptr() == x.data_ptr():
         normed, total = normed.clone(), total.clone()  # outputs in each other's buffer: copy both out first
     _write(x, normed)
@@ -52,7 +53,7 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, site: int) -> torch.Tensor:
     op = runtime.fusion_for(x)
     runtime.calls[site] += 1
-    normed, total = op.all_reduce_add_rms_norm(x, None, weight, eps, site)
+    normed, total = op.reduce_add_rms_norm(PartialSum(pending=x, layer_id=site, op=op), None, weight, eps)
     if normed.data_ptr() == x.data_ptr():
         normed = normed.clone()
     _write(x, total)

@@ -7,8 +7,8 @@
 On the GPU the routing launch also groups the slots by expert for the experts' grouped GEMM
 (`TopKRouter.route`), so a decode step's MoE is three launches: routing, gate/up, down.
 
-The caller owes the all-reduce of ``h_partial`` (``LayerCommunicator.postprocess_layer``), as for
-a dense MLP's down projection with ``reduce_results=False``.
+The caller owes the all-reduce of ``h_partial`` (the decoder layer hands it to the next norm as
+a `fusion.PartialSum`), as for a dense MLP's down projection with ``reduce_results=False``.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ to torch's fp32 rank-order sum followed by the P = 1 kernel.
 import pytest
 import torch
 
-from arfusion.fusion import Strategy
+from arfusion.fusion import PartialSum, Strategy
 from tests.dist_utils import run_distributed
 
 EPS = 1e-6
@@ -109,8 +109,8 @@ def _sweep(rank, world, hidden):
         x, residual, weight, at = _inputs(rank, tokens, hidden, group.device)
         expected = _probe_expected(world, tokens, hidden, group.device)
         picked[tokens] = fusion.strategy(0, tokens).value
-        keep(("dispatch", tokens), *fusion.all_reduce_add_rms_norm(x.clone(), residual.clone(), weight, EPS, 0),
-             tokens, at)
+        partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
+        keep(("dispatch", tokens), *fusion.reduce_add_rms_norm(partial, residual.clone(), weight, EPS), tokens, at)
         for strategy in allowed:
             if not fusion.backends[strategy].fits(tokens):
                 continue

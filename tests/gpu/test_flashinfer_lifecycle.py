@@ -30,7 +30,7 @@ def _check(actual, expected):
 
 def _lifecycle(rank, world_size):
     from arfusion.fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
-                        all_reduce_add_rms_norm, reference)
+                        PartialSum, all_reduce_add_rms_norm, reference)
     from arfusion.fusion.config import NO_TABLE
     from arfusion.layers.parallel_state import get_tp_group
     from tests.dist_utils import AllReduceCounter, make_fusion, reductions
@@ -132,11 +132,11 @@ def _lifecycle(rank, world_size):
     fusion = make_fusion(hidden, torch.bfloat16, enabled=True, backend="flashinfer", max_tokens=512, table_path=NO_TABLE)
     out["active"] = fusion.active
     x, res, w = _inputs(rank, 32, hidden, 8, dev)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, layer_id=0)
+    normed, _ = fusion.reduce_add_rms_norm(PartialSum(pending=x.clone(), layer_id=0, op=fusion), res.clone(), w, EPS)
     _check(normed, _reference(32, hidden, 8, world_size, dev)[0])
     x, res, w = _inputs(rank, 600, hidden, 9, dev)
     assert not fusion.should_fuse_allreduce_residual_rmsnorm(0, 600)
-    normed, _ = fusion.all_reduce_add_rms_norm(x.clone(), res.clone(), w, EPS, layer_id=0)
+    normed, _ = fusion.reduce_add_rms_norm(PartialSum(pending=x.clone(), layer_id=0, op=fusion), res.clone(), w, EPS)
     _check(normed, _reference(600, hidden, 9, world_size, dev)[0])
     out["status"] = fusion.status()
     out["group_reductions"] = reductions(counter, fusion)
