@@ -206,7 +206,7 @@ def measure(server: Any, options: AgreementOptions) -> dict[str, Any]:
     op's status after the last fused run (its ``reductions`` count eager calls only: a replayed
     CUDA graph does not pass through Python), the number of sequences and the wall time."""
     from arfusion.engine.launch_config import fusion_config, runner_settings
-    from arfusion.engine.runtime.model_runner import ModelRunner
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.tokenizers.serving import load_serving_tokenizer
     from arfusion.layers.parallel_state import get_tp_group
 
@@ -222,7 +222,7 @@ def measure(server: Any, options: AgreementOptions) -> dict[str, Any]:
     on = replace(off, enabled=True)
     settings = replace(runner_settings(server), fusion=off, context_length=context, max_running_requests=rows,
                        cuda_graph_max_bs=rows, kv_slots=rows * context + 1)
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     stats = AgreementStats()
     try:
         for b, first in enumerate(range(0, len(sequences), rows)):

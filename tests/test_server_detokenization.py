@@ -47,7 +47,7 @@ class ScriptedScheduler:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    engine = Engine(ScriptedScheduler(), TOKENIZER, "m", 1000, types.SimpleNamespace(cache_clear=lambda: None), info=dict)
+    engine = Engine(ScriptedScheduler(), TOKENIZER, "m", 1000, lambda: None, info=dict)
     return TestClient(build_app(engine, "m"))
 
 
