@@ -4,7 +4,6 @@ Llama-style SentencePiece tokenizer the first output word keeps its space, whole
 with ``echo`` (and its ``logprobs`` tokens laid end to end are the text), with stop strings,
 on /v1/completions and /generate."""
 import json
-import types
 
 import pytest
 from fastapi.testclient import TestClient

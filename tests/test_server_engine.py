@@ -3,7 +3,6 @@
 thread and refuses later ones, and a delivery after the event loop closed is dropped."""
 import asyncio
 import threading
-import types
 from typing import Callable, Optional
 
 import pytest

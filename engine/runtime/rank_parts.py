@@ -35,7 +35,6 @@ from arfusion.engine.common.progress import Progress, track
 from arfusion.engine.models.forward_batch import KVCache
 from arfusion.engine.models.registry import build_model
 from arfusion.engine.runtime.cuda_graph_runner import capture_sizes
-from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.load_agreement import load_together
 from arfusion.engine.runtime.model_runner import (CPU_KV_SLOTS, KVPart, LoadedModel, ModelRunner, RunnerSettings,
                                                   StartupContext, load_config_and_weights, resolve_dtype)
@@ -48,10 +47,12 @@ from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_
 logger = logging.getLogger(__name__)
 
 
-def enter_group(stack: ExitStack, launch: LaunchConfig, rank: int) -> TensorParallelGroup:
-    """Rank ``rank``'s TP group of ``launch`` (the rendezvous, with ``--dist-timeout``)."""
-    group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
-                                 node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
+def enter_group(stack: ExitStack, world_size: int, rank: int, init_method: str, device: torch.device,
+                node_rank: int = 0, timeout_s: float = 120.0) -> TensorParallelGroup:
+    """Rank ``rank``'s TP group of ``world_size`` ranks on ``device`` (the rendezvous at
+    ``init_method``, bounded by ``timeout_s``: `layers.parallel_state.init_tensor_parallel`)."""
+    group = init_tensor_parallel(world_size, rank, init_method, device=device, node_rank=node_rank,
+                                 timeout_s=timeout_s)
     stack.callback(destroy_tensor_parallel)
     return group
 

@@ -81,7 +81,8 @@ def build_rank(stack: ExitStack, launch: LaunchConfig, rank: int, watch: Callabl
     torch.set_num_threads(max(1, launch.threads_per_rank))
     startup = startup or StartupContext()
     with startup.stages.stage("TP group"):
-        group = enter_group(stack, launch, rank)
+        group = enter_group(stack, launch.tp_size, rank, launch.init_method, launch.device_for(rank),
+                            launch.node_rank, launch.dist_timeout)
     watching = watch()
     stack.callback(watching.stop)
     once = _Once(peers_done)
