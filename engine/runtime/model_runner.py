@@ -178,6 +178,7 @@ class ModelRunner:
 
     @property
     def limits(self) -> RunnerLimits:
+        """What the scheduler plans within (`engine.scheduling.step_runner.StepRunner`)."""
         return RunnerLimits(self.max_rows, self.context_len, self.num_kv_slots, self.config.vocab_size,
                             tuple(self.config.eos_token_ids))
 
