@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -200,13 +201,13 @@ def _compare_batch(runner: Any, batch: Sequence[TeacherForcedSequence], first: A
 
 
 def measure(server: Any, options: AgreementOptions) -> dict[str, Any]:
-    """Collective over the TP group (`layers.parallel_state.init_tensor_parallel` first, on every
+    """Collective over the TP group (`engine.runtime.rank_parts.enter_group` first, on every
     rank): load the model of ``server`` (a `ServerArgs`), compare fusion off and on over the
     GSM8K sequences of ``options``; returns the summary (the same on every rank) with the fused
     op's status after the last fused run (its ``reductions`` count eager calls only: a replayed
     CUDA graph does not pass through Python), the number of sequences and the wall time."""
     from arfusion.engine.launch_config import fusion_config, runner_settings
-    from arfusion.engine.runtime.model_runner import ModelRunner
+    from arfusion.engine.runtime.rank_parts import enter_runner
     from arfusion.engine.tokenizers.serving import load_serving_tokenizer
     from arfusion.layers.parallel_state import get_tp_group
 
@@ -222,14 +223,12 @@ def measure(server: Any, options: AgreementOptions) -> dict[str, Any]:
     on = replace(off, enabled=True)
     settings = replace(runner_settings(server), fusion=off, context_length=context, max_running_requests=rows,
                        cuda_graph_max_bs=rows, kv_slots=rows * context + 1)
-    runner = ModelRunner(settings, get_tp_group())
     stats = AgreementStats()
-    try:
+    with ExitStack() as stack:
+        runner = enter_runner(stack, settings, get_tp_group())
         for b, first in enumerate(range(0, len(sequences), rows)):
             order = (off, on) if b % 2 == 0 else (on, off)
             fused_status = _compare_batch(runner, sequences[first:first + rows], *order, server.max_prefill_tokens, stats)
-    finally:
-        runner.destroy()
     return {**stats.summary(), "sequences": len(sequences), "model_path": server.model_path, "tp_size": server.tp_size,
             "dtype": str(runner.dtype), "fused_status": fused_status, "options": asdict(options),
             "wall_s": time.perf_counter() - start}
@@ -270,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from arfusion.layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.engine.runtime.rank_parts import enter_group
+    from arfusion.layers.parallel_state import default_device
     from arfusion.server_args import ServerArgs
 
     parser = build_parser()
@@ -283,12 +283,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--tp-size {server.tp_size} but {world} processes: run it under torchrun --nproc_per_node={server.tp_size}")
     use_cuda = server.device == "cuda" or (server.device == "auto" and torch.cuda.is_available())
     device = default_device(int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    init_tensor_parallel(world, rank, "env://", device=device, timeout_s=server.dist_timeout)
     options = AgreementOptions(ns.gsm8k_data_path, ns.gsm8k_train_path, ns.num_shots, ns.min_positions, ns.batch_size)
-    try:
+    with ExitStack() as stack:
+        enter_group(stack, world, rank, "env://", device, timeout_s=server.dist_timeout)
         result = measure(server, options)
-    finally:
-        destroy_tensor_parallel()
     if rank == 0:
         print(format_result(result), flush=True)
         if ns.output_file:

@@ -15,9 +15,10 @@ import argparse
 import json
 import os
 import sys
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -50,13 +51,38 @@ def existing_entries(path: Path) -> list[dict[str, Any]]:
         raise SystemExit(f"error: {path} exists but is not a strategy table ({exc}); choose another --output")
 
 
+def measure_all(group: Any, config: Any, hiddens: Sequence[int], dtype_names: Sequence[str],
+                entries: list[dict[str, Any]], on_entry: Callable[[dict[str, Any], str, list[dict[str, Any]]], None],
+                **timing: Any) -> list[dict[str, Any]]:
+    """Collective over ``group`` (a `fusion.TensorParallelGroup`): per dtype and hidden size a
+    fusion op of ``config`` (a `fusion.FusionConfig`), built on its own ExitStack
+    (`engine.runtime.rank_parts.enter_fusion_op`, so it is destroyed also when a measurement
+    raises), its workspace set up for ``config.max_tokens``, and every strategy measured at the
+    token buckets up to them (`fusion.tuning.measure.table_entry` with ``timing``). Returns
+    ``entries`` with each new entry merged in; ``on_entry(entry, dtype name, entries)`` after each."""
+    from arfusion.engine.runtime.rank_parts import enter_fusion_op
+    from arfusion.fusion.dispatch.table import merge_entry
+    from arfusion.fusion.tuning import measure
+
+    buckets = measure.token_buckets(config.max_tokens)
+    for dtype_name in dtype_names:
+        for hidden in hiddens:
+            with ExitStack() as stack:
+                fusion = enter_fusion_op(stack, group, config, hidden, DTYPES[dtype_name])
+                fusion.setup()
+                fusion.ensure_all(config.max_tokens)
+                entry = measure.table_entry(group, fusion.backends, hidden, DTYPES[dtype_name], buckets, **timing)
+            entries = merge_entry(entries, entry)
+            on_entry(entry, dtype_name, entries)
+    return entries
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from arfusion.engine.launch_config import fusion_config
-    from arfusion.fusion import AllReduceFusion
+    from arfusion.engine.runtime.rank_parts import enter_group
     from arfusion.fusion.config import NO_TABLE
-    from arfusion.fusion.tuning.measure import table_entry, token_buckets
-    from arfusion.fusion.dispatch.table import TABLE_VERSION, merge_entry
-    from arfusion.layers.parallel_state import default_device, destroy_tensor_parallel, init_tensor_parallel
+    from arfusion.fusion.dispatch.table import TABLE_VERSION
+    from arfusion.layers.parallel_state import default_device
     from arfusion.server_args import ServerArgs
 
     ns = build_parser().parse_args(argv)
@@ -68,33 +94,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     output = Path(ns.output)
     entries = existing_entries(output) if rank == 0 else []
     device = default_device(int(os.environ.get("LOCAL_RANK", rank)))
-    group = init_tensor_parallel(world, rank, device=device, timeout_s=server.dist_timeout)
-    if group.shares_gpu:
+
+    def report(entry: dict[str, Any], dtype_name: str, merged: list[dict[str, Any]]) -> None:
         if rank == 0:
-            print(f"error: {group.shared_gpu_note}. A strategy table measured there would be wrong: tune with one "
-                  "GPU per rank", file=sys.stderr)
-        destroy_tensor_parallel()
-        return 2
-    config = replace(fusion_config(server), enabled=True, table_path=NO_TABLE, tune_at_startup=False)
-    buckets = token_buckets(config.max_tokens)
-    try:
-        for dtype_name in ns.tune_dtypes:
-            for hidden in ns.hidden:
-                fusion = AllReduceFusion(group, config, hidden, DTYPES[dtype_name])
-                fusion.setup()
-                fusion.ensure_all(config.max_tokens)
-                entry = table_entry(group, fusion.backends, hidden, DTYPES[dtype_name], buckets,
-                                    ops_per_graph=ns.ops_per_graph, warmup=ns.warmup, trials=ns.trials)
-                fusion.destroy()
-                entries = merge_entry(entries, entry)
-                if rank == 0:
-                    for tokens, row in entry["timings_us"].items():
-                        best = min(row, key=row.__getitem__)
-                        print(f"{entry['gpu']} TP{world} hidden {hidden} {dtype_name} {tokens:>5} tokens: {best:<20} "
-                              + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())), flush=True)
-                    output.write_text(json.dumps({"version": TABLE_VERSION, "entries": entries}, indent=1))
-    finally:
-        destroy_tensor_parallel()
+            for tokens, row in entry["timings_us"].items():
+                best = min(row, key=row.__getitem__)
+                print(f"{entry['gpu']} TP{world} hidden {entry['hidden']} {dtype_name} {tokens:>5} tokens: {best:<20} "
+                      + "  ".join(f"{k} {v:.2f}" for k, v in sorted(row.items())), flush=True)
+            output.write_text(json.dumps({"version": TABLE_VERSION, "entries": merged}, indent=1))
+
+    with ExitStack() as stack:
+        group = enter_group(stack, world, rank, "env://", device, timeout_s=server.dist_timeout)
+        if group.shares_gpu:
+            if rank == 0:
+                print(f"error: {group.shared_gpu_note}. A strategy table measured there would be wrong: tune with one "
+                      "GPU per rank", file=sys.stderr)
+            return 2
+        config = replace(fusion_config(server), enabled=True, table_path=NO_TABLE, tune_at_startup=False)
+        measure_all(group, config, ns.hidden, ns.tune_dtypes, entries, report, ops_per_graph=ns.ops_per_graph,
+                    warmup=ns.warmup, trials=ns.trials)
     return 0
 
 

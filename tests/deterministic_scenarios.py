@@ -76,14 +76,15 @@ def serve_scenarios(rank: int, world_size: int, backend: str = "torch", dtype: s
     """Collective: a deterministic runner of the built-in ``model`` (dummy weights) with fusion on
     (``backend``); rank 0 returns the target's results per scenario (``names``, with "alone" and
     "score_alone" always; None: every one), the fusion op's counters and status."""
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     fusion = FusionConfig(enabled=True, backend=backend, deterministic=True)
-    runner = ModelRunner(RunnerSettings(model_path=model, dtype=dtype, context_length=256, max_running_requests=40,
+    runner = build_runner(RunnerSettings(model_path=model, dtype=dtype, context_length=256, max_running_requests=40,
                                         kv_slots=8192, fusion=fusion), get_tp_group())
     try:
         if rank != 0:

@@ -13,6 +13,7 @@ import torch
 
 from arfusion.engine.common.generation import GenerationChunk
 from arfusion.engine.common.sampling_params import SamplingParams
+from arfusion.engine.runtime.model_runner import RunnerLimits
 from arfusion.engine.runtime.sampler import StepLogits
 from arfusion.engine.runtime.step_plan import RequestTable, StepPlan
 from arfusion.engine.runtime.step_progress import StepProgress
@@ -45,6 +46,13 @@ class FakeRunner:
         self.inputs: list[list[int]] = []  # each step's input tokens
         self.gathered: list[bool] = []  # each step's plan.gather_logits
         self._rows = None
+
+    @property
+    def limits(self) -> RunnerLimits:
+        return RunnerLimits(self.max_rows, self.context_len, self.num_kv_slots, VOCAB, ())
+
+    def raise_if_failed(self) -> None:
+        self.fusion.raise_if_failed()
 
     def forward(self, plan: StepPlan) -> StepLogits:
         self.calls += 1

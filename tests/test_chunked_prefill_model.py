@@ -55,14 +55,15 @@ def _serve(runner, chunk: int, overlap: bool) -> tuple[list[list[int]], bool, in
 
 
 def _schedules(rank: int, world_size: int) -> dict:
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
     settings = RunnerSettings(model_path="tiny", context_length=256, max_running_requests=4, kv_slots=1024,
                               fusion=FusionConfig(enabled=True, backend="torch"))
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     try:
         if rank != 0:
             return {"steps": follow_plans(runner)}

@@ -53,7 +53,7 @@ def _serve_http(runner: Any, tokenizer: Any) -> dict:
     thread = threading.Thread(target=scheduler.run_forever, daemon=True)
     thread.start()
     try:
-        client = TestClient(build_app(Engine(scheduler, tokenizer, "tiny", runner.context_len, runner.fusion, info=dict),
+        client = TestClient(build_app(Engine(scheduler, tokenizer, "tiny", runner.context_len, runner.clear_fusion_cache, info=dict),
                                             "tiny"))
         return {name: client.post("/v1/completions", json=body).json() for name, body in HTTP.items()}
     finally:
@@ -84,12 +84,13 @@ def _all_position_logits(runner: Any, seq: list[int]) -> torch.Tensor:
 
 
 def _rank(rank: int, world_size: int) -> dict:
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
     from arfusion.layers.parallel_state import get_tp_group
     from tests.plan_follower import follow_plans
 
-    runner = ModelRunner(RunnerSettings(model_path="tiny", context_length=256, max_running_requests=8,
+    runner = build_runner(RunnerSettings(model_path="tiny", context_length=256, max_running_requests=8,
                                         kv_slots=1024), get_tp_group())
     tokenizer = build_tiny_tokenizer()
     out: dict = {}

@@ -22,7 +22,8 @@ REQUESTS = [{"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs":
 
 def _rank(rank: int, world_size: int, tokenizer_vocab: int | None) -> list[dict]:
     from arfusion.engine.common.sampling_params import SamplingParams
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.engine.scheduling.scheduler import Scheduler
     from arfusion.layers.parallel_state import get_tp_group
@@ -31,7 +32,7 @@ def _rank(rank: int, world_size: int, tokenizer_vocab: int | None) -> list[dict]
 
     settings = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=8, kv_slots=1024,
                               tokenizer_vocab_size=tokenizer_vocab)
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     try:
         if rank != 0:
             follow_plans(runner)

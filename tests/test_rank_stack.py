@@ -1,19 +1,25 @@
 """`build_rank` (one TP rank's parts, as every process of a launch builds them): the group, the
-watch and the runner in that order, the watch given the runner's steps, and the teardown in
-reverse on the caller's ExitStack (``peers_done`` before the runner, the group last), also
-when the runner fails to build; a runner failing after its fusion op exists destroys the op
-before the group goes, and a rank without room for a KV cache fails every rank, naming it."""
+watch, the fusion op, the model, the KV cache and the graphs in that order, each registering its
+teardown as it is built; the teardown runs in reverse on the caller's ExitStack (the graphs,
+``peers_done`` then the op, the watch, the group last). A failure at any stage (before the op,
+after it, after the model, after the KV cache, during capture) tears down exactly what was built,
+in reverse, and leaves no op undestroyed; one rank failing to load or short of KV room fails
+every rank together."""
 from contextlib import ExitStack
 
 import pytest
 
+import arfusion.engine.runtime.rank_parts as rank_parts
 import arfusion.engine.runtime.rank_stack as rank_stack
 from arfusion.engine.launch_config import free_port
 from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+from arfusion.fusion import AllReduceFusion
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=2, kv_slots=256)
+BUILT = ["op built", "model built", "KV cache built"]
+TORN_DOWN = ["graphs destroy", "peers done", "op destroy", "watch stop", "group destroy"]
 
 
 def tp1_launch() -> LaunchConfig:
@@ -33,81 +39,127 @@ class RecordingWatch:
         self.events.append("watch stop")
 
 
+def record(monkeypatch: pytest.MonkeyPatch, target: object, name: str, event: str, events: list[str],
+           after: bool = True) -> None:
+    """Wrap ``target.name`` so that it appends ``event`` to ``events`` (after the call, or before it)."""
+    real = getattr(target, name)
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        if not after:
+            events.append(event)
+        result = real(*args, **kwargs)
+        if after:
+            events.append(event)
+        return result
+
+    monkeypatch.setattr(target, name, recorded)
+
+
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """What the teardown does, in order (the runner's and the group's teardown still run)."""
+    """What the rank's build and teardown do, in order (every real teardown still runs)."""
     seen: list[str] = []
-    destroy_runner, destroy_group = ModelRunner.destroy, rank_stack.destroy_tensor_parallel
-
-    def runner_destroyed(runner: ModelRunner) -> None:
-        seen.append("runner destroy")
-        destroy_runner(runner)
-
-    def group_destroyed() -> None:
-        seen.append("group destroy")
-        destroy_group()
-
-    monkeypatch.setattr(ModelRunner, "destroy", runner_destroyed)
-    monkeypatch.setattr(rank_stack, "destroy_tensor_parallel", group_destroyed)
+    record(monkeypatch, AllReduceFusion, "__init__", "op built", seen)
+    record(monkeypatch, AllReduceFusion, "destroy", "op destroy", seen, after=False)
+    record(monkeypatch, rank_parts, "build_model", "model built", seen)
+    record(monkeypatch, rank_parts, "enter_kv_cache", "KV cache built", seen)
+    record(monkeypatch, ModelRunner, "drop_graphs", "graphs destroy", seen, after=False)
+    record(monkeypatch, rank_parts, "destroy_tensor_parallel", "group destroy", seen, after=False)
     return seen
+
+
+def build(stack: ExitStack, events: list[str]) -> rank_stack.RankStack:
+    return rank_stack.build_rank(stack, tp1_launch(), 0, watch=lambda: RecordingWatch(events),
+                                 peers_done=lambda: events.append("peers done"))
 
 
 def test_a_rank_is_built_in_order_and_torn_down_in_reverse(events: list[str]):
     with ExitStack() as stack:
-        rank = rank_stack.build_rank(stack, tp1_launch(), 0, watch=lambda: RecordingWatch(events),
-                                     peers_done=lambda: events.append("peers done"))
+        rank = build(stack, events)
         assert rank.group.world_size == 1 and rank.fusion is rank.runner.fusion
-        assert events == ["watch steps"]
-    assert events == ["watch steps", "peers done", "runner destroy", "watch stop", "group destroy"]
+        assert events == [*BUILT, "watch steps"]
+    assert events == [*BUILT, "watch steps", *TORN_DOWN]
 
 
-def test_a_runner_that_fails_to_build_tears_down_what_was_built(events: list[str], monkeypatch: pytest.MonkeyPatch):
-    def refuse(settings: RunnerSettings, group: object, startup: object) -> ModelRunner:
-        raise ValueError("no such model")
-
-    monkeypatch.setattr(rank_stack, "ModelRunner", refuse)
-    with pytest.raises(ValueError, match="no such model"), ExitStack() as stack:
-        rank_stack.build_rank(stack, tp1_launch(), 0, watch=lambda: RecordingWatch(events),
-                              peers_done=lambda: events.append("peers done"))
-    assert events == ["peers done", "watch stop", "group destroy"]
+def fail(message: str):
+    def failing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(message)
+    return failing
 
 
-@pytest.mark.parametrize("stage", ["fusion setup", "KV cache"])
-def test_a_runner_that_fails_after_its_op_destroys_the_op_before_the_group(
-        stage: str, events: list[str], monkeypatch: pytest.MonkeyPatch):
-    from arfusion.fusion import AllReduceFusion
+ENTER_GRAPHS = rank_parts.enter_graphs
 
-    destroy_op = AllReduceFusion.destroy
 
-    def op_destroyed(op: AllReduceFusion) -> None:
-        events.append("op destroy")
-        destroy_op(op)
+def graph_stage_failing(stack: ExitStack, settings: RunnerSettings, runner: ModelRunner) -> None:
+    """The graph stage (which captures nothing on a CPU), then raising as a failed capture would."""
+    ENTER_GRAPHS(stack, settings, runner)
+    raise RuntimeError("during capture failed")
 
-    def fail(*args: object) -> None:
-        raise RuntimeError(f"{stage} failed")
 
-    monkeypatch.setattr(AllReduceFusion, "destroy", op_destroyed)
-    monkeypatch.setattr(AllReduceFusion if stage == "fusion setup" else ModelRunner,
-                        "setup" if stage == "fusion setup" else "_kv_slots", fail)
+# (stage that fails, what fails it, its stand-in, what was built before it, the teardown of what the stage built)
+STAGES = [
+    ("before the op", rank_parts, "load_config_and_weights", fail("before the op failed"), [], []),
+    ("after the op", rank_parts, "build_model", fail("after the op failed"), ["op built"], []),
+    ("fusion setup", AllReduceFusion, "setup", fail("fusion setup failed"), ["op built", "model built"], []),
+    ("after the model", rank_parts, "kv_slots", fail("after the model failed"), ["op built", "model built"], []),
+    ("after the KV cache", ModelRunner, "__init__", fail("after the KV cache failed"), BUILT, []),
+    ("during capture", rank_parts, "enter_graphs", graph_stage_failing, BUILT, ["graphs destroy"]),
+]
+
+
+@pytest.mark.parametrize(("stage", "owner", "name", "stand_in", "built", "own_teardown"), STAGES,
+                         ids=[stage[0] for stage in STAGES])
+def test_a_failure_at_each_stage_tears_down_what_was_built_in_reverse(
+        stage: str, owner: object, name: str, stand_in: object, built: list[str], own_teardown: list[str],
+        events: list[str], monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(owner, name, stand_in)
     with pytest.raises(RuntimeError, match=f"{stage} failed"), ExitStack() as stack:
-        rank_stack.build_rank(stack, tp1_launch(), 0, watch=lambda: RecordingWatch(events),
-                              peers_done=lambda: events.append("peers done"))
-    assert events == ["runner destroy", "op destroy", "peers done", "watch stop", "group destroy"]
+        build(stack, events)
+    op_teardown = ["peers done", "op destroy"] if "op built" in built else ["peers done"]
+    assert events == [*built, *own_teardown, *op_teardown, "watch stop", "group destroy"]
+    assert events.count("op built") == events.count("op destroy"), "every op built is destroyed"
 
 
-def _build_with_kv_slots(rank: int, world: int, kv_slots: list[int]) -> str:
+def _build_failing_on(rank: int, world: int, failing_rank: int, kv_slots: list[int]) -> tuple[str, int, int]:
+    """(the error, ops built, ops destroyed) of this rank's `build_runner`, whose model build
+    raises on ``failing_rank`` (-1: none) and whose KV cache gets ``kv_slots[rank]`` slots."""
     from arfusion.layers.parallel_state import get_tp_group
 
+    counts = {"built": 0, "destroyed": 0}
+    init, destroy, build_model = AllReduceFusion.__init__, AllReduceFusion.destroy, rank_parts.build_model
+
+    def built(op: AllReduceFusion, *args: object) -> None:
+        init(op, *args)
+        counts["built"] += 1
+
+    def destroyed(op: AllReduceFusion) -> None:
+        counts["destroyed"] += 1
+        destroy(op)
+
+    def model(*args: object) -> object:
+        if rank == failing_rank:
+            raise ValueError("no such tensor")
+        return build_model(*args)
+
+    AllReduceFusion.__init__, AllReduceFusion.destroy, rank_parts.build_model = built, destroyed, model
     settings = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=2, kv_slots=kv_slots[rank])
     try:
-        ModelRunner(settings, get_tp_group()).destroy()
-    except RuntimeError as error:
-        return str(error)
-    return "built"
+        rank_parts.build_runner(settings, get_tp_group()).destroy()
+        error = "built"
+    except (RuntimeError, ValueError) as exc:
+        error = str(exc)
+    return error, counts["built"], counts["destroyed"]
 
 
 def test_one_rank_without_kv_room_fails_every_rank_naming_it():
     from tests.dist_utils import run_distributed
 
-    messages = run_distributed(_build_with_kv_slots, world_size=2, args=([256, 1],), timeout_s=60)
-    assert messages == ["no memory left for the KV cache on TP rank 1: kv_slots 1"] * 2
+    results = run_distributed(_build_failing_on, world_size=2, args=(-1, [256, 1]), timeout_s=60)
+    assert results == [("no memory left for the KV cache on TP rank 1: kv_slots 1", 1, 1)] * 2
+
+
+def test_one_rank_failing_to_load_fails_every_rank_and_destroys_every_op():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_build_failing_on, world_size=2, args=(1, [256, 256]), timeout_s=60)
+    assert results == [("TP rank 1: no such tensor", 1, 1), ("no such tensor", 1, 1)]

@@ -4,7 +4,6 @@ Llama-style SentencePiece tokenizer the first output word keeps its space, whole
 with ``echo`` (and its ``logprobs`` tokens laid end to end are the text), with stop strings,
 on /v1/completions and /generate."""
 import json
-import types
 
 import pytest
 from fastapi.testclient import TestClient
@@ -47,7 +46,7 @@ class ScriptedScheduler:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    engine = Engine(ScriptedScheduler(), TOKENIZER, "m", 1000, types.SimpleNamespace(cache_clear=lambda: None), info=dict)
+    engine = Engine(ScriptedScheduler(), TOKENIZER, "m", 1000, lambda: None, info=dict)
     return TestClient(build_app(engine, "m"))
 
 

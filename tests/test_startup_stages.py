@@ -48,7 +48,8 @@ def _load_counting_parses(rank: int, world_size: int, gguf: str) -> dict:
     import arfusion.engine.weights.gguf_file as gguf_file
     from arfusion.engine.common.startup import StartupStages
     from arfusion.engine.launch_server import load_model_files
-    from arfusion.engine.runtime.model_runner import ModelRunner, StartupContext
+    from arfusion.engine.runtime.model_runner import StartupContext
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.layers.parallel_state import get_tp_group
     from arfusion.server_args import ServerArgs
 
@@ -57,7 +58,7 @@ def _load_counting_parses(rank: int, world_size: int, gguf: str) -> dict:
     gguf_file.GGUFReader = lambda path, *a, **kw: parses.append(str(path)) or real(path, *a, **kw)
     startup = StartupContext(StartupStages(None))
     tokenizer, launch = load_model_files(ServerArgs(model_path=gguf, device="cpu"), startup)
-    runner = ModelRunner(launch.runner, get_tp_group(), startup)
+    runner = build_runner(launch.runner, get_tp_group(), startup)
     try:
         return {"parses": parses, "stages": list(startup.stages.seconds), "context": runner.context_len,
                 "vocab": tokenizer.vocab_size}
@@ -74,15 +75,16 @@ def test_node_0_parses_a_gguf_file_once(tmp_path):
 
 
 def _context(rank: int, world_size: int, context_length: int | None) -> tuple[int, list[str]]:
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.layers.parallel_state import get_tp_group
 
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("arfusion.engine.runtime.model_runner").addHandler(handler)
+    logging.getLogger("arfusion.engine.runtime.rank_parts").addHandler(handler)
     settings = RunnerSettings(model_path="tiny", context_length=context_length, max_running_requests=2, kv_slots=300)
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     runner.destroy()
     return runner.context_len, records
 

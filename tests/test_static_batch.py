@@ -9,14 +9,15 @@ PROMPTS, PROMPT_LEN, STEPS = 3, 7, 6
 
 
 def _decode_three_ways(rank: int, world_size: int) -> dict:
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=PROMPTS, kv_slots=512,
                               fusion=FusionConfig(enabled=True, backend="torch"))
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
     host_fed = StaticBatch(runner, prompts, STEPS + 1)
     tokens = [torch.argmax(host_fed.prefill(gather_logits=True).full, -1).tolist()]

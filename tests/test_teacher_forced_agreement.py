@@ -65,12 +65,13 @@ def _aligned(rank: int, world: int, model_path: str) -> list[tuple[torch.Tensor,
     """Per sequence: its teacher-forced logits, and the logits of one forward over prompt +
     solution at the positions that predict the solution tokens."""
     from arfusion.engine.models.forward_batch import ForwardBatch
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.layers.parallel_state import get_tp_group
 
     tokenizer = load_serving_tokenizer(model_path)
     batch = build_sequences(tokenizer, load_jsonl(GSM8K / "test.jsonl"), load_jsonl(GSM8K / "train.jsonl")[:1], 200)
-    runner = ModelRunner(RunnerSettings(model_path=model_path, max_running_requests=len(batch), kv_slots=4096), get_tp_group())
+    runner = build_runner(RunnerSettings(model_path=model_path, max_running_requests=len(batch), kv_slots=4096), get_tp_group())
     steps = [logits.clone() for logits in teacher_forced_logits(runner, batch, max_prefill_tokens=300)]
     out = []
     for i, s in enumerate(batch):

@@ -74,7 +74,8 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
     """Serve, warm up and measure the step cost, serve again; rank 1 follows each phase's plans
     (a "shutdown" plan ends a phase) and compares its own state around the warm-up. Each rank
     returns the start-up progress lines it logged."""
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.runtime.step_cost import measure_step_cost
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.engine.scheduling.scheduler import Scheduler
@@ -88,7 +89,7 @@ def _warm_up_between_two_runs(rank: int, world_size: int) -> dict:
     logging.getLogger("arfusion.engine.progress").setLevel(logging.INFO)
     settings = RunnerSettings(model_path="tiny", context_length=128, max_running_requests=3, kv_slots=512,
                               fusion=FusionConfig(enabled=True, backend="torch"))
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     try:
         if rank != 0:
             follow_plans(runner)

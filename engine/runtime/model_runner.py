@@ -1,13 +1,8 @@
-"""`ModelRunner`: one TP rank's model, KV cache, fusion op and decode CUDA graphs.
+"""`ModelRunner`: runs one TP rank's steps over its parts (the model on its fusion op, the KV
+cache, the decode CUDA graphs), which `engine.runtime.rank_parts` builds in that order; with
+the settings, dtype and model-file helpers those builders use.
 
 Every rank runs the same `StepPlan`s (broadcast by rank 0) and gets the same logits.
-Start-up order matters: the model's fusion op (no collective yet), the model built on it and its
-weights (on every rank, or refused on every rank: `engine.runtime.load_agreement`), then the op's setup (workspace and buffers: a collective, before any graph capture),
-then the KV cache from the memory left, then graphs (with the dispatch decisions already
-cached, since capture runs the forward once per batch size). Each phase is a start-up stage
-(`engine.common.startup`: rank 0 logs its start and end) and ``startup_s`` records its seconds;
-rank 0 also logs the progress of the long ones (`engine.common.progress`: tensors and
-bytes loaded, graphs captured); `engine.runtime.warm_up.warm_up` (rank 0, before serving) adds its own.
 With ``fusion.deterministic`` (``--deterministic``) every forward and every graph capture runs
 in batch-invariant mode (`layers.batch_invariant`): a sequence's logits do not depend on what
 else is in its batch, and the fusion op keeps to its deterministic strategies. Its eager steps
@@ -19,27 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from arfusion.engine.common.progress import Progress, track
 from arfusion.engine.common.startup import StartupStages
 from arfusion.engine.models.builtin import BUILTIN_MODELS, builtin_config
 from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.models.forward_batch import KVCache
-from arfusion.engine.models.registry import build_model
 from arfusion.engine.runtime.cuda_graph_runner import CudaGraphRunner, capture_sizes
-from arfusion.engine.runtime.load_agreement import load_together
 from arfusion.engine.runtime.logprobs import TokenLogprobs, prompt_logprobs
 from arfusion.engine.runtime.sampler import StepLogits
 from arfusion.engine.runtime.step_plan import RequestTable, StepPlan
 from arfusion.engine.runtime.step_progress import StepProgress
 from arfusion.engine.weights.dummy import dummy_weights
 from arfusion.engine.weights.gguf_loader import ParsedGGUF
-from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
+from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
 from arfusion.layers.kernels.triton_support import triton_available
 
@@ -127,85 +119,68 @@ def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = N
     return load_config_and_weights(settings, torch.float32, torch.device("cpu"), parsed=parsed)[0]
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A rank's model with its weights, on its fusion op (`engine.runtime.rank_parts.enter_model`)."""
+
+    config: ModelConfig
+    fusion: AllReduceFusion
+    model: torch.nn.Module
+    dtype: torch.dtype
+    context_len: int  # requested: the settings' or the model's, before the KV cache cuts it
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """A rank's KV cache and request table (`engine.runtime.rank_parts.enter_kv_cache`)."""
+
+    kv_cache: KVCache
+    table: RequestTable
+    max_rows: int
+    context_len: int  # what the KV cache holds
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """What a scheduler may plan for: rows of sequences at once, tokens per sequence, KV slots."""
+
+    max_rows: int
+    context_len: int
+    kv_slots: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
 class ModelRunner:
-    def __init__(self, settings: RunnerSettings, group: TensorParallelGroup,
-                 startup: Optional[StartupContext] = None) -> None:
+    """Runs steps over a rank's parts (built by `engine.runtime.rank_parts`: the model on its
+    fusion op, the KV cache, then the decode graphs, which `capture_graphs` adds)."""
+
+    def __init__(self, settings: RunnerSettings, group: TensorParallelGroup, loaded: LoadedModel, kv: KVPart,
+                 stages: Optional[StartupStages] = None) -> None:
         self.settings = settings
         self.group = group
         self.device = group.device
         self.deterministic = settings.fusion.deterministic
-        set_enabled(self.deterministic)
-        startup = startup or StartupContext()
-        self.stages = startup.stages
-        self._parsed = startup.parsed  # used by the load, then dropped
+        self.stages = stages or StartupStages(None)
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.dtype = loaded.dtype
+        self.config = loaded.config
+        self.fusion = loaded.fusion
+        self.model = loaded.model
+        self.kv_cache = kv.kv_cache
+        self.table = kv.table
+        self.max_rows = kv.max_rows
+        self.context_len = kv.context_len
         self.graphs: Optional[CudaGraphRunner] = None
-        with self.stages.stage("weights", self.synchronize):
-            load_together(group, self._load_model)  # a collective: every rank loads, or every rank raises
-        self._parsed = None
-        try:
-            self._set_up_after_load(settings)
-        except BaseException:
-            self.destroy()  # the op's workspaces and any graphs, before the caller tears the group down
-            raise
-
-    def _set_up_after_load(self, settings: RunnerSettings) -> None:
-        """The fusion op's workspaces, the KV cache and the decode graphs, in that order."""
-        group = self.group
-        with self.stages.stage("fusion setup", self.synchronize):
-            self.fusion.setup()
-        with self.stages.stage("KV cache", self.synchronize):
-            self.max_rows = settings.max_running_requests
-            self.kv_cache = self.model.allocate_kv_cache(self._kv_slots())
-            self.table = RequestTable(self.max_rows, self.context_len, self.device)
         self._step_rows: Optional[torch.Tensor] = None  # device table rows of the last forward's sequences
         self._step_greedy: Optional[torch.Tensor] = None  # the last forward's greedy tokens, if it sampled none
-        with self.stages.stage("graphs", self.synchronize):
-            if self.device.type == "cuda" and not settings.disable_cuda_graph:
-                max_bs = min(settings.cuda_graph_max_bs, self.max_rows)
-                # ranks sharing a GPU reduce over gloo, which copies through the host and cannot be
-                # captured: decode graphs take a symmetric-memory stand-in for the group's
-                # collectives (the unfused reductions, the embedding's all-reduce, the greedy
-                # tokens' all-gather), sized for the largest captured batch
-                reason = (enable_capturable_collectives(group, self._capturable_bytes(max_bs)) if group.shares_gpu
-                          else None)
-                if reason is None:
-                    self.graphs = self._capture_graphs(max_bs)
-                else:
-                    logger.warning("decode runs without CUDA graphs: the TP ranks share a GPU, their gloo collectives "
-                                   "cannot be captured and the symmetric-memory stand-in is unavailable (%s)", reason)
+        self._own_parts = ExitStack()  # the parts `build_runner` built for this runner alone
 
-    def _load_model(self) -> None:
-        """This rank's config, context length, fusion op (no collective yet) and model with its
-        weights. ValueError (`ModelFileError` for the files) for a model that cannot run."""
-        config, weights = load_config_and_weights(self.settings, self.dtype, self.device, self.group.world_size,
-                                                  self._parsed)
-        self.config: ModelConfig = config
-        requested = self.settings.context_length or config.max_position_embeddings  # cut to the KV cache by `_kv_slots`
-        if requested > config.max_position_embeddings:
-            raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
-        self.context_len = requested
-        self.fusion = AllReduceFusion(self.group, self.settings.fusion, config.hidden_size, self.dtype)
-        self.model = build_model(config, self.fusion, self.dtype, self.device)
-        vocab = self.settings.tokenizer_vocab_size
-        if vocab is not None and vocab < config.vocab_size:
-            self.model.lm_head.mask_ids_from(vocab)
-            if self.group.rank == 0:
-                logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
-                            config.vocab_size - vocab, vocab)
-        # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
-        # gpt-oss's torch path; its Triton experts are not yet
-        if (self.deterministic and config.architecture == "GptOssForCausalLM" and self.device.type == "cuda"
-                and triton_available() and self.group.rank == 0):
-            logger.warning("deterministic mode: gpt-oss's expert kernel on the GPU (layers/moe/kernels/"
-                           "triton_mxfp4_moe.py) picks its tiles by the rows per expert, so this model's outputs may "
-                           "still depend on the batch")
-        expected = type(self.model).hf_weight_shapes(config)
-        total_bytes = sum(math.prod(shape) for shape in expected.values()) * self.dtype.itemsize
-        progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=self.group.rank == 0)
-        self.model.load_weights(track(weights, progress, lambda item: item[1].numel() * item[1].element_size()))
-        self.model.eval()
+    @property
+    def limits(self) -> RunnerLimits:
+        """What the scheduler plans within (`engine.scheduling.step_runner.StepRunner`)."""
+        return RunnerLimits(self.max_rows, self.context_len, self.num_kv_slots, self.config.vocab_size,
+                            tuple(self.config.eos_token_ids))
 
     @property
     def startup_s(self) -> dict[str, float]:
@@ -217,73 +192,48 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _capturable_bytes(self, max_bs: int) -> int:
-        """Bytes per rank of the largest collective a decode graph of ``max_bs`` runs: a
-        ``[batch, hidden]`` activation all-reduce (the greedy tokens' pairs are smaller); at
-        least 1 MiB, so that a small model's buffer has room to spare."""
-        return max(capture_sizes(max_bs)[-1] * max(self.config.hidden_size * self.dtype.itemsize, 8), 1 << 20)
-
-    def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
-        """Collective: reserve the fusion workspace for the largest decode batch, then capture."""
+    def capture_graphs(self, max_bs: int) -> None:
+        """Collective: reserve the fusion workspace for the largest decode batch, then capture
+        the decode graphs of batch sizes up to ``max_bs`` (which replace any before)."""
+        self.drop_graphs()
         self.fusion.reserve(capture_sizes(max_bs)[-1])
         with batch_invariant_mode(self.deterministic):
-            return CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
-                                   log_progress=self.group.rank == 0)
+            self.graphs = CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
+                                          log_progress=self.group.rank == 0)
+
+    def drop_graphs(self) -> None:
+        """Destroy the decode graphs, if any (later decode steps run eagerly)."""
+        if self.graphs is not None:
+            self.graphs.destroy()
+            self.graphs = None
 
     @property
     def num_kv_slots(self) -> int:
         return self.kv_cache.num_slots
 
-    def _kv_slots(self) -> int:
-        """Slots every rank can afford (the minimum over ranks, so all agree). On a GPU the KV
-        cache gets ``mem_fraction_static`` of the device's memory, less what is in use; ranks
-        sharing one GPU split that budget evenly (they measure together, before any of them
-        allocates its cache). A context length the user did not set (the model's) is cut to what
-        the slots hold, with the reason logged. RuntimeError on every rank, naming the rank, when
-        some rank has room for fewer than 2 slots."""
-        per_slot = KVCache.bytes_per_slot(self.config.num_hidden_layers, self.model.num_kv_heads_local,
-                                          self.config.head_dim, self.dtype)
-        want = self.max_rows * self.context_len + 1
-        if self.settings.kv_slots is not None:
-            slots, source = self.settings.kv_slots, f"kv_slots {self.settings.kv_slots}"
-        elif self.device.type == "cuda":
-            sharers = self.group.ranks_on_this_gpu
-            if self.group.shares_gpu:  # the same on every rank: a collective for all or none
-                self.group.all_agree(True)  # every rank's weights are loaded, no KV cache yet
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = (total * self.settings.mem_fraction_static - (total - free)) / sharers
-            slots = int(budget // per_slot)
-            source = (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB with mem_fraction_static "
-                      f"{self.settings.mem_fraction_static}")
-        else:
-            slots, source = CPU_KV_SLOTS, f"the CPU's {CPU_KV_SLOTS} slots"
-        # every rank learns every rank's count, so a rank short of memory fails all ranks together
-        offers = self.group.all_gather_object((min(slots, want), source))
-        slots = min(offer for offer, _ in offers)
-        if slots < 2:  # slot 0 is scratch: no room for a single token
-            short = min(range(len(offers)), key=lambda r: offers[r][0])
-            raise RuntimeError(f"no memory left for the KV cache on TP rank {short}: {offers[short][1]}")
-        if self.settings.context_length is None and self.context_len > slots - 1:  # slot 0 is scratch
-            why = ("the KV cache is set to that size" if self.settings.kv_slots is not None
-                   else f"--mem-fraction-static {self.settings.mem_fraction_static} of the GPU's memory holds no more"
-                   if self.device.type == "cuda" else "the CPU's KV cache holds no more")
-            if self.group.rank == 0:
-                logger.warning("context length cut from the model's %d to %d tokens: %s (--context-length sets it)",
-                               self.context_len, slots - 1, why)
-            self.context_len = slots - 1
-        return slots
+    def raise_if_failed(self) -> None:
+        """Raise when the fusion op gave up on a peer (the steps since then are garbage)."""
+        self.fusion.raise_if_failed()
+
+    def clear_fusion_cache(self) -> None:
+        """Drop the fusion op's cached dispatch decisions (rebuilt on the next steps)."""
+        self.fusion.cache_clear()
+
+    def own(self, parts: ExitStack) -> None:
+        """Take ``parts`` (the teardown of this runner's parts), closed by `destroy`."""
+        self._own_parts = parts
 
     def reconfigure_fusion(self, config: FusionConfig) -> None:
         """Collective: give the model's fusion op a new config (e.g. off -> on in one benchmark
         run) and recapture the decode graphs, which baked the old decisions in. Batch-invariant
         mode follows ``config.deterministic``."""
-        if self.graphs is not None:
-            self.graphs.destroy()
+        sizes = self.graphs.sizes if self.graphs is not None else None
+        self.drop_graphs()
         self.deterministic = config.deterministic
         set_enabled(self.deterministic)
         self.fusion.reconfigure(config)
-        if self.graphs is not None:
-            self.graphs = self._capture_graphs(self.graphs.sizes[-1])
+        if sizes is not None:
+            self.capture_graphs(sizes[-1])
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -365,7 +315,6 @@ class ModelRunner:
         return tokens
 
     def destroy(self) -> None:
-        if self.graphs is not None:
-            self.graphs.destroy()
-            self.graphs = None
-        self.fusion.destroy()
+        """Tear down the parts `engine.runtime.rank_parts.build_runner` built for this runner
+        (graphs, then the fusion op); a rank's runner has none: its rank's stack owns its parts."""
+        self._own_parts.close()

@@ -7,28 +7,32 @@ that no two processes can disagree on it:
                rendezvous, with ``--dist-timeout``
     watch      what watches this rank (`StepWatch`): a worker's `Heartbeat`, rank 0's
                `GroupWatch` (heartbeat monitor and ``--dist-timeout`` watchdog), or `Unwatched`
-    runner     the `ModelRunner`: inside one load agreement the fusion op and the model built on
-               it with its weights, then the op's workspace (before any graph capture), the KV
-               cache and the decode CUDA graphs (`engine.runtime.model_runner`)
+    fusion op  inside one load agreement the fusion op, then
+    model      the model built on it with its weights, then the op's workspace (before any
+               graph capture)
+    KV cache   from the memory left, agreed by every rank
+    graphs     the decode CUDA graphs; the `ModelRunner` runs steps over these parts
+               (`engine.runtime.rank_parts` builds each)
 
 Every part registers its teardown on the caller's `contextlib.ExitStack` as it is built, so
-that closing the stack tears down in reverse: ``peers_done()`` (rank 0: its local workers have
-exited, so no peer still maps this rank's fused workspace), the runner (graphs, then the fusion
-op), the watch, the process group last. A part that fails to build tears down the ones before it.
+that closing the stack tears down in reverse: the graphs, ``peers_done()`` (rank 0: its local
+workers have exited, so no peer still maps this rank's fused workspace) then the fusion op, the
+watch, the process group last. A part that fails to build tears down exactly the ones before it
+(``peers_done()`` included, once, also when the op was never built).
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings, StartupContext
+from arfusion.engine.runtime.rank_parts import enter_group, enter_runner
 from arfusion.engine.runtime.step_progress import StepProgress
 from arfusion.fusion import AllReduceFusion, TensorParallelGroup
-from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
 
 class StepWatch(Protocol):
@@ -62,7 +66,7 @@ class RankStack:
 
     @property
     def fusion(self) -> AllReduceFusion:
-        """The model's fusion op (built by the runner with the model, before it)."""
+        """The model's fusion op (built with the model, before it)."""
         return self.runner.fusion
 
 
@@ -77,25 +81,25 @@ def build_rank(stack: ExitStack, launch: LaunchConfig, rank: int, watch: Callabl
     torch.set_num_threads(max(1, launch.threads_per_rank))
     startup = startup or StartupContext()
     with startup.stages.stage("TP group"):
-        group = init_tensor_parallel(launch.tp_size, rank, launch.init_method, device=launch.device_for(rank),
-                                     node_rank=launch.node_rank, timeout_s=launch.dist_timeout)
-    stack.callback(destroy_tensor_parallel)
+        group = enter_group(stack, launch.tp_size, rank, launch.init_method, launch.device_for(rank),
+                            launch.node_rank, launch.dist_timeout)
     watching = watch()
     stack.callback(watching.stop)
-    runner = stack.enter_context(_runner(settings or launch.runner, group, peers_done, startup))
+    once = _Once(peers_done)
+    stack.callback(once)
+    runner = enter_runner(stack, settings or launch.runner, group, once, startup)
     watching.watch_steps(runner.progress)
     return RankStack(launch, rank, group, watching, runner)
 
 
-@contextmanager
-def _runner(settings: RunnerSettings, group: TensorParallelGroup, peers_done: Callable[[], None],
-            startup: StartupContext) -> Iterator[ModelRunner]:
-    """The rank's `ModelRunner`; on exit ``peers_done()``, then the runner's teardown."""
-    runner: Optional[ModelRunner] = None
-    try:
-        runner = ModelRunner(settings, group, startup)
-        yield runner
-    finally:
-        peers_done()
-        if runner is not None:
-            runner.destroy()
+class _Once:
+    """Calls ``action`` on its first call only (``peers_done``: before the op's destroy, or on
+    its own when the rank failed before its op existed)."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action: Optional[Callable[[], None]] = action
+
+    def __call__(self) -> None:
+        action, self._action = self._action, None
+        if action is not None:
+            action()

@@ -49,12 +49,12 @@ from typing import Callable, Optional
 import torch
 
 from arfusion.engine.common.generation import EngineError, TokenizerLike
-from arfusion.engine.runtime.model_runner import ModelRunner
 from arfusion.engine.runtime.step_cost import StepTimer, StepTiming
 from arfusion.engine.runtime.step_plan import StepPlan
 from arfusion.engine.scheduling.pending_tokens import PendingTokens
 from arfusion.engine.scheduling.policy import SchedulePolicy
 from arfusion.engine.scheduling.request import Request
+from arfusion.engine.scheduling.step_runner import StepRunner
 from arfusion.engine.scheduling.step_sampler import StepSampler, host_logprobs
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class LaunchedStep:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
+    def __init__(self, runner: StepRunner, tokenizer: TokenizerLike, max_prefill_tokens: int, seed: int = 0,
                  on_failure: Callable[[str], None] = lambda reason: logger.error("scheduler failed: %s", reason),
                  overlap: bool = True,
                  heartbeat_s: float = 30.0, chunked_prefill_size: int = -1, step_time_target_s: float = 0.0,
@@ -82,8 +82,9 @@ class Scheduler:
         self.runner = runner
         self.group = runner.group
         self.tokenizer = tokenizer
-        self.eos_ids = tuple(tokenizer.eos_token_ids) + tuple(runner.config.eos_token_ids)
-        self.policy = SchedulePolicy(runner.num_kv_slots, runner.max_rows, runner.context_len, max_prefill_tokens,
+        self.limits = limits = runner.limits
+        self.eos_ids = tuple(tokenizer.eos_token_ids) + limits.eos_token_ids
+        self.policy = SchedulePolicy(limits.kv_slots, limits.max_rows, limits.context_len, max_prefill_tokens,
                                      chunked_prefill_size, step_time_target_s)
         self.timer = timer if timer is not None else StepTimer(runner.device)
         self.seed = seed
@@ -96,7 +97,7 @@ class Scheduler:
         self._on_failure = on_failure  # the launcher brings the server down (peers may wait on us)
         self.steps = 0
         self.heartbeat_s = heartbeat_s
-        self.sampler = StepSampler(runner.config.vocab_size, runner.device, self.eos_ids, self._fail)
+        self.sampler = StepSampler(limits.vocab_size, runner.device, self.eos_ids, self._fail)
         self._idle_wait_s = min(0.5, heartbeat_s / 2)
         self._last_broadcast = time.monotonic()
 
@@ -104,7 +105,7 @@ class Scheduler:
     def submit(self, req: Request) -> None:
         """Queue a request; ValueError (naming the numbers) if it can never fit."""
         self.policy.check_fits(req)
-        vocab = self.runner.config.vocab_size
+        vocab = self.limits.vocab_size
         outside = [t for t, _ in req.params.logit_bias if not 0 <= t < vocab]
         if outside:
             raise ValueError(f"logit_bias: token ids out of range [0, {vocab}): {outside[:8]}")
@@ -230,7 +231,7 @@ class Scheduler:
         launch drops its token). A request whose token cannot be taken in (detokenizing, stop
         checks) fails alone; a fused reduction that gave up on a peer fails the scheduler."""
         tokens, logprobs = step.tokens.get(), step.tokens.logprobs()
-        self.runner.fusion.raise_if_failed()  # a peer that stalled made the step's tokens garbage
+        self.runner.raise_if_failed()  # a peer that stalled made the step's tokens garbage
         if self.policy.budget is not None:
             self.policy.budget.observe(step.new_tokens, step.prompt_tokens, step.timing.seconds())
         sampled = {}
@@ -255,7 +256,7 @@ class Scheduler:
                     req.output_ids.append(token)
                     if req.params.logprobs is not None:
                         req.output_logprobs.append(sampled[i])
-                    req.check_finished(self.eos_ids, self.runner.context_len)
+                    req.check_finished(self.eos_ids, self.limits.context_len)
                 req.emit(req.release(self.tokenizer))
             except Exception as exc:
                 logger.exception("request %d failed while taking in its token", req.rid)

@@ -17,24 +17,23 @@ from arfusion.engine.common.generation import EngineError, GenerationChunk, Toke
 from arfusion.engine.common.sampling_params import SamplingParams
 from arfusion.engine.scheduling.request import Request
 from arfusion.engine.scheduling.scheduler import Scheduler
-from arfusion.fusion import AllReduceFusion
 
 Delivery = Union[GenerationChunk, EngineError]
 
 
 class Engine:
     def __init__(self, scheduler: Scheduler, tokenizer: TokenizerLike, model_name: str, context_length: int,
-                 fusion: AllReduceFusion, info: Callable[[], dict[str, Any]],
+                 clear_fusion_cache: Callable[[], None], info: Callable[[], dict[str, Any]],
                  workers_alive: Callable[[], bool] = lambda: True,
                  heartbeat_missed: Callable[[], Optional[str]] = lambda: None) -> None:
-        """``scheduler`` runs the requests of a model of ``context_length`` tokens whose fusion op
-        is ``fusion``; ``info()`` is /get_server_info's answer; ``workers_alive()`` and
-        ``heartbeat_missed()`` report the TP workers (`EngineClient.health_problem`)."""
+        """``scheduler`` runs the requests of a model of ``context_length`` tokens;
+        ``clear_fusion_cache()`` drops its fusion op's cached decisions (the runner's);
+        ``info()`` is /get_server_info's answer; ``workers_alive()`` and ``heartbeat_missed()`` report the TP workers (`EngineClient.health_problem`)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = context_length
-        self._fusion = fusion
+        self._clear_fusion_cache = clear_fusion_cache
         self._info = info
         self._workers_alive = workers_alive
         self._heartbeat_missed = heartbeat_missed  # which TP workers missed their heartbeat, or None
@@ -87,7 +86,7 @@ class Engine:
         load = self.scheduler.load()
         if load["running"] or load["waiting"]:
             return False
-        self._fusion.cache_clear()
+        self._clear_fusion_cache()
         return True
 
     def server_info(self) -> dict[str, Any]:

@@ -101,8 +101,8 @@ class Rank0Server:
         self.startup.parsed = None  # loaded: the model file's maps can go
         scheduler = self._scheduler(rank)
         body_limit = max_request_bytes(args.max_request_bytes, rank.runner.context_len)
-        engine = Engine(scheduler, self.tokenizer, self.model_name, rank.runner.context_len, rank.fusion,
-                        lambda: self._info(rank, scheduler, body_limit), self.workers.alive,
+        engine = Engine(scheduler, self.tokenizer, self.model_name, rank.runner.context_len,
+                        rank.runner.clear_fusion_cache, lambda: self._info(rank, scheduler, body_limit), self.workers.alive,
                         self._watch.missed if self._watch is not None else lambda: None)
         lifecycle = Lifecycle()
         self.supervisor.serving(engine.fail_all, lambda: lifecycle.in_flight)

@@ -32,7 +32,8 @@ def _run(rank: int, world_size: int, dtype: str, fusion: bool = False) -> dict:
     from dataclasses import replace
 
     from arfusion.engine.scheduling.kv_pool import SlotAllocator
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import random_prompts
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.fusion import FusionConfig
@@ -40,8 +41,8 @@ def _run(rank: int, world_size: int, dtype: str, fusion: bool = False) -> dict:
 
     settings = RunnerSettings(model_path="tiny", dtype=dtype, context_length=CONTEXT, max_running_requests=8,
                               cuda_graph_max_bs=4, fusion=FusionConfig(enabled=fusion), kv_slots=2048)
-    graphed = ModelRunner(settings, get_tp_group())
-    eager = ModelRunner(replace(settings, disable_cuda_graph=True), get_tp_group())
+    graphed = build_runner(settings, get_tp_group())
+    eager = build_runner(replace(settings, disable_cuda_graph=True), get_tp_group())
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4] and eager.graphs is None
     runners = {"graph": graphed, "eager": eager}
     out = {}

@@ -120,7 +120,8 @@ def test_attention_kernels_with_sinks_and_window(window):
 
 def _model_rank(rank, world, tokens):
     from arfusion.engine.models import builtin
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
@@ -132,7 +133,7 @@ def _model_rank(rank, world, tokens):
                               max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, kv_slots=2048,
                               mxfp4_experts="keep",
                               fusion=FusionConfig(enabled=world > 1, backend="flashinfer", max_tokens=1024))
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     try:
         prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
         logits, tokens = batch_logits(runner, prompts, STEPS, tokens)  # tokens None (TP1): its own greedy stream

@@ -50,7 +50,8 @@ def _lamport_table(group, hidden):
 def _run(rank, world_size):
     from dataclasses import replace
 
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
@@ -63,7 +64,7 @@ def _run(rank, world_size):
     prompts = None
     out = {}
 
-    fp32 = ModelRunner(base, group)
+    fp32 = build_runner(base, group)
     prompts = random_prompts(PROMPTS, PROMPT_LEN, fp32.config.vocab_size, seed=1)
     batch = StaticBatch(fp32, prompts, STEPS + 1)
     step_logits = [batch.prefill(gather_logits=True).full.clone()]
@@ -75,7 +76,7 @@ def _run(rank, world_size):
     fp32.destroy()
     del fp32, batch, step_logits
 
-    runner = ModelRunner(replace(base, dtype="bfloat16"), group)
+    runner = build_runner(replace(base, dtype="bfloat16"), group)
     results = {"bf16_unfused": _logits_for(runner, prompts, tokens)}
     runner.reconfigure_fusion(replace(off, enabled=True))
     out["status"] = runner.fusion.status()

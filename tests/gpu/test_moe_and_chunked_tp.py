@@ -32,7 +32,8 @@ def _compare(a, b):
 def _moe(rank, world_size):
     from dataclasses import replace
 
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
@@ -43,7 +44,7 @@ def _moe(rank, world_size):
     for name in MOE_MODELS:
         settings = RunnerSettings(model_path=name, dtype="bfloat16", context_length=PROMPT_LEN + STEPS + 8,
                                   max_running_requests=PROMPTS, cuda_graph_max_bs=PROMPTS, fusion=off, kv_slots=2048)
-        runner = ModelRunner(settings, group)
+        runner = build_runner(settings, group)
         prompts = random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3)
         unfused, tokens = batch_logits(runner, prompts, STEPS)  # the unfused model's own greedy stream
         runner.reconfigure_fusion(replace(off, enabled=True))
@@ -87,7 +88,8 @@ def test_moe_fused_perturbs_no_more_than_a_rounding_change(moe, name):
 
 
 def _chunked(rank, world_size):
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.runtime.step_plan import StepPlan
     from arfusion.fusion import FusionConfig
     from arfusion.layers.parallel_state import get_tp_group
@@ -96,7 +98,7 @@ def _chunked(rank, world_size):
 
     settings = RunnerSettings(model_path="tiny", dtype="float32", context_length=256, max_running_requests=4,
                               kv_slots=1024, fusion=FusionConfig(enabled=True, backend="flashinfer", max_tokens=256))
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     try:
         active = runner.fusion.active
         if rank != 0:

@@ -16,7 +16,8 @@ def _run(rank: int, world_size: int) -> dict:
     import torch
 
     from arfusion.engine.common.sampling_params import SamplingParams
-    from arfusion.engine.runtime.model_runner import ModelRunner, RunnerSettings
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.runtime.step_cost import StepTimer, measure_step_cost
     from arfusion.engine.runtime.warm_up import warm_up
     from arfusion.engine.scheduling.scheduler import Scheduler
@@ -32,7 +33,7 @@ def _run(rank: int, world_size: int) -> dict:
     settings = RunnerSettings(model_path="tiny", dtype="float32", context_length=1024, max_running_requests=4,
                               cuda_graph_max_bs=4,
                               fusion=FusionConfig(enabled=False), kv_slots=4096)
-    runner = ModelRunner(settings, get_tp_group())
+    runner = build_runner(settings, get_tp_group())
     timer = StepTimer(runner.device)
     spins = {}
     for cycles in (1_000_000, 4_000_000):
