@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from arfusion.benchmarks.kernels.graph_timing import median_replay_us
 from arfusion.layers.kernels.triton_bi_matmul import choose_config, matmul
 
 # (name, N, K) of llama3-8b at TP1
@@ -33,15 +33,7 @@ def time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: list, 
     with torch.cuda.graph(graph):
         for x, w in zip(xs, ws):
             fn(x, w)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return median_replay_us(graph, CALLS)
 
 
 def main() -> None:

@@ -29,6 +29,8 @@ import statistics
 
 import torch
 
+from arfusion.benchmarks.kernels.graph_timing import median_replay_us
+
 HBM_BYTES_PER_S = 4.8e12
 MODELS = {"gpt-oss-20b": 32, "gpt-oss-120b": 128}  # experts; hidden = intermediate = 2880, top-4
 HIDDEN = INTERMEDIATE = 2880
@@ -132,15 +134,7 @@ def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
                 for x, w, i in calls:
                     gpt_oss_experts_triton(x, experts, w, i, config)
             graph.replay()
-            times = []
-            for _ in range(10):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / CALLS)
-            row["us"] = statistics.median(times)
+            row["us"] = median_replay_us(graph, CALLS)
             row["bandwidth_share"] = floor_us / row["us"]
             del graph
         except Exception as exc:  # a candidate that does not compile or run: its row says why

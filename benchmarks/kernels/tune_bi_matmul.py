@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 import triton
 
+from arfusion.benchmarks.kernels.graph_timing import median_replay_us
 from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, default_config, matmul
 
 BUCKETS = (16, 64, 256)  # M upper bounds; a last tile serves larger M
@@ -67,15 +67,7 @@ def time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.T
     with torch.cuda.graph(graph):
         for w in ws:
             fn(x, w)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(ws))
-    return statistics.median(times)
+    return median_replay_us(graph, len(ws), replays=5)
 
 
 def time_config(x: torch.Tensor, ws: list, config: MatmulConfig) -> float:
