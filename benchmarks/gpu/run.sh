@@ -44,6 +44,11 @@
 #                  with dev/ and test/: the README's "Benchmarks and evaluations" says where they
 #                  come from); results kept in RESULTS_DIR (default .accuracy: a later run with
 #                  the folder in place resumes) and also packed into accuracy_results.tgz.
+#   digest         benchmarks.output_digest of the checkout at BASE (a folder with an older checkout
+#                  of the project) and of this one, with MODEL (default tiny) at TP ranks, in each
+#                  of DIGEST_SETTINGS (default: off on deterministic; on = fusion with the built-in
+#                  dispatch, deterministic = fusion on with --deterministic and the batch sent at
+#                  once) into $OUT/digest.jsonl; fails when a setting's two digests differ.
 #   model-piece N  appends .model/part-0N to /tmp/model.gguf (0 starts it afresh), prints its
 #                  size and, after the last piece, checks its sha256: .model/ holds the GGUF model
 #                  of docs/results.md's accuracy runs split into 60 MiB pieces
@@ -348,6 +353,42 @@ part_accuracy() {
   return "$rc"
 }
 
+part_digest() {
+  local settings setting root flags extra rc=0
+  read -ra settings <<< "${DIGEST_SETTINGS:-off on deterministic}"
+  [ -d "${BASE:-}" ] || { echo "!! BASE must name a folder with the older checkout"; return 2; }
+  share_gpus_if_needed "$TP"
+  for setting in "${settings[@]}"; do
+    flags=(--model-path "${MODEL:-tiny}" --tp-size "$TP" --step-time-target-ms 0)
+    extra=()
+    case $setting in
+      on) flags+=(--enable-flashinfer-allreduce-fusion) ;;
+      deterministic) flags+=(--enable-flashinfer-allreduce-fusion --deterministic) && extra=(--concurrent) ;;
+      off) ;;
+      *) echo "!! unknown digest setting $setting" && return 2 ;;
+    esac
+    for root in "$BASE" "$PWD"; do
+      run_timed 400 python -m arfusion.benchmarks.output_digest --code-root "$root" --label "$setting" "${extra[@]}" \
+        -- "${flags[@]}" "${EXTRA[@]}" | tee -a "$OUT/digest.jsonl" || rc=1
+    done
+  done
+  python - "$OUT/digest.jsonl" << 'PY' || rc=1
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+by_label = {}
+for r in rows:
+    by_label.setdefault(r["label"], []).append(r)
+bad = 0
+for label, rs in by_label.items():
+    same = len({r["digest"] for r in rs}) == 1 and all(r["repeatable"] for r in rs)
+    bad += not same
+    print(f"{label:>13}: {'identical' if same else 'DIFFERENT'} {[r['digest'][:12] for r in rs]} "
+          f"reductions {[r['reductions'] for r in rs]}")
+sys.exit(1 if bad or not rows else 0)
+PY
+  return "$rc"
+}
+
 part_model_piece() {  # part_model_piece N
   local n=${1:-} model=/tmp/model.gguf piece size
   if [[ ! $n =~ ^[0-9]$ ]]; then
@@ -388,11 +429,12 @@ run_part() {  # run_part PART [N]
     engine) part_engine ;;
     serving) part_serving ;;
     accuracy) part_accuracy ;;
+    digest) part_digest ;;
   esac
 }
 
 case ${1:-} in
-  tests | kernels | table | engine | serving | accuracy | model-piece) ;;
+  tests | kernels | table | engine | serving | accuracy | digest | model-piece) ;;
   *)
     usage
     exit 2
