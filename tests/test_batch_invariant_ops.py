@@ -194,8 +194,8 @@ def test_triton_matmul_matches_torch_and_is_row_invariant(interpreted_matmul, n,
 
 
 # a table entry whose row tile changes with M (16, then 32, then 64 rows) over one K plan
-SYNTHETIC_TABLE = {"buckets": [16, 100], "configs": {"96,200": {"block_k": 32, "splits": 2, "block_n": 32, "tiles": [
-    [16, 4, 1], [32, 2, 2], [64, 4, 1]]}}}
+SYNTHETIC_TABLE = {"buckets": [16, 100], "configs": {"96,200": {"block_k": 32, "splits": 2, "tiles": [
+    [16, 32, 4, 1], [32, 32, 2, 2], [64, 32, 4, 1]]}}}
 TABLE_ROWS = (1, 7, 64, 128, 512)
 
 
@@ -216,8 +216,8 @@ def _interpreted_table(rank: int, world_size: int) -> dict:
     for entry in dict.fromkeys(entries):
         outs = []
         for m in TABLE_ROWS:
-            block_m, warps, stages = entry.tile(m if entry in synthetic else 1)
-            outs.append(matmul(x[:m], w, b, MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps,
+            block_m, block_n, warps, stages = entry.tile(m if entry in synthetic else 1)
+            outs.append(matmul(x[:m], w, b, MatmulConfig(block_m, block_n, entry.block_k, entry.splits, warps,
                                                          stages)))
         error = (outs[-1] - F.linear(x, w, b)).abs().max().item()
         results.append((tuple(entry), error, [m for m, o in zip(TABLE_ROWS, outs) if not torch.equal(o[:7], outs[-1][:min(m, 7)])]))
@@ -242,8 +242,8 @@ def test_the_table_fixes_the_k_plan_per_shape_and_the_tile_per_bucket(monkeypatc
     assert [c.block_m for c in configs.values()] == [16, 16, 32, 32, 64, 64]
     assert triton_bi_matmul.choose_config(4096, 4096, 7) == triton_bi_matmul.default_config(4096, 4096)
     with pytest.raises(ValueError, match="need 3 tiles"):
-        parse_table({"buckets": [16, 100], "configs": {"1,1": {"block_k": 32, "splits": 1, "block_n": 32,
-                                                               "tiles": [[16, 4, 1]]}}})
+        parse_table({"buckets": [16, 100], "configs": {"1,1": {"block_k": 32, "splits": 1,
+                                                               "tiles": [[16, 32, 4, 1]]}}})
 
 
 def test_the_default_matmul_config_depends_on_n_and_k_only():

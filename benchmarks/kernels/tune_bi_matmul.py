@@ -7,12 +7,14 @@ config table (layers/kernels/bi_matmul_table.py describes the file).
 For every GEMM shape (N, K) of the models at the given TP sizes (qkv, o_proj, gate_up, down,
 the MoE router, lm_head; bf16):
 
-1. the plan: each (BLOCK_K, splits, BLOCK_N) candidate is timed at every bucket's row count
-   with that bucket's reference row tile; the plan with the least summed time wins (it serves
-   every M, so decode and prefill sizes both count);
-2. the row tiles: with that plan, each (BLOCK_M, warps, stages) candidate is timed per bucket;
-   a bucket takes the fastest tile whose rows have the bits of the smallest bucket's chosen tile
-   (rows 0-15 of x, compared bit for bit), so no tile in the table changes a row's bits.
+1. the K plan (BLOCK_K, splits), which fixes a row's bits: each candidate is timed at every
+   bucket's row count with that bucket's reference tile; the plan with the least sum over the
+   buckets of its time relative to the bucket's fastest plan wins (so the 2048-row prefill bucket
+   does not outweigh decode's);
+2. the tiles: with that plan, each of the bucket's (BLOCK_M, BLOCK_N, warps, stages) candidates
+   is timed; a bucket takes the fastest tile whose rows have the bits of the smallest bucket's
+   chosen tile (rows 0-15 of x, compared bit for bit), so no tile in the table changes a row's
+   bits.
 
 Times: the median of 5 CUDA-graph replays of up to 10 calls on distinct weights (at most 200
 MiB of them: more than L2 holds, as in a forward), µs per call. The table is written with the
@@ -32,12 +34,19 @@ import triton
 from arfusion.benchmarks.kernels.graph_timing import median_replay_us
 from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, default_config, matmul
 
-BUCKETS = (16, 64, 256)  # M upper bounds; a last tile serves larger M
-BUCKET_ROWS = (16, 64, 256, 2048)  # the row count timed for each bucket
-PLANS = tuple((block_k, splits, block_n) for block_k in (64, 128) for splits in (1, 2, 4, 8)
-              for block_n in (64, 128))  # (block_k, splits, block_n)
-TILES = ((16, 4, 4), (32, 4, 4), (64, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3))  # (block_m, warps, stages)
-REFERENCE_TILES = ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 3))  # per bucket, for step 1
+BUCKETS = (16, 64, 128, 512)  # M upper bounds; a last tile serves larger M
+BUCKET_ROWS = (16, 64, 128, 512, 2048)  # the row count timed for each bucket
+PLANS = tuple((block_k, splits) for block_k in (64, 128, 256) for splits in (1, 2, 4, 8))
+# (block_m, block_n, warps, stages) per bucket: narrow row tiles with deep pipelines for decode
+# (memory-bound: bytes in flight), wide tiles for prefill (compute-bound)
+TILES = (
+    tuple((16, n, 4, s) for n in (32, 64, 128) for s in (3, 4, 5, 6)),
+    tuple((m, n, 4, s) for m in (32, 64) for n in (64, 128) for s in (3, 4)),
+    ((64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)),
+    ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 4, 3), (128, 256, 8, 3)),
+    ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 4, 3), (128, 256, 8, 3)),
+)
+REFERENCE_TILES = ((16, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 3))
 CALLS = 10
 MIN_SPLIT_COLUMNS = 256  # a split keeps at least this many K columns
 
@@ -79,8 +88,8 @@ def time_config(x: torch.Tensor, ws: list, config: MatmulConfig) -> float:
         return float("inf")
 
 
-def _config(plan: tuple[int, int, int], tile: Sequence[int]) -> MatmulConfig:
-    return MatmulConfig(tile[0], plan[2], plan[0], plan[1], tile[1], tile[2])
+def _config(plan: tuple[int, int], tile: Sequence[int]) -> MatmulConfig:
+    return MatmulConfig(tile[0], tile[1], plan[0], plan[1], tile[2], tile[3])
 
 
 def tune_shape(n: int, k: int) -> tuple[dict, list[dict]]:
@@ -90,20 +99,19 @@ def tune_shape(n: int, k: int) -> tuple[dict, list[dict]]:
     x = torch.randn(max(BUCKET_ROWS), k, dtype=torch.bfloat16, device="cuda")
     plans = [p for p in PLANS if p[1] == 1 or k // p[1] >= max(MIN_SPLIT_COLUMNS, p[0])]
     rows: list[dict] = []
-    plan_time = {}
+    times = {}  # (plan, bucket index) -> us
     for plan in plans:
-        total = 0.0
-        for m, tile in zip(BUCKET_ROWS, REFERENCE_TILES):
-            t = time_config(x[:m], ws, _config(plan, tile))
-            rows.append({"n": n, "k": k, "m": m, "step": "plan", "config": _config(plan, tile)._asdict(), "us": t})
-            total += t
-        plan_time[plan] = total
-    plan = min(plan_time, key=plan_time.get)
+        for i, (m, tile) in enumerate(zip(BUCKET_ROWS, REFERENCE_TILES)):
+            times[plan, i] = time_config(x[:m], ws, _config(plan, tile))
+            rows.append({"n": n, "k": k, "m": m, "step": "plan", "config": _config(plan, tile)._asdict(),
+                         "us": times[plan, i]})
+    fastest = [min(times[p, i] for p in plans) for i in range(len(BUCKET_ROWS))]
+    plan = min(plans, key=lambda p: sum(times[p, i] / fastest[i] for i in range(len(BUCKET_ROWS))))
     tiles: list[Sequence[int]] = []
     reference: Optional[torch.Tensor] = None
-    for m in BUCKET_ROWS:
+    for m, candidates in zip(BUCKET_ROWS, TILES):
         timed = []
-        for tile in TILES:
+        for tile in candidates:
             t = time_config(x[:m], ws, _config(plan, tile))
             rows.append({"n": n, "k": k, "m": m, "step": "tile", "config": _config(plan, tile)._asdict(), "us": t})
             timed.append((t, tile))
@@ -121,7 +129,7 @@ def tune_shape(n: int, k: int) -> tuple[dict, list[dict]]:
     for m in BUCKET_ROWS:
         rows.append({"n": n, "k": k, "m": m, "step": "default", "config": default._asdict(),
                      "us": time_config(x[:m], ws, default)})
-    return {"block_k": plan[0], "splits": plan[1], "block_n": plan[2], "tiles": [list(t) for t in tiles]}, rows
+    return {"block_k": plan[0], "splits": plan[1], "tiles": [list(t) for t in tiles]}, rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -153,9 +161,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             default = next(r["us"] for r in rows if r["m"] == m and r["step"] == "default")
             tile = entry["tiles"][i]
             tuned = next(r["us"] for r in rows if r["m"] == m and r["step"] == "tile"
-                         and [r["config"][f] for f in ("block_m", "num_warps", "num_stages")] == tile)
+                         and [r["config"][f] for f in ("block_m", "block_n", "num_warps", "num_stages")] == tile)
             print(f"{n:>7} {k:>6} {m:>5} {default:>10.1f} {tuned:>9.1f}  k{entry['block_k']} s{entry['splits']} "
-                  f"n{entry['block_n']} {tile}" + (f"  ({', '.join(names)})" if i == 0 else ""))
+                  f"{tile}" + (f"  ({', '.join(names)})" if i == 0 else ""))
     table = {"hardware": args.hardware, "dtype": "bfloat16", "buckets": list(BUCKETS), "configs": configs}
     with open(args.output, "w") as f:
         json.dump(table, f, indent=1)

@@ -13,7 +13,7 @@ Why it is row-invariant: BLOCK_K and S, which fix the order of the sums over K, 
 (N, K) only (`choose_config`), never of M. A row is one row of a BLOCK_M tile; tensor-core
 products accumulate each output element over k inside the instruction, with no exchange between
 rows; rows past M load zeros and are not stored. So the sequence of additions that yields y[m,
-n] is the same for every M. The row tile (BLOCK_M, warps, stages) may follow M where the
+n] is the same for every M. The tile (BLOCK_M, BLOCK_N, warps, stages) may follow M where the
 measured table (layers/kernels/bi_matmul_table.py) says so; its tuner keeps only tiles that give
 the rows the same bits, and tests check every entry at several M. cuBLAS instead picks its kernel, its tile and its
 split-K by M (a decode batch of 1 and of 32 round differently), which is why the default mode's
@@ -57,12 +57,13 @@ class MatmulConfig(NamedTuple):
 
 def choose_config(n: int, k: int, m: int = 1) -> MatmulConfig:
     """The tiling for an ``[m, k] x [k, n]`` product: the measured table's entry for (n, k)
-    (BLOCK_K, S and BLOCK_N from (n, k), BLOCK_M, warps and stages from m's bucket) when it has one, else `default_config`."""
+    (BLOCK_K and S from (n, k); BLOCK_M, BLOCK_N, warps and stages from m's bucket) when it has
+    one, else `default_config`."""
     entry = load_table().get((n, k))
     if entry is None:
         return default_config(n, k)
-    block_m, warps, stages = entry.tile(m)
-    return MatmulConfig(block_m, entry.block_n, entry.block_k, entry.splits, warps, stages)
+    block_m, block_n, warps, stages = entry.tile(m)
+    return MatmulConfig(block_m, block_n, entry.block_k, entry.splits, warps, stages)
 
 
 def default_config(n: int, k: int) -> MatmulConfig:
