@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "both to measure its cost side by side (default: off)")
     bench.add_argument("--json-file", help="append the results as one JSON object per line (default: none)")
     bench.add_argument("--profile", action="store_true",
-                       help="GPU only: after timing, profile 10 decode steps per batch size and setting and print the "
-                            "kernel time per step (engine/step_profile.py)")
+                       help="GPU only: after timing, profile 10 decode steps and one prefill per batch size and "
+                            "setting and print the kernel time per step (engine/step_profile.py)")
     return parser
 
 
@@ -170,13 +170,15 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                 "floor_ms": floor_ms(decode_step_bytes(runner.model, bs, args.input_len + args.output_len // 2)),
             })
             if args.profile and runner.device.type == "cuda":
-                from arfusion.engine.step_profile import format_profile, profile_decode_steps
+                from arfusion.engine.step_profile import format_profile, profile_decode_steps, profile_prefill
 
                 prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
                                             overlap=overlap)
-                results[-1]["profile"] = prof
+                prefill = profile_prefill(runner, bs, args.input_len, runner.config.vocab_size, server.seed)
+                results[-1]["profile"], results[-1]["prefill_profile"] = prof, prefill
                 if rank == 0:
                     print(format_profile(prof, _label(setting, deterministic)), flush=True)
+                    print(format_profile(prefill, _label(setting, deterministic) + " prefill"), flush=True)
     return results
 
 

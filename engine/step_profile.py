@@ -1,6 +1,6 @@
-"""Where the time of one decode step goes: GPU kernel time per step, by kernel, from the torch
-profiler (CUPTI records the kernels of a replayed CUDA graph one by one), against the step's
-wall time from the host. For `engine.bench_one_batch --profile`.
+"""Where the time of one decode step (or one prefill) goes: GPU kernel time per step, by kernel,
+from the torch profiler (CUPTI records the kernels of a replayed CUDA graph one by one), against
+the step's wall time from the host. For `engine.bench_one_batch --profile`.
 
     gpu_busy_us  = sum of kernel durations per step (kernels do not overlap on one stream)
     wall_us      = host time per step (`StaticBatch.decode_greedy`: plan, copies, replay, argmax,
@@ -33,6 +33,29 @@ def profile_decode_steps(runner: Any, batch_size: int, input_len: int, vocab: in
         start = time.perf_counter()
         batch.decode_greedy(steps, overlap)
         wall_us = (time.perf_counter() - start) * 1e6 / steps
+    return _kernel_table(prof, batch_size, steps, wall_us, top)
+
+
+def profile_prefill(runner: Any, batch_size: int, input_len: int, vocab: int, seed: int,
+                    top: int = 25) -> dict[str, Any]:
+    """Profile the prefill of a static batch of ``batch_size`` random prompts of ``input_len``
+    tokens (one eager forward; the caller has run one of that size before, so no compile or
+    allocation is traced). Same fields as `profile_decode_steps`, for one step."""
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = StaticBatch(runner, random_prompts(batch_size, input_len, vocab, seed), 2)
+    torch.cuda.synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        batch.prefill_greedy().get()
+        wall_us = (time.perf_counter() - start) * 1e6
+    return _kernel_table(prof, batch_size, 1, wall_us, top)
+
+
+def _kernel_table(prof: Any, batch_size: int, steps: int, wall_us: float, top: int) -> dict[str, Any]:
+    """Per-step wall, GPU-busy and idle µs and the ``top`` kernels by time of a profiler trace of
+    ``steps`` steps."""
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
