@@ -2,7 +2,7 @@
 
 A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure. A
 worker that is alive but stopped (SIGSTOP, a debugger) is reported too: after ``--dist-timeout``
-a collective waiting on it fails, or rank 0's watchdog (`engine.runtime.watchdog`) gives up on
+a collective waiting on it fails, or rank 0's watchdog (`engine.supervision.watchdog`) gives up on
 its heartbeat, and the log should then name the rank, not only the timeout.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ KILL_WAIT_S = 2.0  # how long `kill` waits for the killed workers to be reaped
 class WorkerSet:
     def __init__(self, launch: LaunchConfig, ranks: Sequence[int]) -> None:
         """Spawn ``worker_main(launch, rank)`` for each of ``ranks``."""
-        from arfusion.engine.runtime.tp_worker import worker_main
+        from arfusion.engine.supervision.tp_worker import worker_main
 
         ctx = mp.get_context("spawn")
         self.procs = {r: ctx.Process(target=worker_main, args=(launch, r), name=f"tp-worker-{r}") for r in ranks}

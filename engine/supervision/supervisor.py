@@ -19,7 +19,7 @@ import time
 from typing import Callable, NoReturn, Optional
 
 from arfusion.engine.common.generation import EngineError
-from arfusion.engine.runtime.workers import KILL_WAIT_S, WorkerSet
+from arfusion.engine.supervision.workers import KILL_WAIT_S, WorkerSet
 
 logger = logging.getLogger("arfusion.engine.launch_server")
 CULPRIT_WAIT_S = 1.0  # how long a scheduler error waits for a worker's death to show

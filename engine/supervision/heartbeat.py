@@ -1,5 +1,5 @@
 """Worker heartbeats: how rank 0 learns that a TP worker has stopped responding, so that
-``/health`` can say so and the watchdog (`engine.runtime.watchdog`) can end the server when it
+``/health`` can say so and the watchdog (`engine.supervision.watchdog`) can end the server when it
 stays silent for ``--dist-timeout``.
 
 Each TP worker (rank > 0) runs a `Heartbeat`: a daemon thread that increments its counter

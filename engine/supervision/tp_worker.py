@@ -1,6 +1,6 @@
 """TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown" ("idle"
 plans only keep the wait for the next plan within ``--dist-timeout``). Each beats its heartbeat
-(`engine.runtime.heartbeat`) from the moment it joined the group, and publishes beside it the
+(`engine.supervision.heartbeat`) from the moment it joined the group, and publishes beside it the
 last step it finished on its device, once its runner exists."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from contextlib import ExitStack
 
 from arfusion.engine.common.startup import LOG_FORMAT
-from arfusion.engine.runtime.heartbeat import Heartbeat
+from arfusion.engine.supervision.heartbeat import Heartbeat
 from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
 from arfusion.engine.runtime.rank_stack import RankStack, build_rank

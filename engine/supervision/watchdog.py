@@ -9,7 +9,7 @@ the scheduler nor the device. It calls ``on_timeout(reason)`` (the launcher's
 `Supervisor.fail`: every client gets a 500 naming the rank, every worker is killed, exit 1)
 once, on the first of:
 
-- **a silent worker**: rank R's heartbeat (`engine.runtime.heartbeat`) has been missing for
+- **a silent worker**: rank R's heartbeat (`engine.supervision.heartbeat`) has been missing for
   ``dist_timeout``: "TP worker rank R sent no heartbeat for S s (--dist-timeout T s)";
 - **a stalled step**: rank 0's oldest unfinished forward step (`engine.runtime.step_progress`)
   began more than ``dist_timeout`` ago while no worker misses its heartbeat (all ranks alive, a
@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from arfusion.engine.runtime.heartbeat import HeartbeatMonitor, poll_s
+from arfusion.engine.supervision.heartbeat import HeartbeatMonitor, poll_s
 from arfusion.engine.runtime.step_progress import StepProgress
 from arfusion.fusion.errors import FusionTimeoutError
 
