@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from arfusion.engine.common.sampling_params import SamplingParams
-from arfusion.engine.supervision.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
 from arfusion.engine.runtime.step_progress import StepProgress
-from arfusion.engine.supervision.watchdog import DistWatchdog, detection_bound_s
 from arfusion.engine.scheduling.request import Request
 from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.supervision.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
+from arfusion.engine.supervision.watchdog import DistWatchdog, detection_bound_s
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 from tests.server_process import free_port

@@ -31,16 +31,16 @@ from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.model_runner import StartupContext
 from arfusion.engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
 from arfusion.engine.runtime.step_cost import measure_step_cost
-from arfusion.engine.supervision.supervisor import Supervisor
 from arfusion.engine.runtime.warm_up import warm_up
-from arfusion.engine.supervision.watchdog import GroupWatch
-from arfusion.engine.supervision.workers import EXIT_GRACE_S, WorkerSet
 from arfusion.engine.scheduling.scheduler import Scheduler
 from arfusion.engine.server.api import build_app
 from arfusion.engine.server.engine import Engine
 from arfusion.engine.server.http.lifecycle import Lifecycle
 from arfusion.engine.server.http.limits import max_request_bytes
 from arfusion.engine.server.http.server import DrainingServer, HttpLimits, http_config
+from arfusion.engine.supervision.supervisor import Supervisor
+from arfusion.engine.supervision.watchdog import GroupWatch
+from arfusion.engine.supervision.workers import EXIT_GRACE_S, WorkerSet
 from arfusion.server_args import ServerArgs
 
 logger = logging.getLogger("arfusion.engine.launch_server")

@@ -1,9 +1,7 @@
 """`WorkerSet`: the TP worker processes a launcher spawns on its node, and what became of them.
 
-A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure. A
-worker that is alive but stopped (SIGSTOP, a debugger) is reported too: after ``--dist-timeout``
-a collective waiting on it fails, or rank 0's watchdog (`engine.supervision.watchdog`) gives up on
-its heartbeat, and the log should then name the rank, not only the timeout.
+A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure, and so
+is a worker that is alive but stopped (process state T: SIGSTOP, a debugger).
 """
 from __future__ import annotations
 
@@ -55,9 +53,9 @@ class WorkerSet:
         return found
 
     def watch(self, on_failure: Callable[[str], None]) -> threading.Thread:
-        """Call ``on_failure(description)`` from a daemon thread when a worker exits with a
-        nonzero code (not after `stop` began), except `REFUSED_EXIT_CODE`: that worker refused
-        the model together with rank 0, which raises the same error and reports it."""
+        """Call ``on_failure(description)`` once, from a daemon thread, when a worker exits with
+        a nonzero code other than `REFUSED_EXIT_CODE` (every rank refused the model: rank 0
+        reports it), unless `stop` or `kill` began."""
         def loop() -> None:
             while not self.stopping:
                 dead = [(r, p.exitcode) for r, p in self.procs.items()
