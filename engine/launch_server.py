@@ -11,16 +11,16 @@ step cost) logs its start and end on one clock from the process's start, and the
 sums them up (`engine.common.startup`); the model file is parsed once (`load_model_files`).
 Every log line carries its time.
 Until then a connection is refused. ``/health`` answers 503 naming the rank while a TP worker
-misses its heartbeat (`engine.runtime.heartbeat`), and 200 again once it beats.
+misses its heartbeat (`engine.supervision.heartbeat`), and 200 again once it beats.
 
 Shutdown: SIGTERM or SIGINT drains the server (`engine.server.http.server`): new requests get
 503, the ones in flight get ``--shutdown-timeout`` seconds, the rest then end with an error;
 the scheduler then tells the workers to shut down and every rank exits with 0.
 Failure: a worker that exits, a scheduler step that fails, a worker whose heartbeat has been
 missing for ``--dist-timeout`` (a stopped one) or a step in flight for longer than that (a
-fused kernel waiting forever on a peer: `engine.runtime.watchdog`, a thread of its own that
+fused kernel waiting forever on a peer: `engine.supervision.watchdog`, a thread of its own that
 needs neither the scheduler nor the GPU) brings the whole server down
-(`engine.runtime.supervisor`): the log names the rank, every client in flight gets a 500 error,
+(`engine.supervision.supervisor`): the log names the rank, every client in flight gets a 500 error,
 every worker is killed (a stopped one, or one stuck in a kernel, too), and the exit code is 1.
 
 Node 0's process is composed by `engine.server.rank0.Rank0Server` on TP rank 0's
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from arfusion.engine.common.startup import StartupStages
     from arfusion.engine.runtime.launch import LaunchConfig
     from arfusion.engine.runtime.model_runner import StartupContext
-    from arfusion.engine.runtime.workers import WorkerSet
+    from arfusion.engine.supervision.workers import WorkerSet
     from arfusion.engine.tokenizers.tokenizer import Tokenizer
 
 logger = logging.getLogger("arfusion.engine.launch_server")
@@ -81,7 +81,7 @@ def serve(args: ServerArgs, stages: Optional["StartupStages"] = None) -> int:
     from arfusion.engine.common.startup import StartupStages
     from arfusion.engine.launch_config import launch_config, with_tokenizer_vocab
     from arfusion.engine.runtime.model_runner import StartupContext, check_model_files
-    from arfusion.engine.runtime.workers import WorkerSet
+    from arfusion.engine.supervision.workers import WorkerSet
     from arfusion.engine.tokenizers.serving import load_serving_tokenizer
 
     # SIGTERM unwinds like Ctrl-C until the HTTP server takes the signals over (it drains).
@@ -103,7 +103,7 @@ def _serve_other_node(workers: "WorkerSet") -> int:
     """A node other than 0 only runs its workers, until they exit; its exit code is theirs
     (0, or 2 when they refused the model with every rank), else 1."""
     from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE
-    from arfusion.engine.runtime.workers import EXIT_GRACE_S
+    from arfusion.engine.supervision.workers import EXIT_GRACE_S
 
     try:
         while workers.alive():

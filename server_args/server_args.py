@@ -15,7 +15,11 @@ from typing import Any, Collection, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from arfusion.fusion.config import DEFAULT_CACHE_SIZE, FUSION_BACKENDS
+from arfusion.fusion.config import DEFAULT_CACHE_SIZE
+
+# The fused op's backends (fusion's FUSION_BACKENDS, which tests/test_server_args.py keeps equal),
+# spelled out: a type checker accepts only literal values inside Literal[...].
+FusionBackend = Literal["flashinfer", "torch"]
 
 
 class ServerArgsError(ValueError):
@@ -56,7 +60,7 @@ class ServerArgs(BaseModel):
 
     # Fusion
     enable_flashinfer_allreduce_fusion: bool = Field(False, description="Fuse each TP all-reduce with the residual add and RMSNorm that follow it")
-    allreduce_fusion_backend: Literal[FUSION_BACKENDS] = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
+    allreduce_fusion_backend: FusionBackend = Field("flashinfer", description="flashinfer: the trtllm fused kernel (sm90/sm100 GPUs); torch: the same math in one function on any device")
     allreduce_fusion_max_tokens: int = Field(2048, ge=1, le=65536, description="Largest batch (tokens) the fused path takes; sizes the IPC workspace")
     allreduce_fusion_cache_size: int = Field(DEFAULT_CACHE_SIZE, ge=1, description="Entries in the (layer_id, batch_size) fusion-decision LRU cache (layers x distinct batch sizes that stay cached)")
     allreduce_fusion_table: Optional[str] = Field(None, description="Measured strategy table: JSON from python -m arfusion.engine.tune_fusion, or 'none' for no table; configurations it lacks use the built-in rule (default: the one shipped in fusion/dispatch/tables)")

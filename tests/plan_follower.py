@@ -1,5 +1,5 @@
 """What a TP rank other than 0 does in the engine's plan loop, for tests that drive rank 0
-themselves (`engine.runtime.tp_worker` runs the same loop in a server's worker processes)."""
+themselves (`engine.supervision.tp_worker` runs the same loop in a server's worker processes)."""
 from __future__ import annotations
 
 from arfusion.engine.runtime.model_runner import ModelRunner

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from arfusion.fusion import FusionConfig, PartialSum, Strategy, reference
-from arfusion.fusion.backends import deterministic
 from arfusion.fusion.strategies import deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
 

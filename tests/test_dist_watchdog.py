@@ -1,4 +1,4 @@
-"""The ``--dist-timeout`` watchdog of TP rank 0 (`engine.runtime.watchdog`) and the step
+"""The ``--dist-timeout`` watchdog of TP rank 0 (`engine.supervision.watchdog`) and the step
 progress it reads (`engine.runtime.step_progress`), in one process: a real rendezvous store,
 `HeartbeatMonitor` and `DistWatchdog`; the worker (rank 1) is this test writing its heartbeat
 and its finished step into the store, so that it can go silent or stay behind at a known time;
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from arfusion.engine.common.sampling_params import SamplingParams
-from arfusion.engine.runtime.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
 from arfusion.engine.runtime.step_progress import StepProgress
-from arfusion.engine.runtime.watchdog import DistWatchdog, detection_bound_s
 from arfusion.engine.scheduling.request import Request
 from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.supervision.heartbeat import Heartbeat, HeartbeatMonitor, interval_s
+from arfusion.engine.supervision.watchdog import DistWatchdog, detection_bound_s
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 from tests.server_process import free_port

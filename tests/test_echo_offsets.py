@@ -5,7 +5,6 @@ any token not in the text) has the empty text at offset where the next text begi
 shows it. The HTTP layer against the `FakeEngine` with the real tokenizer, whole and streamed."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient

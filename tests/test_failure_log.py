@@ -8,10 +8,10 @@ from typing import Optional
 import pytest
 
 from arfusion.engine.common.sampling_params import SamplingParams
-from arfusion.engine.runtime import supervisor as supervisor_module
-from arfusion.engine.runtime.supervisor import Supervisor
 from arfusion.engine.scheduling.request import Request
 from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.supervision import supervisor as supervisor_module
+from arfusion.engine.supervision.supervisor import Supervisor
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 from tests.fake_runner import FakeRunner, collect
 

@@ -1,8 +1,10 @@
 """The import layering stated as import-linter contracts in pyproject.toml (``[tool.importlinter]``:
 fusion <- layers <- engine <- benchmarks, server_args read by the engine only, the engine plugins
 in integrations/ on fusion alone, the engine's
-sub-packages in one order, the server's parts in one order (rank 0's root > the engine > api >
-http), no cycle between the modules of one package) holds on this checkout,
+sub-packages in one order (supervision beside scheduling, above runtime), the server's parts in
+one order (rank 0's root > the engine > api > http), supervision's modules in one order
+(supervisor > workers > tp_worker | watchdog > heartbeat), no cycle between the modules of one
+package) holds on this checkout,
 and an import against it breaks the contract it crosses (on a copy of the packages with that
 one import added)."""
 import os
@@ -28,6 +30,7 @@ LINT = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable
 TOP = "fusion <- layers <- engine <- benchmarks"
 ENGINE = "engine: entry points > server"
 SERVER = "engine.server: rank 0's root > the engine > api"
+SUPERVISION = "engine.supervision: supervisor > workers"
 ACYCLIC = "no import cycles between the modules of one package"
 
 
@@ -42,7 +45,7 @@ def lint(root: Path, path: str) -> subprocess.CompletedProcess:
 def test_the_import_contracts_are_kept(tmp_path: Path):
     result = lint(ROOT, checkout_on_path(ROOT, tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(("module", "statement", "contract"), [
@@ -55,13 +58,18 @@ def test_the_import_contracts_are_kept(tmp_path: Path):
     ("server_args/server_args.py", "import arfusion.engine.launch_config", TOP),
     ("engine/runtime/sampler.py", "import arfusion.engine.scheduling.request", ENGINE),
     ("engine/scheduling/request.py", "import arfusion.engine.server.api.engine_client", ENGINE),
-    ("engine/runtime/supervisor.py", "import arfusion.engine.server.engine", ENGINE),
+    ("engine/supervision/supervisor.py", "import arfusion.engine.server.engine", ENGINE),
     ("engine/runtime/rank_stack.py", "import arfusion.engine.scheduling.scheduler", ENGINE),
     ("engine/server/http/limits.py", "import arfusion.engine.server.api.protocol", SERVER),
     ("engine/server/api/app.py", "import arfusion.engine.server.engine", SERVER),
     ("engine/server/engine.py", "import arfusion.engine.server.rank0", SERVER),
     ("engine/models/builtin.py", "import arfusion.engine.tokenizers.tokenizer", ENGINE),
-    ("engine/runtime/tp_worker.py", "import arfusion.engine.launch_config", ENGINE),
+    ("engine/supervision/tp_worker.py", "import arfusion.engine.launch_config", ENGINE),
+    ("engine/runtime/rank_stack.py", "import arfusion.engine.supervision.heartbeat", ENGINE),
+    ("engine/scheduling/scheduler.py", "import arfusion.engine.supervision.supervisor", ENGINE),
+    ("engine/supervision/watchdog.py", "import arfusion.engine.scheduling.scheduler", ENGINE),
+    ("engine/supervision/heartbeat.py", "import arfusion.engine.supervision.watchdog", SUPERVISION),
+    ("engine/supervision/tp_worker.py", "import arfusion.engine.supervision.workers", SUPERVISION),
     ("engine/runtime/model_runner.py", "import arfusion.engine.runtime.warm_up", ACYCLIC),
     ("layers/parallel_state.py", "import arfusion.layers.linear", ACYCLIC),
 ])

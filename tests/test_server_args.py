@@ -1,12 +1,14 @@
 """ServerArgs: CLI generated from the fields (grouped, each default stated once), validation naming
 the field, flag combinations."""
 import re
+import typing
 from pathlib import Path
 
 import pytest
 
+from arfusion.fusion.config import FUSION_BACKENDS
 from arfusion.server_args import ServerArgs, ServerArgsError
-from arfusion.server_args.server_args import GPU_ONLY, GPU_ONLY_MARK
+from arfusion.server_args.server_args import GPU_ONLY, GPU_ONLY_MARK, FusionBackend
 
 
 def test_defaults_and_fusion_flag():
@@ -148,3 +150,9 @@ def test_help_marks_the_gpu_only_options_and_names_real_paths():
     table_dir = re.search(r"shipped in (\S+?)\)", helps["--allreduce-fusion-table"][1]).group(1)
     assert (Path(__file__).parents[1] / table_dir / "strategy_table.json").is_file(), table_dir
     assert "per GPU" not in helps["--tp-size"][1] and "CPU" in helps["--tp-size"][1]
+
+
+def test_the_backend_choices_are_the_fusion_ops_backends():
+    assert set(typing.get_args(FusionBackend)) == set(FUSION_BACKENDS)
+    help_text = ServerArgs.build_parser("tool", fields=("allreduce_fusion_backend",)).format_help()
+    assert "{flashinfer,torch}" in help_text

@@ -14,7 +14,10 @@ from arfusion.engine.server.engine import Engine
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(30)
-NO_FUSION = lambda: None  # clears the fusion op's decision cache, unused here
+
+
+def no_fusion() -> None:
+    """Stands for the call that clears the fusion op's decision cache, unused here."""
 
 
 class StubScheduler:
@@ -36,7 +39,7 @@ class StubScheduler:
 
 
 def engine_with(scheduler: StubScheduler) -> Engine:
-    return Engine(scheduler, build_tiny_tokenizer(), "m", 64, NO_FUSION, info=dict)
+    return Engine(scheduler, build_tiny_tokenizer(), "m", 64, no_fusion, info=dict)
 
 
 async def first_outcome(engine: Engine, before_wait: Callable[[], None] = lambda: None) -> object:
@@ -124,6 +127,6 @@ def test_health_problem_names_a_missed_heartbeat_and_every_failure(scheduler_ali
                                                                     healthy, problem):
     scheduler = StubScheduler()
     scheduler.alive, scheduler.failure = scheduler_alive, None
-    engine = Engine(scheduler, build_tiny_tokenizer(), "m", 64, NO_FUSION, info=dict,
+    engine = Engine(scheduler, build_tiny_tokenizer(), "m", 64, no_fusion, info=dict,
                     workers_alive=lambda: workers_alive, heartbeat_missed=lambda: heartbeat)
     assert engine.is_healthy() is healthy and engine.health_problem() == problem

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from arfusion.engine.runtime.heartbeat import miss_after_s
-from arfusion.engine.runtime.watchdog import detection_bound_s
-from arfusion.engine.runtime.supervisor import SHUTDOWN_BOUND_S
+from arfusion.engine.supervision.heartbeat import miss_after_s
+from arfusion.engine.supervision.watchdog import detection_bound_s
+from arfusion.engine.supervision.supervisor import SHUTDOWN_BOUND_S
 from tests.fault_load import (KINDS, LONG_TOKENS, SHORT_TOKENS, START_S, WAIT_S, Load, assert_error,
                               assert_failed_together, assert_no_orphans, clients, fault_under_load, stop_then_continue,
                               wait_exit)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from arfusion.engine.runtime.heartbeat import Heartbeat, HeartbeatMonitor, miss_after_s
+from arfusion.engine.supervision.heartbeat import Heartbeat, HeartbeatMonitor, miss_after_s
 from tests.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,7 +20,7 @@ CASES = [(2, 2, 16, (9, 40, 3), 4, True), (1, 4, 32, (70, 17), 0, True), (2, 1, 
 
 def _plain(q, keys, values, q_pos, scale, sinks, window):
     """softmax over [scores, sink] (the sink's column dropped after), fp64, one query at a time."""
-    heads, group = q.shape[1], q.shape[1] // keys.shape[1]
+    group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
     out = torch.empty(q.shape, dtype=torch.float64)

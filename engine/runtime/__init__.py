@@ -1,1 +1,2 @@
-"""The model runtime of one TP rank: runner, CUDA graphs, step plans, sampling, worker loop."""
+"""The model runtime of one TP rank: its parts and their build order, the runner, CUDA graphs,
+step plans, sampling."""

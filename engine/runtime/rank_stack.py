@@ -5,8 +5,8 @@ that no two processes can disagree on it:
     threads    torch's CPU threads for this rank (``LaunchConfig.threads_per_rank``)
     group      the TP process group (`layers.parallel_state.init_tensor_parallel`): the
                rendezvous, with ``--dist-timeout``
-    watch      what watches this rank (`StepWatch`): a worker's `Heartbeat`, rank 0's
-               `GroupWatch` (heartbeat monitor and ``--dist-timeout`` watchdog), or `Unwatched`
+    watch      what watches this rank (`StepWatch`, made by the caller's ``watch()``), or
+               `Unwatched`
     fusion op  inside one load agreement the fusion op, then
     model      the model built on it with its weights, then the op's workspace (before any
                graph capture)

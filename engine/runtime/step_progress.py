@@ -1,5 +1,5 @@
 """`StepProgress`: which forward steps of this TP rank have begun, and which have finished on
-its device, for the watchdog that bounds a step by ``--dist-timeout`` (`engine.runtime.watchdog`).
+its device.
 
 Steps are numbered 1, 2, ... in the order they begin. Every rank runs the same plans in the
 same order (rank 0 broadcasts them, warm-up included), so step n is the same step on every rank.

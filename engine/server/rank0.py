@@ -1,5 +1,5 @@
 """`Rank0Server`: node 0's process, composed in one place. It spawns the node's other TP ranks
-(`engine.runtime.workers.WorkerSet`, watched by the `Supervisor`), builds TP rank 0's
+(`engine.supervision.workers.WorkerSet`, watched by the `Supervisor`), builds TP rank 0's
 `RankStack` (group, watch, fusion op and model in the runner: the order every worker uses), then
 the serving parts on top of it, in order:
 
@@ -31,16 +31,16 @@ from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.model_runner import StartupContext
 from arfusion.engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
 from arfusion.engine.runtime.step_cost import measure_step_cost
-from arfusion.engine.runtime.supervisor import Supervisor
 from arfusion.engine.runtime.warm_up import warm_up
-from arfusion.engine.runtime.watchdog import GroupWatch
-from arfusion.engine.runtime.workers import EXIT_GRACE_S, WorkerSet
 from arfusion.engine.scheduling.scheduler import Scheduler
 from arfusion.engine.server.api import build_app
 from arfusion.engine.server.engine import Engine
 from arfusion.engine.server.http.lifecycle import Lifecycle
 from arfusion.engine.server.http.limits import max_request_bytes
 from arfusion.engine.server.http.server import DrainingServer, HttpLimits, http_config
+from arfusion.engine.supervision.supervisor import Supervisor
+from arfusion.engine.supervision.watchdog import GroupWatch
+from arfusion.engine.supervision.workers import EXIT_GRACE_S, WorkerSet
 from arfusion.server_args import ServerArgs
 
 logger = logging.getLogger("arfusion.engine.launch_server")

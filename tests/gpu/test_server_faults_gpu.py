@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from arfusion.engine.runtime.heartbeat import miss_after_s
+from arfusion.engine.supervision.heartbeat import miss_after_s
 from arfusion.fusion.dispatch.table import TABLE_VERSION
 from tests.fault_load import (LONG_TOKENS, START_S, WAIT_S, assert_failed_together, clients, fault_under_load,
                               stop_then_continue)

@@ -22,10 +22,7 @@ from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
 
-import arfusion.layers.rotary_embedding  # noqa: E402
-import arfusion.layers.kernels.triton_activation  # noqa: E402
-import arfusion.layers.kernels.triton_rotary  # noqa: E402
-from arfusion import layers  # noqa: E402  (the modules above, patched by name below)
+from arfusion import layers  # noqa: E402  (the modules imported below, patched through it by name)
 from arfusion.layers.activation import SiluAndMul  # noqa: E402
 from arfusion.layers.attention import store_kv  # noqa: E402
 from arfusion.layers.rotary_embedding import RotaryEmbedding  # noqa: E402

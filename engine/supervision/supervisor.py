@@ -1,13 +1,10 @@
 """`Supervisor`: brings the server down, once, when a TP worker or the scheduler fails.
 
-The first failure reported (from the worker monitor, the ``--dist-timeout`` watchdog or the
-scheduler thread) wins; the others block. It names the culprit in the log (the worker that died
-or stopped, with the reported error beside it when both are known), answers every request in
-flight with a 500 error naming the culprit (else the reported error) through the server's
-``fail_all`` (`engine.server.engine.Engine.fail_all`: a stream gets an error event, then
-``[DONE]``), waits a moment for those answers to leave (the server's ``in_flight`` count),
-kills the workers and exits the process with 1. It needs nothing from the scheduler thread,
-which may be blocked for good (in a CUDA sync behind a kernel that waits on a stopped peer).
+The first `fail` wins; a later one, from any thread, blocks for good. It logs the culprit (the
+worker that died or stopped, with the reason given beside it; else that reason), ends every
+request in flight with a 500 error naming it through the ``fail_all`` given to `serving`, waits
+up to ``ANSWER_WAIT_S`` for those answers to leave, kills the workers and exits the process with
+1. It needs nothing from the scheduler thread, which may be blocked for good.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import time
 from typing import Callable, NoReturn, Optional
 
 from arfusion.engine.common.generation import EngineError
-from arfusion.engine.runtime.workers import KILL_WAIT_S, WorkerSet
+from arfusion.engine.supervision.workers import KILL_WAIT_S, WorkerSet
 
 logger = logging.getLogger("arfusion.engine.launch_server")
 CULPRIT_WAIT_S = 1.0  # how long a scheduler error waits for a worker's death to show

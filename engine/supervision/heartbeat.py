@@ -1,6 +1,4 @@
-"""Worker heartbeats: how rank 0 learns that a TP worker has stopped responding, so that
-``/health`` can say so and the watchdog (`engine.runtime.watchdog`) can end the server when it
-stays silent for ``--dist-timeout``.
+"""Worker heartbeats: how rank 0 learns that a TP worker has stopped responding.
 
 Each TP worker (rank > 0) runs a `Heartbeat`: a daemon thread that increments its counter
 ``arfusion/heartbeat/<rank>`` in the rendezvous store (the TCPStore that rank 0 hosts at the

@@ -1,9 +1,7 @@
 """`WorkerSet`: the TP worker processes a launcher spawns on its node, and what became of them.
 
-A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure. A
-worker that is alive but stopped (SIGSTOP, a debugger) is reported too: after ``--dist-timeout``
-a collective waiting on it fails, or rank 0's watchdog (`engine.runtime.watchdog`) gives up on
-its heartbeat, and the log should then name the rank, not only the timeout.
+A worker exits with 0 only after rank 0's "shutdown" plan; any other exit is a failure, and so
+is a worker that is alive but stopped (process state T: SIGSTOP, a debugger).
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ KILL_WAIT_S = 2.0  # how long `kill` waits for the killed workers to be reaped
 class WorkerSet:
     def __init__(self, launch: LaunchConfig, ranks: Sequence[int]) -> None:
         """Spawn ``worker_main(launch, rank)`` for each of ``ranks``."""
-        from arfusion.engine.runtime.tp_worker import worker_main
+        from arfusion.engine.supervision.tp_worker import worker_main
 
         ctx = mp.get_context("spawn")
         self.procs = {r: ctx.Process(target=worker_main, args=(launch, r), name=f"tp-worker-{r}") for r in ranks}
@@ -55,9 +53,9 @@ class WorkerSet:
         return found
 
     def watch(self, on_failure: Callable[[str], None]) -> threading.Thread:
-        """Call ``on_failure(description)`` from a daemon thread when a worker exits with a
-        nonzero code (not after `stop` began), except `REFUSED_EXIT_CODE`: that worker refused
-        the model together with rank 0, which raises the same error and reports it."""
+        """Call ``on_failure(description)`` once, from a daemon thread, when a worker exits with
+        a nonzero code other than `REFUSED_EXIT_CODE` (every rank refused the model: rank 0
+        reports it), unless `stop` or `kill` began."""
         def loop() -> None:
             while not self.stopping:
                 dead = [(r, p.exitcode) for r, p in self.procs.items()

@@ -1,7 +1,5 @@
-"""TP ranks other than 0: run whatever `StepPlan` rank 0 broadcasts, until "shutdown" ("idle"
-plans only keep the wait for the next plan within ``--dist-timeout``). Each beats its heartbeat
-(`engine.runtime.heartbeat`) from the moment it joined the group, and publishes beside it the
-last step it finished on its device, once its runner exists."""
+"""A TP worker process (a rank other than 0): its `RankStack`, watched by its `Heartbeat`, runs
+every `StepPlan` rank 0 broadcasts until "shutdown" ("idle" plans are skipped)."""
 from __future__ import annotations
 
 import logging
@@ -13,10 +11,10 @@ import time
 from contextlib import ExitStack
 
 from arfusion.engine.common.startup import LOG_FORMAT
-from arfusion.engine.runtime.heartbeat import Heartbeat
 from arfusion.engine.runtime.launch import LaunchConfig
 from arfusion.engine.runtime.load_agreement import REFUSED_EXIT_CODE, LoadRefused
 from arfusion.engine.runtime.rank_stack import RankStack, build_rank
+from arfusion.engine.supervision.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +43,9 @@ def follow_plans(rank: RankStack) -> None:
 
 
 def worker_main(launch: LaunchConfig, rank: int) -> None:
-    """Entry point of a spawned TP worker process (exits the process): its `RankStack`, watched
-    by its heartbeat (rank 0's watchdog names the ranks behind a stalled step from the steps it
-    publishes), follows rank 0's plans, then is torn down in reverse."""
+    """Entry point of a spawned TP worker process: build rank ``rank``'s `RankStack` with its
+    `Heartbeat`, follow rank 0's plans, tear the stack down in reverse, and exit the process
+    with 0, `REFUSED_EXIT_CODE` (every rank refused the model) or 1 (anything else failed)."""
     logging.basicConfig(level=launch.log_level.upper(), format=LOG_FORMAT.format(rank=rank))
     # The launcher decides when workers stop (a terminal's Ctrl-C or a group-wide SIGTERM reaches
     # every process); if the launcher itself dies, exit instead of waiting on a dead rank 0.

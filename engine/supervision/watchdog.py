@@ -1,22 +1,18 @@
 """`DistWatchdog`: TP rank 0 enforces ``--dist-timeout`` itself, whether or not any collective
 or kernel ever returns.
 
-A collective over gloo or NCCL gives up after ``--dist-timeout``, but a fused kernel that waits
-on a peer's flags in GPU memory (flashinfer's one-shot / two-shot, the symmetric-memory
-strategies) spins until the peer arrives: a stopped peer hangs it, and rank 0's scheduler
-thread with it (blocked in a CUDA sync). The watchdog is a thread of its own that needs neither
-the scheduler nor the device. It calls ``on_timeout(reason)`` (the launcher's
-`Supervisor.fail`: every client gets a 500 naming the rank, every worker is killed, exit 1)
-once, on the first of:
+A fused kernel that waits on a peer's flags in GPU memory spins until the peer arrives, and
+rank 0's scheduler thread with it; the watchdog is a thread of its own that needs neither the
+scheduler nor the device. It calls ``on_timeout(reason)`` once, on the first of:
 
-- **a silent worker**: rank R's heartbeat (`engine.runtime.heartbeat`) has been missing for
+- **a silent worker**: rank R's heartbeat (`engine.supervision.heartbeat`) has been missing for
   ``dist_timeout``: "TP worker rank R sent no heartbeat for S s (--dist-timeout T s)";
 - **a stalled step**: rank 0's oldest unfinished forward step (`engine.runtime.step_progress`)
   began more than ``dist_timeout`` ago while no worker misses its heartbeat (all ranks alive, a
   kernel or collective waits for something that never comes): "FusionTimeoutError: step N has
-  been in flight for S s (--dist-timeout T s) ...; ranks that did not finish it: 0, 1" (the
-  workers publish their last finished step beside their heartbeat). While a worker misses its
-  heartbeat, the first rule decides: it names the silent rank.
+  been in flight for S s (--dist-timeout T s) ...; ranks that did not finish it: 0, 1" (from
+  the steps the workers published, `HeartbeatMonitor.finished_steps`). While a worker misses
+  its heartbeat, the first rule decides: it names the silent rank.
 
 Bounds: it checks every ``poll_s`` (the monitor's read period), so it fires at most
 `detection_bound_s` after the silence or the step passed ``dist_timeout`` (measured from the
@@ -29,8 +25,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from arfusion.engine.runtime.heartbeat import HeartbeatMonitor, poll_s
 from arfusion.engine.runtime.step_progress import StepProgress
+from arfusion.engine.supervision.heartbeat import HeartbeatMonitor, poll_s
 from arfusion.fusion.errors import FusionTimeoutError
 
 logger = logging.getLogger(__name__)
