@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from arfusion.fusion.strategies import FUSION_BACKENDS
+from arfusion.fusion.options import FLASHINFER, FUSION_BACKENDS
 
 # Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
 # (32 layers x 128 batch sizes).
@@ -15,7 +15,7 @@ NO_TABLE = "none"  # table_path value: no measured table, the built-in rule deci
 @dataclass(frozen=True)
 class FusionConfig:
     enabled: bool = False
-    backend: str = "flashinfer"  # "flashinfer" (trtllm kernel + symmetric-memory strategies) or "torch" (any device)
+    backend: str = FLASHINFER  # one of `fusion.options.FUSION_BACKENDS`
     max_tokens: int = 2048  # largest batch (tokens) the flashinfer workspace takes
     cache_size: int = DEFAULT_CACHE_SIZE  # bound of the (layer_id, batch_size) decision cache
     # fusion stays on; every strategy the dispatch may pick follows one canonical numeric recipe

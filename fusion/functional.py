@@ -14,9 +14,8 @@ from typing import Optional
 import torch
 
 from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
-from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.strategies import DECLARATIONS
+from arfusion.fusion.strategies import BACKENDS
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 from arfusion.fusion.validation import check_fusion_inputs
 
@@ -39,5 +38,5 @@ def all_reduce_add_rms_norm(
     take, before any collective; it never silently changes the strategy."""
     strategy = Strategy(strategy)
     check_fusion_inputs(x, residual, weight)
-    backend = DECLARATIONS[strategy].backend.standalone(group, x, workspace, launch_with_pdl)
+    backend = BACKENDS[strategy].standalone(group, x, workspace, launch_with_pdl)
     return backend.run(x, residual, weight, eps, quant)

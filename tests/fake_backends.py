@@ -1,4 +1,4 @@
-"""Stand-ins for fusion backends where only the decision is under test: each answers ``fits``
+"""Stand-ins for fusion backends where only the decision is under test: each answers ``rows``
 from a token capacity, as a real backend does from its buffer."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
 from arfusion.fusion.dispatch.table import StrategyTable
 from arfusion.fusion.strategy import Strategy
@@ -18,8 +19,8 @@ class FakeBackend:
         self.capacity = capacity
         self.more_than = more_than  # two-shot: needs more tokens than ranks
 
-    def fits(self, num_tokens: int) -> bool:
-        return self.more_than < num_tokens <= self.capacity
+    def rows(self) -> Rows:
+        return Rows(self.more_than + 1, self.capacity)
 
 
 def flashinfer_backends(max_tokens: int = 2048, world_size: int = 2, **more: int) -> dict[Strategy, FakeBackend]:

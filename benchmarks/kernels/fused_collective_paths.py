@@ -24,15 +24,17 @@ import torch.distributed as dist
 from arfusion import fusion
 from arfusion.fusion import norm, reference
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.strategies import DECLARATIONS, Made
+from arfusion.fusion.backends.base import Made
+from arfusion.fusion.strategies import REGISTRY
 
 EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340
 FP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # nvfp4 convention: e4m3 max * e2m1 max / amax
 MAX_ERROR_CHARS = 300
-# arfusion's own strategies made on demand (over symmetric memory: `fusion.strategies`), each a
+# arfusion's own strategies made on demand (over symmetric memory: `fusion.strategies.REGISTRY`), each a
 # row where its buffer holds the batch
-OWN_STRATEGY_PATHS = {s: f"{s.value}_allreduce_rmsnorm" for s, d in DECLARATIONS.items() if d.made is Made.ON_DEMAND}
+OWN_STRATEGY_PATHS = {cls.strategy: f"{cls.strategy.value}_allreduce_rmsnorm" for cls in REGISTRY
+                      if cls.made is Made.ON_DEMAND}
 
 Op = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 

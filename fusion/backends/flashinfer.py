@@ -21,10 +21,11 @@ from typing import Any, Optional
 import torch
 
 from arfusion.fusion import norm
-from arfusion.fusion.backends.base import Backend, BuildContext
+from arfusion.fusion.backends.base import NO_ROWS, Backend, BuildContext, Made, Rows
 from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
 from arfusion.fusion.errors import FusionInputError, FusionUnsupportedError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.platform import device_capability, flashinfer_import_error, hidden_alignment_error
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
@@ -66,7 +67,10 @@ def require_fp4_support(device: torch.device) -> None:
 class FlashInferBackend(Backend):
     """One of flashinfer's two fused kernels over the op's shared workspace."""
 
-    one_shot: bool
+    options = (FLASHINFER,)
+    det_max_world = 0
+    det_note = ("flashinfer's kernel reduces and normalises in its own order; its normed output changes with the "
+                "number of rows in the call")
 
     def __init__(self, group: TensorParallelGroup, workspace: AllReduceFusionWorkspace,
                  launch_with_pdl: bool = True) -> None:
@@ -101,9 +105,9 @@ class FlashInferBackend(Backend):
         self.failure = None if ok else self.workspace.failure
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
+    def rows(self) -> Rows:
         shape = self.workspace.shape
-        return shape is not None and 1 <= num_tokens and self.workspace.fits(num_tokens, shape.hidden, shape.dtype)
+        return Rows(1, shape.max_tokens) if shape is not None and self.workspace.ready else NO_ROWS
 
     @property
     def capacity(self) -> int:
@@ -124,17 +128,26 @@ class FlashInferBackend(Backend):
 
 
 class FlashInferOneShotBackend(FlashInferBackend):
+    """flashinfer's trtllm Lamport kernel, one-shot: every rank reads all peers"""
+
     strategy = Strategy.FLASHINFER_ONE_SHOT
+    made = Made.PRIMARY
+    cost = {2: (4.328, 4.268, 0.003254)}
+    fallback_rank = 0
     one_shot = True
 
 
 class FlashInferTwoShotBackend(FlashInferBackend):
-    strategy = Strategy.FLASHINFER_TWO_SHOT
-    one_shot = False
+    """the same kernel, two-shot (reduce-scatter + all-gather; tokens > ranks)"""
 
-    def fits(self, num_tokens: int) -> bool:
+    strategy = Strategy.FLASHINFER_TWO_SHOT
+    cost = {2: (9.333, 4.487, 0.004395)}
+    fallback_rank = 1
+
+    def rows(self) -> Rows:
         """Two-shot splits the tokens over the ranks: it needs more tokens than ranks."""
-        return num_tokens > self.group.world_size and super().fits(num_tokens)
+        most = super().rows().most
+        return Rows(self.group.world_size + 1, most) if most else NO_ROWS
 
 
 def run_trtllm_fusion(workspace: Any, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,

@@ -19,11 +19,12 @@ from typing import Optional
 
 import torch
 
-from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.base import NO_ROWS, Backend, Made, Rows, output_tensors, quantized
 from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError, FusionTimeoutError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.platform import hidden_alignment_error
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
@@ -90,7 +91,9 @@ def lamport_unavailable_reason(device: torch.device, world: int, max_tokens: int
 
 
 class LamportOneShotBackend(Backend):
-    """The one-shot Lamport fused all-reduce + residual + RMSNorm of one TP group.
+    """our Triton one-shot Lamport kernel over symmetric memory, norm fused
+
+    The one-shot Lamport fused all-reduce + residual + RMSNorm of one TP group.
 
     ``timeout_ns``: each call's bound on its waits for the peers (read at launch: a captured
     graph keeps the value it was captured with). A wait that expires sets the device's error
@@ -99,6 +102,11 @@ class LamportOneShotBackend(Backend):
     this rank (``fits`` False) until `destroy`."""
 
     strategy = Strategy.LAMPORT_ONE_SHOT
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    row_limit = MAX_TOKENS
+    one_shot = True
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
         super().__init__(group)
@@ -175,9 +183,9 @@ class LamportOneShotBackend(Backend):
                    self.group.rank, layout.world, layout.max_tokens, self._pdl)
         torch.cuda.synchronize(self.group.device)
 
-    def fits(self, num_tokens: int) -> bool:
-        """1 <= ``num_tokens`` <= the ensured max_tokens, the buffer is ready and no wait expired."""
-        return self.ready and self.timed_out is None and 1 <= num_tokens <= self.layout.max_tokens
+    def rows(self) -> Rows:
+        """1 to the ensured max_tokens, while the buffer is ready and no wait expired."""
+        return Rows(1, self.layout.max_tokens) if self.ready and self.timed_out is None else NO_ROWS
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:

@@ -21,17 +21,27 @@ import torch
 
 from arfusion.fusion import norm
 from arfusion.fusion.backends import deterministic
-from arfusion.fusion.backends.base import Backend, BuildContext, quantized
+from arfusion.fusion.backends.base import NO_ROWS, Backend, BuildContext, Made, Rows, quantized
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
 class SymmMemTwoShotBackend(Backend):
-    """The symmetric buffer of one TP group and the all-reduce + norm through it."""
+    """torch symmetric-memory two-shot all-reduce, then add + RMSNorm
+
+    The symmetric buffer of one TP group and the all-reduce + norm through it."""
 
     strategy = Strategy.SYMM_MEM_TWO_SHOT
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    det_max_world = 2
+    det_note = ("torch's two-shot all-reduce adds more than two ranks in its own order, rounding to the model dtype at "
+                "each step")
+    cost = {2: (12.002, 5.074, -0.001805)}
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
         super().__init__(group)
@@ -51,8 +61,8 @@ class SymmMemTwoShotBackend(Backend):
         self.max_tokens = self.symmetric.buffer.numel() // hidden if ok else 0
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
-        return 1 <= num_tokens <= self.max_tokens
+    def rows(self) -> Rows:
+        return Rows(1, self.max_tokens) if self.max_tokens else NO_ROWS
 
     @property
     def capacity(self) -> int:

@@ -19,11 +19,12 @@ from typing import Optional
 
 import torch
 
-from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.base import NO_ROWS, Backend, Made, Rows, output_tensors, quantized
 from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
@@ -108,9 +109,18 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
 
 
 class SymmMemFusedBackend(Backend):
-    """The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
+    """our Triton two-shot over symmetric memory with add + RMSNorm fused
+
+    The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
 
     strategy = Strategy.SYMM_MEM_FUSED
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    made_det = Made.PRIMARY
+    symm_rows = True
+    cost = {2: (9.243, 3.606, -0.000408)}
+    fallback_rank = 2
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup) -> None:
         super().__init__(group)
@@ -142,10 +152,10 @@ class SymmMemFusedBackend(Backend):
             self.symmetric.buffer.view(torch.uint8)[start:start + 4 * max_tokens].zero_()
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
+    def rows(self) -> Rows:
         """Any number of rows once the buffer exists: a batch beyond it runs in chunks (every
         step of the op is row-wise)."""
-        return self.ready and num_tokens >= 1
+        return Rows(1, None) if self.ready else NO_ROWS
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:

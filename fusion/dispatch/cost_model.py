@@ -15,7 +15,7 @@ lowest floor but reads every peer's whole message (high ``b``), the fused two-sh
 for narrow rows (hidden <= 1024) than for wide ones. The rule picks the cheapest strategy that
 can run; `benchmarks/fit_cost_model.py` fits the coefficients from tables written by
 ``engine.tune_fusion`` (derivation and data: docs/results.md, "dispatch"). World sizes with no
-fitted model fall back to flashinfer one-shot / two-shot by message size (`fusion.dispatch.one_shot`).
+fitted model take the declared fallback order (`fusion.dispatch.rule`).
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ from typing import Iterable, Optional
 import torch
 
 from arfusion.fusion.dispatch.table import power_of_two_buckets
-from arfusion.fusion.strategies import cost_coefficients
+from arfusion.fusion.strategies import COSTS
 from arfusion.fusion.strategy import Strategy
 
-# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank), from the
-# strategies' declarations (`fusion.strategies`: each declares its own coefficients). Fitted by
+# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank): each backend
+# class declares its own (``cost``; `fusion.strategies.COSTS`). Fitted by
 # benchmarks/fit_cost_model.py to the packaged H200 TP2 bf16 table (hidden 1024, 4096, 8192;
 # tokens 1-4096); relative least squares.
-COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = cost_coefficients()
+COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = COSTS
 
 
 def predicted_us(strategy: Strategy, num_tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> float:

@@ -16,14 +16,13 @@ import torch
 
 from arfusion.fusion.backends.base import Backend
 from arfusion.fusion.dispatch.table import dtype_name, gpu_name, power_of_two_buckets
-from arfusion.fusion.strategies import DECLARATIONS
+from arfusion.fusion.strategies import MEASURED
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.strategy import Strategy
 from arfusion.fusion.tuning.timing import median_us_eager, median_us_per_call
 
 logger = logging.getLogger(__name__)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-MEASURED = tuple(s for s, d in DECLARATIONS.items() if d.measured)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
