@@ -126,18 +126,32 @@ def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, **config: Any) 
 
 
 class AllReduceCounter:
-    """Counts the activation all-reduces over ``group`` from now on (eager calls: the group's own
-    ``all_reduce``, which the NCCL path and every layer that reduces use). ``total`` so far."""
+    """Counts the activation all-reduces over ``group`` from now on: the eager calls of
+    ``torch.distributed.all_reduce`` on its device group (the group's own ``all_reduce``, which
+    the NCCL path and every layer that reduces use, and the torch strategy's one-call path, which
+    calls the device group directly), plus those through the group's capturable stand-in.
+    ``total`` so far."""
 
     def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
         self.total = 0
-        original = group.all_reduce
+        device_group, original = group.device_group, dist.all_reduce
 
-        def counted(x: torch.Tensor) -> torch.Tensor:
-            self.total += 1
-            return original(x)
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group", args[1] if len(args) > 1 else None) is device_group:
+                self.total += 1
+            return original(tensor, *args, **kwargs)
 
-        group.all_reduce = counted
+        dist.all_reduce = counted
+        if group.capturable is not None:
+            stand_in = group.capturable.all_reduce
+
+            def counted_stand_in(x: torch.Tensor) -> torch.Tensor:
+                self.total += 1
+                return stand_in(x)
+
+            group.capturable.all_reduce = counted_stand_in
 
 
 def reductions(counter: AllReduceCounter, fusion: Any) -> int:

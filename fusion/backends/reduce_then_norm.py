@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from arfusion.fusion import norm, reference
 from arfusion.fusion.backends import deterministic
@@ -108,8 +109,25 @@ class TorchBackend(Backend):
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
             quant: Optional[Quant] = None) -> FusedOutput:
-        """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written
-        off the GPU)."""
+        """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written).
+
+        The common case (default mode, no ``quant``, more than one rank, no capturable stand-in
+        on the group) is this one Python call: the device group's all-reduce, which is what
+        `TensorParallelGroup.all_reduce` runs there, then `fusion.reference.add_rms_norm`'s ops
+        written out in the same order (so the same bits; tests/test_fusion_ops.py compares
+        them bit for bit)."""
+        group = self.group
+        if quant is not None or self.deterministic or group.world_size == 1 or group.capturable is not None:
+            return self._run(x, residual, weight, eps, quant)
+        dist.all_reduce(x, group=group.device_group)
+        summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+        s = summed.float()
+        return FusedOutput((s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype),
+                           summed)
+
+    def _run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+             quant: Optional[Quant]) -> FusedOutput:
+        """`run` through the group's collectives and the reference (or the canonical recipe)."""
         if self.deterministic:
             out = FusedOutput(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps))
         else:
