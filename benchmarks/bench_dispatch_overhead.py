@@ -23,15 +23,16 @@ import time
 import torch
 
 from arfusion.fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
+from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
 from arfusion.fusion.dispatch.table import StrategyTable
 
 
-class Fits:
-    """A backend that fits every batch (the decision only asks ``fits``)."""
+class AnyRows:
+    """A backend that runs every batch (the plan only asks ``rows``)."""
 
-    def fits(self, num_tokens: int) -> bool:
-        return True
+    def rows(self) -> Rows:
+        return Rows(1, None)
 
 
 def time_per_call(fn, keys: list[tuple[int, int]], calls: int, repeats: int = 7) -> float:
@@ -78,7 +79,7 @@ def main() -> None:
 
     table = StrategyTable((1, 4096), ({Strategy.NCCL: 9.0, Strategy.FLASHINFER_ONE_SHOT: 4.0},
                                       {Strategy.NCCL: 200.0, Strategy.SYMM_MEM_FUSED: 150.0}))
-    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH},
+    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: AnyRows() for s in Strategy if s is not Strategy.TORCH},
                         table, None, cache_size=64)
 
     def uncached(layer: int, bs: int) -> bool:

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from arfusion.fusion import FusionConfig, PartialSum, Strategy, reference
-from arfusion.fusion.backends import deterministic
-from arfusion.fusion.strategies import deterministic_exclusions
+from arfusion.fusion.strategies import REGISTRY, deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
@@ -119,8 +118,9 @@ def test_deterministic_mode_allows_our_strategies_and_says_why_not_flashinfer():
         out = deterministic_exclusions(world)
         assert Strategy.FLASHINFER_ONE_SHOT in out and Strategy.FLASHINFER_TWO_SHOT in out
         assert "rows" in out[Strategy.FLASHINFER_ONE_SHOT]
-        for s in (Strategy.NCCL, Strategy.TORCH, Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT):
-            assert s not in out
+        for cls in REGISTRY:  # each class's declaration: left out beyond its det_max_world, with its note
+            left_out = cls.det_max_world is not None and world > cls.det_max_world
+            assert (cls.strategy in out) == left_out and out.get(cls.strategy, cls.det_note) == cls.det_note
         assert (Strategy.SYMM_MEM_TWO_SHOT not in out) == (world == 2)
 
 

@@ -4,13 +4,17 @@ import pytest
 import torch
 
 from arfusion.fusion import Strategy
+from arfusion.fusion.options import FLASHINFER
+from arfusion.fusion.strategies import REGISTRY
 from tests.dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.tp_ranks(gpu_world_size())  # one rank per GPU, or ranks sharing a GPU
 
 HIDDEN, EPS = 4096, 1e-6
 TOKENS = (1, 128, 1024)
-STRATEGIES = ("nccl", "flashinfer_one_shot", "flashinfer_two_shot", "symm_mem_two_shot", "symm_mem_fused")
+# the flashinfer option's strategies that take every TOKENS count (the registry's classes)
+STRATEGIES = tuple(cls.strategy.value for cls in REGISTRY
+                   if FLASHINFER in cls.options and (cls.row_limit or max(TOKENS)) >= max(TOKENS))
 
 
 def _inputs(rank, tokens, seed, dev):
