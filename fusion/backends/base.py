@@ -129,7 +129,7 @@ class Backend(abc.ABC):
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self.failure: Optional[str] = None  # every rank's reason the last `ensure` failed
-        self.on_change: Callable[[], None] = _nothing  # called after every change of what `fits` answers
+        self.on_change: Callable[[], None] = _nothing  # called after every change of what `rows` answers
 
     @classmethod
     def role(cls, deterministic: bool) -> Made:

@@ -13,7 +13,7 @@ ring or tree all-reduce adds in a chunk-dependent order with a rounding at every
 recipe in torch (`fusion.reference.canonical_add_rms_norm`: the CPU tests).
 
 Which strategies follow the recipe at which world size, and why the others do not, each
-strategy's declaration says (`fusion.strategies`: ``det_max_world``, ``det_note``); flashinfer's
+strategy's backend class declares (``det_max_world``, ``det_note``); flashinfer's
 normed output was measured to depend on the number of rows (hidden 4096, bf16, TP2 on one H200:
 0.01 % of the elements change between 64 and 128 rows in the call).
 """
