@@ -21,7 +21,6 @@ import statistics
 import time
 
 import torch
-
 from arfusion.fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
 from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape

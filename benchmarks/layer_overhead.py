@@ -21,12 +21,12 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-
 from arfusion import fusion
 from arfusion.fusion import AllReduceFusion, FusionConfig, PartialSum
 from arfusion.layers.layernorm import RMSNorm
@@ -44,7 +44,7 @@ def forward(op: AllReduceFusion, stack: list[tuple[RMSNorm, RMSNorm]], final_nor
             x: torch.Tensor) -> torch.Tensor:
     """Every layer's norms over its partial sums, then the final norm."""
     h: Any = x
-    residual: Optional[torch.Tensor] = None
+    residual: torch.Tensor | None = None
     for i, (input_layernorm, post_attention_layernorm) in enumerate(stack):
         if residual is None:
             h, residual = input_layernorm(h), h
@@ -82,7 +82,11 @@ def _no_op_collective() -> None:
 
 
 def _worker(rank: int, tp: int, port: int, layers: int, tokens: int, repeats: int, out: Any) -> None:
-    from arfusion.layers.parallel_state import destroy_tensor_parallel, get_tp_group, init_tensor_parallel
+    from arfusion.layers.parallel_state import (
+        destroy_tensor_parallel,
+        get_tp_group,
+        init_tensor_parallel,
+    )
 
     torch.set_num_threads(1)
     init_tensor_parallel(tp, rank, f"tcp://127.0.0.1:{port}", device=torch.device("cpu"), timeout_s=60)

@@ -35,19 +35,31 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 from arfusion.fusion.backends.base import Backend, Made
 from arfusion.fusion.config import NO_TABLE, FusionConfig
 from arfusion.fusion.dispatch.cost_model import rule_picks
 from arfusion.fusion.dispatch.decision import NOT_SET_UP, DispatchPlan, ModelShape
-from arfusion.fusion.dispatch.table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from arfusion.fusion.dispatch.table import (
+    PACKAGED_TABLE,
+    StrategyTable,
+    dtype_name,
+    gpu_name,
+    read_table,
+    select_table,
+)
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.partial_sum import PartialSum
-from arfusion.fusion.strategies import BACKENDS, FALLBACK, build_backends, deterministic_exclusions, with_role
+from arfusion.fusion.strategies import (
+    BACKENDS,
+    FALLBACK,
+    build_backends,
+    deterministic_exclusions,
+    with_role,
+)
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 from arfusion.fusion.tuning.startup import tune_at_startup
 from arfusion.fusion.validation import CheckedInputs, check_fusion_inputs
@@ -71,8 +83,8 @@ class AllReduceFusion:
 
     def _take_config(self, config: FusionConfig) -> None:
         self.config = config
-        self.table: Optional[StrategyTable] = None
-        self._off_reason: Optional[str] = NOT_SET_UP
+        self.table: StrategyTable | None = None
+        self._off_reason: str | None = NOT_SET_UP
         self.backends: dict[Strategy, Backend] = build_backends(self.group, config)
         self._primary = self.backends[with_role(self.backends, Made.PRIMARY, config.deterministic)[0]]
         self._on_demand = with_role(self.backends, Made.ON_DEMAND, config.deterministic)
@@ -88,7 +100,7 @@ class AllReduceFusion:
         # (layer_id, num_tokens) -> the `Strategy` of that layer's reductions: the plan's cached lookup
         self.strategy = self.plan.strategy
 
-    def _set(self, off_reason: Optional[str], table: Optional[StrategyTable] = None) -> None:
+    def _set(self, off_reason: str | None, table: StrategyTable | None = None) -> None:
         self._off_reason, self.table = off_reason, table
         self._replan()
 
@@ -172,7 +184,7 @@ class AllReduceFusion:
 
     # ---- the hot path
 
-    def reduce_add_rms_norm(self, partial: PartialSum, residual: Optional[torch.Tensor], weight: torch.Tensor,
+    def reduce_add_rms_norm(self, partial: PartialSum, residual: torch.Tensor | None, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(s + residual), s + residual)``, ``s`` the sum over the group of
         ``partial``'s tensor (taken: a second call raises), by the strategy of
@@ -191,8 +203,8 @@ class AllReduceFusion:
         inputs.residual = residual_out  # the next reduction's trusted residual
         return normed, residual_out
 
-    def run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-            eps: float, quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, strategy: Strategy, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, quant: Quant | None = None) -> FusedOutput:
         """One reduction by an explicit ``strategy`` (tuner, benchmarks): `FusionInputError` when
         this op has no ready backend for it that fits ``x``."""
         check_fusion_inputs(x, residual, weight)
@@ -207,7 +219,7 @@ class AllReduceFusion:
 
     # ---- set-up helpers
 
-    def _static_off_reason(self) -> Optional[str]:
+    def _static_off_reason(self) -> str | None:
         """Why fusion never runs with this config on this group (rank-independent)."""
         if not self.config.enabled:
             return "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
@@ -215,11 +227,11 @@ class AllReduceFusion:
             return "TP size is 1: there is nothing to all-reduce"
         return None
 
-    def _rows(self, strategy: Strategy, largest: Optional[int] = None) -> int:
+    def _rows(self, strategy: Strategy, largest: int | None = None) -> int:
         """The rows ``strategy``'s resource is made for (its backend class says)."""
         return BACKENDS[strategy].rows_to_make(self.config, largest)
 
-    def _strategy_table(self) -> Optional[StrategyTable]:
+    def _strategy_table(self) -> StrategyTable | None:
         """Collective: the strategy table every rank uses (rank 0's, broadcast: packaged or
         ``table_path``; else measured now when the config's ``tune_at_startup`` is on and some
         backend of the op declares ``tuned_at_startup``; else none, and the built-in rule decides)."""
@@ -236,7 +248,7 @@ class AllReduceFusion:
     def _largest_batch(self) -> int:
         return max(self.config.max_tokens, self.config.symm_max_tokens or 0)
 
-    def _ensure_picked(self, table: Optional[StrategyTable]) -> None:
+    def _ensure_picked(self, table: StrategyTable | None) -> None:
         """Collective: the resources of the on-demand strategies the table (or the rule, among
         this op's strategies) picks anywhere."""
         if table is not None:
@@ -248,7 +260,7 @@ class AllReduceFusion:
             if strategy in picked:
                 self.backends[strategy].ensure(self._rows(strategy), self.hidden_size, self.dtype)
 
-    def _read_table(self) -> Optional[StrategyTable]:
+    def _read_table(self) -> StrategyTable | None:
         """(rank 0) The configured table's entry for this GPU, TP size, hidden and dtype."""
         gpu = gpu_name(self.group.device)
         path = self.config.table_path or PACKAGED_TABLE

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from arfusion.fusion.options import FLASHINFER, FUSION_BACKENDS
 
@@ -21,16 +20,16 @@ class FusionConfig:
     # fusion stays on; every strategy the dispatch may pick follows one canonical numeric recipe
     # (fusion.reference), so switching strategies by batch size changes no bit (fusion.backends.deterministic)
     deterministic: bool = False
-    one_shot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
+    one_shot_max_input_bytes: int | None = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
-    table_path: Optional[str] = None  # measured strategy table; None: the packaged one; "none": no table
+    table_path: str | None = None  # measured strategy table; None: the packaged one; "none": no table
     # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
     # The engine's largest prefill: eager chunks of a few thousand rows are host-bound.
-    symm_max_tokens: Optional[int] = None
+    symm_max_tokens: int | None = None
     # measure the strategies at start-up when no table has this configuration (and no table_path
     # was given); the result is cached in tuning_cache_dir (None: ~/.cache/arfusion)
     tune_at_startup: bool = True
-    tuning_cache_dir: Optional[str] = None
+    tuning_cache_dir: str | None = None
     tuning_budget_s: float = 20.0  # past it the measurement is abandoned and the built-in rule decides
 
     def __post_init__(self) -> None:

@@ -9,10 +9,7 @@ It runs the op's own backends (`fusion.strategies`), each made for the one call
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.strategies import BACKENDS
@@ -22,14 +19,14 @@ from arfusion.fusion.validation import check_fusion_inputs
 
 def all_reduce_add_rms_norm(
     x: torch.Tensor,
-    residual: Optional[torch.Tensor],
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     *,
     group: TensorParallelGroup,
     strategy: Strategy = Strategy.NCCL,
-    workspace: Optional[AllReduceFusionWorkspace] = None,
-    quant: Optional[Quant] = None,
+    workspace: AllReduceFusionWorkspace | None = None,
+    quant: Quant | None = None,
     launch_with_pdl: bool = True,
 ) -> FusedOutput:
     """All-reduce + residual add + RMSNorm over ``group`` by ``strategy``; ``x`` and ``residual``

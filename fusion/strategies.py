@@ -10,7 +10,10 @@ tests (docs/how_it_works.md, "Adding a strategy"); nothing else names it.
 from __future__ import annotations
 
 from arfusion.fusion.backends.base import Backend, BuildContext, Made
-from arfusion.fusion.backends.flashinfer import FlashInferOneShotBackend, FlashInferTwoShotBackend
+from arfusion.fusion.backends.flashinfer import (
+    FlashInferOneShotBackend,
+    FlashInferTwoShotBackend,
+)
 from arfusion.fusion.backends.lamport_one_shot import LamportOneShotBackend
 from arfusion.fusion.backends.reduce_then_norm import NcclBackend, TorchBackend
 from arfusion.fusion.backends.symm_mem import SymmMemTwoShotBackend

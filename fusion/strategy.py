@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 import torch
-
 from arfusion.fusion.errors import FusionInputError
 
 
@@ -64,4 +63,4 @@ class FusedOutput(NamedTuple):
 
     normed: torch.Tensor
     residual: torch.Tensor
-    block_scales: Optional[torch.Tensor] = None
+    block_scales: torch.Tensor | None = None

@@ -7,12 +7,14 @@ fails the test, and every rank is killed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -34,8 +36,11 @@ def free_port() -> int:
 
 
 def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: int, device_kind: str,
-                results: Any, args: tuple, node_ranks: Optional[list[int]]) -> None:
-    from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+                results: Any, args: tuple, node_ranks: list[int] | None) -> None:
+    from arfusion.layers.parallel_state import (
+        destroy_tensor_parallel,
+        init_tensor_parallel,
+    )
 
     torch.set_num_threads(1)
     try:
@@ -46,20 +51,18 @@ def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: in
         # Plain pickle (tensor data copied, not shared through fds that die with this process);
         # a value that cannot be pickled fails here, visibly, not in the queue's feeder thread.
         results.put((rank, True, pickle.dumps(worker(rank, world_size, *args))))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (every failure, an exit included, is the test's to report)
         results.put((rank, False, traceback.format_exc()))
     finally:
-        try:
+        with contextlib.suppress(Exception):  # teardown after a failure: the failure is reported
             destroy_tensor_parallel()
-        except Exception:
-            pass
         results.close()
         results.join_thread()
         os._exit(0)  # skip interpreter teardown: a wedged NCCL/IPC destructor must not hang the test
 
 
 def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 90.0,
-                    device_kind: str = "cpu", node_ranks: Optional[list[int]] = None) -> list[Any]:
+                    device_kind: str = "cpu", node_ranks: list[int] | None = None) -> list[Any]:
     """``[worker's return value for rank r]``; raises AssertionError with a failing rank's traceback,
     or TimeoutError naming the ranks that did not finish within ``STARTUP_ALLOWANCE_S + timeout_s``."""
     ctx = mp.get_context("spawn")

@@ -3,7 +3,6 @@ forward, and every bad input still refused with an error naming it once the resi
 weight are trusted (the op's inline test, then the full check)."""
 import pytest
 import torch
-
 from arfusion.fusion import AllReduceFusion, FusionConfig, FusionInputError, PartialSum
 from arfusion.fusion.group import TensorParallelGroup
 
@@ -66,6 +65,7 @@ def _fused_path_refusals(rank: int, world_size: int) -> dict[str, str]:
     """TP2, the torch strategy's one-call path: every bad input is named before any collective."""
     from arfusion.fusion import Strategy
     from arfusion.layers.parallel_state import get_tp_group
+
     from tests.dist_utils import AllReduceCounter, make_fusion
 
     op = make_fusion(64, enabled=True, backend="torch", max_tokens=8)

@@ -4,10 +4,15 @@ import json
 
 import pytest
 import torch
-
-from arfusion.fusion.dispatch.cost_model import COEFFICIENTS, cheapest, predicted_us, rule_picks
+from arfusion.fusion.dispatch.cost_model import (
+    COEFFICIENTS,
+    cheapest,
+    predicted_us,
+    rule_picks,
+)
 from arfusion.fusion.dispatch.table import PACKAGED_TABLE
 from arfusion.fusion.strategy import Strategy as S
+
 from tests.fake_backends import UNLIMITED, flashinfer_backends, make_dispatcher
 
 ALL = tuple(S)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from arfusion.fusion import FusionConfig, PartialSum, Strategy, reference
 from arfusion.fusion.strategies import REGISTRY, deterministic_exclusions
+
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
@@ -163,7 +163,7 @@ def _sweep(rank, world, token_counts, with_residual, dtype):
         res = residual if with_residual else None
         parts = [rank_rows(r, tokens, HIDDEN, dtype)[0] for r in range(world)]
         recipe = reference.canonical_all_reduce_add_rms_norm(parts, res, weight, EPS)
-        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        clone = lambda t: None if t is None else t.clone()
         partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
         outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, clone(res), weight, EPS)}
         out["picked"][tokens] = fusion.strategy(0, tokens).value

@@ -2,10 +2,18 @@
 composition, 2 ranks over gloo; its input checks and the flashinfer workspace checks."""
 import pytest
 import torch
-
-from arfusion.fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
-                    TensorParallelGroup, all_reduce_add_rms_norm, reference)
+from arfusion.fusion import (
+    AllReduceFusionWorkspace,
+    FusionInputError,
+    FusionUnsupportedError,
+    Quant,
+    Strategy,
+    TensorParallelGroup,
+    all_reduce_add_rms_norm,
+    reference,
+)
 from arfusion.layers.parallel_state import get_tp_group
+
 from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 

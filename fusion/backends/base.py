@@ -55,11 +55,11 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Optional, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
-
 from arfusion.fusion import reference
 from arfusion.fusion.config import FusionConfig
 from arfusion.fusion.errors import FusionInputError, FusionUnsupportedError
@@ -69,6 +69,8 @@ from arfusion.fusion.voting import voted_failure
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# world size -> (a µs, b µs per MiB, c µs per row): a strategy's cost model (``Backend.cost``)
+Costs = Mapping[int, tuple[float, float, float]]
 
 
 class Made(enum.Enum):
@@ -83,7 +85,7 @@ class Rows(NamedTuple):
     """The batch sizes a backend runs now: ``least`` to ``most`` rows (``most`` None: any)."""
 
     least: int
-    most: Optional[int]
+    most: int | None
 
     def holds(self, num_tokens: int) -> bool:
         return self.least <= num_tokens and (self.most is None or num_tokens <= self.most)
@@ -114,21 +116,21 @@ class Backend(abc.ABC):
     strategy: ClassVar[Strategy]
     options: ClassVar[tuple[str, ...]]
     made: ClassVar[Made] = Made.ALWAYS
-    made_det: ClassVar[Optional[Made]] = None  # None: as ``made``
-    row_limit: ClassVar[Optional[int]] = None
+    made_det: ClassVar[Made | None] = None  # None: as ``made``
+    row_limit: ClassVar[int | None] = None
     symm_rows: ClassVar[bool] = False
-    det_max_world: ClassVar[Optional[int]] = None
+    det_max_world: ClassVar[int | None] = None
     det_note: ClassVar[str] = ""
-    cost: ClassVar[Mapping[int, tuple[float, float, float]]] = {}
+    cost: ClassVar[Costs] = {}
     fallback: ClassVar[bool] = False
-    fallback_rank: ClassVar[Optional[int]] = None
+    fallback_rank: ClassVar[int | None] = None
     one_shot: ClassVar[bool] = False
     measured: ClassVar[bool] = True
     tuned_at_startup: ClassVar[bool] = False
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
-        self.failure: Optional[str] = None  # every rank's reason the last `ensure` failed
+        self.failure: str | None = None  # every rank's reason the last `ensure` failed
         self.on_change: Callable[[], None] = _nothing  # called after every change of what `rows` answers
 
     @classmethod
@@ -137,7 +139,7 @@ class Backend(abc.ABC):
         return cls.made_det if deterministic and cls.made_det is not None else cls.made
 
     @classmethod
-    def rows_to_make(cls, config: FusionConfig, largest: Optional[int] = None) -> int:
+    def rows_to_make(cls, config: FusionConfig, largest: int | None = None) -> int:
         """The rows its resource is made for: ``largest`` (default: the configured rows,
         ``config.symm_max_tokens`` where it declares ``symm_rows`` and that is set, else
         ``config.max_tokens``), within its ``row_limit``."""
@@ -146,7 +148,7 @@ class Backend(abc.ABC):
         return largest if cls.row_limit is None else min(largest, cls.row_limit)
 
     @classmethod
-    def deterministic_exclusion(cls, world_size: int) -> Optional[str]:
+    def deterministic_exclusion(cls, world_size: int) -> str | None:
         """Why deterministic mode leaves it out at ``world_size`` ranks (None: it follows the
         canonical recipe there, `fusion.reference`)."""
         if cls.det_max_world is not None and world_size > cls.det_max_world:
@@ -154,13 +156,13 @@ class Backend(abc.ABC):
         return None
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "Backend":
+    def for_op(cls, context: BuildContext) -> Backend:
         """This strategy's backend for an op (no resource until ensured)."""
         return cls(context.group)
 
     @classmethod
     def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
-                   launch_with_pdl: bool) -> "Backend":
+                   launch_with_pdl: bool) -> Backend:
         """A backend of this strategy that runs ``x`` on ``group`` without an op; a backend that
         owns a resource made together by every rank runs only through an op."""
         raise FusionInputError(f"{cls.strategy} owns symmetric buffers: run it through AllReduceFusion.run")
@@ -187,8 +189,8 @@ class Backend(abc.ABC):
         return self.rows().holds(num_tokens)
 
     @abc.abstractmethod
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput: ...
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput: ...
 
     def _destroy(self) -> None:
         """Free the resource on this rank; a backend without one has nothing to free."""
@@ -202,7 +204,7 @@ class Backend(abc.ABC):
         """Rows one call takes without chunking (0: not ensured); for status reports."""
         return 0
 
-    def vote(self, step: Callable[[], Optional[str]]) -> bool:
+    def vote(self, step: Callable[[], str | None]) -> bool:
         """`fusion.voting.voted_failure` of ``step``: True on every rank when no rank has a
         reason; else ``failure`` names each rank's and rank 0 logs it once."""
         self.failure = voted_failure(self.group, step)
@@ -211,7 +213,7 @@ class Backend(abc.ABC):
         return self.failure is None
 
 
-def output_tensors(x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def output_tensors(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, residual_out)`` of a kernel that works in place: the normed output overwrites ``x``
     and the new residual ``residual``; without a residual, the sum overwrites ``x`` and the normed
     output is new."""

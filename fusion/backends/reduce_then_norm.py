@@ -16,14 +16,21 @@ torch), so each gives a row the bits every other allowed strategy gives it.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-
 from arfusion.fusion import norm, reference
 from arfusion.fusion.backends import deterministic
-from arfusion.fusion.backends.base import NO_ROWS, Backend, BuildContext, Made, Rows, quantized
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    BuildContext,
+    Costs,
+    Made,
+    Rows,
+    quantized,
+)
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.options import FLASHINFER, TORCH
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
@@ -35,19 +42,19 @@ class NcclBackend(Backend):
     strategy = Strategy.NCCL
     options = (FLASHINFER, TORCH)
     fallback = True
-    cost = {2: (9.555, 5.937, 0.001959)}
+    cost: ClassVar[Costs] = {2: (9.555, 5.937, 0.001959)}
 
     def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
         super().__init__(group)
         self.deterministic = deterministic
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "NcclBackend":
+    def for_op(cls, context: BuildContext) -> NcclBackend:
         return cls(context.group, context.deterministic)
 
     @classmethod
     def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
-                   launch_with_pdl: bool) -> "NcclBackend":
+                   launch_with_pdl: bool) -> NcclBackend:
         return cls(group)
 
     def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
@@ -56,8 +63,8 @@ class NcclBackend(Backend):
     def rows(self) -> Rows:
         return Rows(0, None)
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """In place where `fusion.norm.add_rms_norm` is: ``x`` ends as the normed output and
         ``residual`` as the sum."""
         if self.deterministic:
@@ -83,12 +90,12 @@ class TorchBackend(Backend):
         self.max_tokens = 0
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "TorchBackend":
+    def for_op(cls, context: BuildContext) -> TorchBackend:
         return cls(context.group, context.deterministic)
 
     @classmethod
     def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Any,
-                   launch_with_pdl: bool) -> "TorchBackend":
+                   launch_with_pdl: bool) -> TorchBackend:
         backend = cls(group)
         backend.ensure(x.shape[0], x.shape[1], x.dtype)
         return backend
@@ -107,8 +114,8 @@ class TorchBackend(Backend):
     def _destroy(self) -> None:
         self.max_tokens = 0
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """``x`` is reduced in place; the outputs are new tensors (``residual`` is not written).
 
         The common case (default mode, no ``quant``, more than one rank, no capturable stand-in
@@ -125,8 +132,8 @@ class TorchBackend(Backend):
         return FusedOutput((s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype),
                            summed)
 
-    def _run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-             quant: Optional[Quant]) -> FusedOutput:
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             quant: Quant | None) -> FusedOutput:
         """`run` through the group's collectives and the reference (or the canonical recipe)."""
         if self.deterministic:
             out = FusedOutput(*deterministic.reduce_then_norm(self.group, x, residual, weight, eps))

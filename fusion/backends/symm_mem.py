@@ -15,13 +15,20 @@ element once, so the sum is the canonical one and the row's bits are the other s
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar
 
 import torch
-
 from arfusion.fusion import norm
 from arfusion.fusion.backends import deterministic
-from arfusion.fusion.backends.base import NO_ROWS, Backend, BuildContext, Made, Rows, quantized
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    BuildContext,
+    Costs,
+    Made,
+    Rows,
+    quantized,
+)
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
@@ -40,7 +47,7 @@ class SymmMemTwoShotBackend(Backend):
     det_max_world = 2
     det_note = ("torch's two-shot all-reduce adds more than two ranks in its own order, rounding to the model dtype at "
                 "each step")
-    cost = {2: (12.002, 5.074, -0.001805)}
+    cost: ClassVar[Costs] = {2: (12.002, 5.074, -0.001805)}
     tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
@@ -50,7 +57,7 @@ class SymmMemTwoShotBackend(Backend):
         self.max_tokens = 0
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "SymmMemTwoShotBackend":
+    def for_op(cls, context: BuildContext) -> SymmMemTwoShotBackend:
         return cls(context.group, context.deterministic)
 
     def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
@@ -68,8 +75,8 @@ class SymmMemTwoShotBackend(Backend):
     def capacity(self) -> int:
         return self.max_tokens
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """torch's two-shot all-reduce of ``x`` in place (through the buffer), then add + RMSNorm
         as `fusion.norm.add_rms_norm` does it (in place on GPU)."""
         buffer = self.symmetric.buffer

@@ -19,10 +19,9 @@ fitted model take the declared fallback order (`fusion.dispatch.rule`).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
-
 from arfusion.fusion.dispatch.table import power_of_two_buckets
 from arfusion.fusion.strategies import COSTS
 from arfusion.fusion.strategy import Strategy
@@ -41,7 +40,7 @@ def predicted_us(strategy: Strategy, num_tokens: int, hidden: int, dtype: torch.
 
 
 def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype: torch.dtype,
-             world_size: int) -> Optional[Strategy]:
+             world_size: int) -> Strategy | None:
     """The available strategy the model predicts fastest; None when no model covers
     ``world_size`` (or none of ``available``)."""
     model = COEFFICIENTS.get(world_size)
@@ -54,7 +53,7 @@ def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype:
 
 
 def rule_picks(max_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,
-               among: Optional[Iterable[Strategy]] = None) -> set[Strategy]:
+               among: Iterable[Strategy] | None = None) -> set[Strategy]:
     """The strategies the model picks at some token bucket up to ``max_tokens`` (the table's
     buckets, `fusion.dispatch.table.power_of_two_buckets`) when all of ``among`` (default: every
     modelled one) can run (whose buffers an op must create); empty without a model. The op

@@ -27,11 +27,11 @@ until then it only multiplies the entries (layers x batch sizes; `fusion.config.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Protocol
 
 import torch
-
 from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.config import DEFAULT_CACHE_SIZE
 from arfusion.fusion.dispatch.rule import rule_choice
@@ -56,16 +56,16 @@ class ModelShape:
     world_size: int = 1
     hidden_size: int = 0
     dtype: torch.dtype = torch.bfloat16
-    one_shot_max_input_bytes: Optional[int] = None
+    one_shot_max_input_bytes: int | None = None
 
 
 class DispatchPlan:
     """The immutable fusion decision of one model (one hidden size and dtype) at one moment."""
 
-    __slots__ = ("shape", "rows", "table", "off_reason", "strategy")
+    __slots__ = ("off_reason", "rows", "shape", "strategy", "table")
 
     def __init__(self, shape: ModelShape = ModelShape(), backends: Mapping[Strategy, HasRows] = {},
-                 table: Optional[StrategyTable] = None, off_reason: Optional[str] = NOT_SET_UP,
+                 table: StrategyTable | None = None, off_reason: str | None = NOT_SET_UP,
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         """``off_reason``: why no batch fuses (identical on every rank); ``cache_size``: the LRU's
         bound (`FusionConfig` checks it is at least 1)."""
@@ -85,7 +85,7 @@ class DispatchPlan:
         """(hits, misses, maxsize, currsize), as functools.lru_cache reports them."""
         return self.strategy.cache_info()
 
-    def why_not(self, layer_id: int, batch_size: int) -> Optional[str]:
+    def why_not(self, layer_id: int, batch_size: int) -> str | None:
         """None when a fused strategy applies, else the reason it does not (uncached)."""
         return self._decide_with_reason(layer_id, batch_size)[1]
 
@@ -96,7 +96,7 @@ class DispatchPlan:
     def _decide(self, layer_id: int, batch_size: int) -> Strategy:
         return self._decide_with_reason(layer_id, batch_size)[0]
 
-    def _decide_with_reason(self, layer_id: int, batch_size: int) -> tuple[Strategy, Optional[str]]:
+    def _decide_with_reason(self, layer_id: int, batch_size: int) -> tuple[Strategy, str | None]:
         if layer_id < 0:
             raise ValueError(f"layer_id must be >= 0, got {layer_id}")
         if self.off_reason:

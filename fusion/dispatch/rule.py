@@ -12,10 +12,9 @@ It names no strategy; the backend classes declare what it reads (`fusion.strateg
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
-
 from arfusion.fusion.dispatch.cost_model import COEFFICIENTS, cheapest
 from arfusion.fusion.dispatch.one_shot import choose_one_shot
 from arfusion.fusion.strategies import FALLBACK, FALLBACK_ORDER, ONE_SHOT
@@ -23,7 +22,7 @@ from arfusion.fusion.strategy import Strategy
 
 
 def rule_choice(available: Sequence[Strategy], num_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,
-                one_shot_max_input_bytes: Optional[int]) -> Strategy:
+                one_shot_max_input_bytes: int | None) -> Strategy:
     """The strategy the built-in rule picks among ``available`` (which holds the fallback)."""
     if one_shot_max_input_bytes is not None and num_tokens * hidden * dtype.itemsize > one_shot_max_input_bytes:
         available = [s for s in available if s not in ONE_SHOT]
