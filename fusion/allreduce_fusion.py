@@ -65,7 +65,6 @@ from arfusion.fusion.tuning.startup import tune_at_startup
 from arfusion.fusion.validation import CheckedInputs, check_fusion_inputs
 
 logger = logging.getLogger(__name__)
-_FALLBACK = FALLBACK  # a module global: `is not` on it is the cheapest test on the hot path
 DESTROYED = "the fusion op's buffers were destroyed"
 
 
@@ -141,7 +140,7 @@ class AllReduceFusion:
         if not primary.ensure(max_tokens, self.hidden_size, self.dtype) and self.group.rank == 0:
             logger.warning("all-reduce fusion: %s could not grow to %d tokens (%s)", primary.strategy, max_tokens,
                            primary.failure)
-        return any(b.fits(max_tokens) for s, b in self.backends.items() if s is not _FALLBACK)
+        return any(b.fits(max_tokens) for s, b in self.backends.items() if s is not FALLBACK)
 
     def ensure_all(self, max_tokens: int) -> None:
         """Collective: every backend's resource for ``max_tokens`` rows (each voted: ready on every
@@ -169,7 +168,7 @@ class AllReduceFusion:
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """Does layer ``layer_id`` with ``batch_size`` tokens fuse its reductions (and defer its
         MLP all-reduce into the next norm)? Cached in the plan; identical on every rank."""
-        return self.strategy(layer_id, batch_size) is not _FALLBACK
+        return self.strategy(layer_id, batch_size) is not FALLBACK
 
     def cache_info(self) -> Any:
         return self.plan.cache_info()
@@ -283,7 +282,7 @@ class AllReduceFusion:
             "reason_inactive": self._off_reason,
             "max_tokens": self._primary.capacity,
             "measured_strategy_table": self.table is not None,
-            "backend_tokens": {s.value: b.capacity for s, b in self.backends.items() if s is not _FALLBACK},
+            "backend_tokens": {s.value: b.capacity for s, b in self.backends.items() if s is not FALLBACK},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
             "reductions": {s.value: n for s, n in sorted(self.counts.items())},
             "deterministic": deterministic,

@@ -39,7 +39,6 @@ from arfusion.fusion.dispatch.table import StrategyTable
 from arfusion.fusion.strategies import FALLBACK
 from arfusion.fusion.strategy import Strategy
 
-_FALLBACK = FALLBACK  # a module global: `is not` on it is the cheapest test on the hot path
 NOT_SET_UP = "fusion is not set up"
 
 
@@ -79,7 +78,7 @@ class DispatchPlan:
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """True when layer ``layer_id`` with ``batch_size`` tokens should defer its MLP
         all-reduce into the next norm (and fuse its attention all-reduce into its own)."""
-        return self.strategy(layer_id, batch_size) is not _FALLBACK
+        return self.strategy(layer_id, batch_size) is not FALLBACK
 
     def cache_info(self) -> functools._CacheInfo:
         """(hits, misses, maxsize, currsize), as functools.lru_cache reports them."""
@@ -100,17 +99,17 @@ class DispatchPlan:
         if layer_id < 0:
             raise ValueError(f"layer_id must be >= 0, got {layer_id}")
         if self.off_reason:
-            return _FALLBACK, self.off_reason
+            return FALLBACK, self.off_reason
         if batch_size <= 0:
-            return _FALLBACK, "empty batch"
+            return FALLBACK, "empty batch"
         available = self.available(batch_size)
-        fused = [s for s in available if s is not _FALLBACK]
-        if _FALLBACK not in available or not fused:
-            return _FALLBACK, f"no fused strategy can take {batch_size} tokens here (its buffers are smaller)"
+        fused = [s for s in available if s is not FALLBACK]
+        if FALLBACK not in available or not fused:
+            return FALLBACK, f"no fused strategy can take {batch_size} tokens here (its buffers are smaller)"
         if self.table is not None and self.table.fastest(batch_size, fused) is not None:
             best = self.table.fastest(batch_size, available)
-            return best, (f"measured: {_FALLBACK} is fastest for {batch_size} tokens" if best is _FALLBACK else None)
+            return best, (f"measured: {FALLBACK} is fastest for {batch_size} tokens" if best is FALLBACK else None)
         s = self.shape
         chosen = rule_choice(available, batch_size, s.hidden_size, s.dtype, s.world_size, s.one_shot_max_input_bytes)
-        return chosen, (f"built-in rule: {_FALLBACK} is fastest for {batch_size} tokens" if chosen is _FALLBACK
+        return chosen, (f"built-in rule: {FALLBACK} is fastest for {batch_size} tokens" if chosen is FALLBACK
                         else None)
