@@ -9,8 +9,9 @@ decode loop over 32 layers x ``--batch-sizes`` batch sizes, and the decision on 
 cleared each call) over a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of
 the same loop calling a no-op Python function (printed as the baseline).
 
-With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
-stack of layers' reductions at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
+With ``--layers``: the Python calls into fusion/ and the µs (Python and norm math, the collective
+a no-op) per decoder layer of a stack of layers' reductions at TP ``--tp`` on CPU
+(`benchmarks.layer_overhead`).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def main() -> None:
         result = measure(args.layers, args.tp, args.tokens)
         print(f"{args.layers} layers, TP{args.tp}, {args.tokens} tokens, torch backend: "
               f"{result['calls_per_layer']:.2f} Python calls into fusion/ per layer, "
-              f"{result['us_per_layer']:.2f} us of Python per layer (median; min {result['us_per_layer_min']:.2f})")
+              f"{result['us_per_layer']:.2f} us per layer, Python and norm math (median; min {result['us_per_layer_min']:.2f})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
