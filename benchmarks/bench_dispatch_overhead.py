@@ -9,8 +9,9 @@ decode loop over 32 layers x ``--batch-sizes`` batch sizes, and the decision on 
 cleared each call) over a TP2 plan whose backends all fit. Median of 7 repeats, less the cost of
 the same loop calling a no-op Python function (printed as the baseline).
 
-With ``--layers``: the Python calls into fusion/ and the µs of Python per decoder layer of a
-stack of layers' reductions at TP ``--tp`` on CPU (`benchmarks.layer_overhead`).
+With ``--layers``: the Python calls into fusion/ and the µs (Python and norm math, the collective
+a no-op) per decoder layer of a stack of layers' reductions at TP ``--tp`` on CPU
+(`benchmarks.layer_overhead`).
 """
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ import statistics
 import time
 
 import torch
-
 from arfusion.fusion import AllReduceFusion, FusionConfig, Strategy, TensorParallelGroup
+from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
 from arfusion.fusion.dispatch.table import StrategyTable
 
 
-class Fits:
-    """A backend that fits every batch (the decision only asks ``fits``)."""
+class AnyRows:
+    """A backend that runs every batch (the plan only asks ``rows``)."""
 
-    def fits(self, num_tokens: int) -> bool:
-        return True
+    def rows(self) -> Rows:
+        return Rows(1, None)
 
 
 def time_per_call(fn, keys: list[tuple[int, int]], calls: int, repeats: int = 7) -> float:
@@ -62,7 +63,7 @@ def main() -> None:
         result = measure(args.layers, args.tp, args.tokens)
         print(f"{args.layers} layers, TP{args.tp}, {args.tokens} tokens, torch backend: "
               f"{result['calls_per_layer']:.2f} Python calls into fusion/ per layer, "
-              f"{result['us_per_layer']:.2f} us of Python per layer (median; min {result['us_per_layer_min']:.2f})")
+              f"{result['us_per_layer']:.2f} us per layer, Python and norm math (median; min {result['us_per_layer_min']:.2f})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -78,7 +79,7 @@ def main() -> None:
 
     table = StrategyTable((1, 4096), ({Strategy.NCCL: 9.0, Strategy.FLASHINFER_ONE_SHOT: 4.0},
                                       {Strategy.NCCL: 200.0, Strategy.SYMM_MEM_FUSED: 150.0}))
-    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: Fits() for s in Strategy if s is not Strategy.TORCH},
+    miss = DispatchPlan(ModelShape(2, 4096, torch.bfloat16), {s: AnyRows() for s in Strategy if s is not Strategy.TORCH},
                         table, None, cache_size=64)
 
     def uncached(layer: int, bs: int) -> bool:

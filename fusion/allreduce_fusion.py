@@ -9,8 +9,8 @@ it (`layers.layernorm.RMSNorm`) makes the one call of a reduction point:
     reduce_add_rms_norm(partial, residual, w, eps)  (rms_norm(sum(x) + residual), sum(x) + residual)
                                                     by the strategy the plan gives (layer_id, tokens)
 
-so every reduction runs exactly once, by a strategy whose backend fits the batch (NCCL, reduce
-then norm, is one of them). The op keeps no state between layers; it counts the reductions it
+so every reduction runs exactly once, by a strategy whose backend fits the batch (the unfused
+fallback, reduce then norm, is one of them). The op keeps no state between layers; it counts the reductions it
 runs, by strategy (``counts``). ``run`` reduces by an explicit strategy (tuner, benchmarks).
 
 The decision is ``plan`` (`fusion.dispatch.decision.DispatchPlan`), immutable; the op replaces
@@ -28,32 +28,43 @@ strategies `fusion.backends.deterministic` allows, each following the canonical 
 row's sum of squares by a tree fixed by the hidden size), NCCL's included. So the dispatch may
 still switch strategies by batch size: a row's bits never depend on the other rows of the call.
 flashinfer's kernels are left out (`status` says so); which backend is primary (bounds the
-fusion limit) and which are made on demand in each mode, the declarations say
-(`fusion.strategies`).
+fusion limit), which are made on demand in each mode and which call for start-up tuning, the
+backend classes declare (`fusion.backends.base.Backend`, registered in `fusion.strategies`).
 """
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
-from arfusion.fusion.backends.base import Backend
+from arfusion.fusion.backends.base import Backend, Made
 from arfusion.fusion.config import NO_TABLE, FusionConfig
 from arfusion.fusion.dispatch.cost_model import rule_picks
 from arfusion.fusion.dispatch.decision import NOT_SET_UP, DispatchPlan, ModelShape
-from arfusion.fusion.dispatch.table import PACKAGED_TABLE, StrategyTable, dtype_name, gpu_name, read_table, select_table
+from arfusion.fusion.dispatch.table import (
+    PACKAGED_TABLE,
+    StrategyTable,
+    dtype_name,
+    gpu_name,
+    read_table,
+    select_table,
+)
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
 from arfusion.fusion.partial_sum import PartialSum
-from arfusion.fusion.strategies import DECLARATIONS, Made, build_backends, deterministic_exclusions
+from arfusion.fusion.strategies import (
+    BACKENDS,
+    FALLBACK,
+    build_backends,
+    deterministic_exclusions,
+    with_role,
+)
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 from arfusion.fusion.tuning.startup import tune_at_startup
 from arfusion.fusion.validation import CheckedInputs, check_fusion_inputs
 
 logger = logging.getLogger(__name__)
-_NCCL = Strategy.NCCL
 DESTROYED = "the fusion op's buffers were destroyed"
 
 
@@ -71,12 +82,12 @@ class AllReduceFusion:
 
     def _take_config(self, config: FusionConfig) -> None:
         self.config = config
-        self.table: Optional[StrategyTable] = None
-        self._off_reason: Optional[str] = NOT_SET_UP
+        self.table: StrategyTable | None = None
+        self._off_reason: str | None = NOT_SET_UP
         self.backends: dict[Strategy, Backend] = build_backends(self.group, config)
-        roles = {s: DECLARATIONS[s].role(config.deterministic) for s in self.backends}
-        self._primary = next(self.backends[s] for s, role in roles.items() if role is Made.PRIMARY)
-        self._on_demand = [s for s, role in roles.items() if role is Made.ON_DEMAND]
+        self._primary = self.backends[with_role(self.backends, Made.PRIMARY, config.deterministic)[0]]
+        self._on_demand = with_role(self.backends, Made.ON_DEMAND, config.deterministic)
+        self._tuned = any(BACKENDS[s].tuned_at_startup for s in self.backends)
         for backend in self.backends.values():
             backend.on_change = self._replan
         self._replan()
@@ -88,7 +99,7 @@ class AllReduceFusion:
         # (layer_id, num_tokens) -> the `Strategy` of that layer's reductions: the plan's cached lookup
         self.strategy = self.plan.strategy
 
-    def _set(self, off_reason: Optional[str], table: Optional[StrategyTable] = None) -> None:
+    def _set(self, off_reason: str | None, table: StrategyTable | None = None) -> None:
         self._off_reason, self.table = off_reason, table
         self._replan()
 
@@ -97,15 +108,16 @@ class AllReduceFusion:
     def setup(self) -> None:
         """Agree on whether fusion can run; create the primary backend's resource (the flashinfer
         workspace, our fused two-shot's buffer in deterministic mode, or the torch backend's
-        limit), then, when some strategies are made on demand, the strategy table and the
-        resources of those it (or the built-in rule) picks. Logs once (rank 0) why fusion stays
+        limit), then read the strategy table (measured now where a backend declares
+        ``tuned_at_startup`` and no table holds the configuration) and make the resources of the
+        on-demand strategies it (or the built-in rule) picks. Logs once (rank 0) why fusion stays
         off when it was asked for."""
         reason, table = self._static_off_reason(), None
         if reason is None:
             primary = self._primary
             if not primary.ensure(self._rows(primary.strategy), self.hidden_size, self.dtype):
                 reason = f"{primary.strategy} unavailable ({primary.failure})"
-            elif self._on_demand:
+            else:
                 table = self._strategy_table()
                 self._ensure_picked(table)
         self._set(reason, table)
@@ -128,13 +140,13 @@ class AllReduceFusion:
         if not primary.ensure(max_tokens, self.hidden_size, self.dtype) and self.group.rank == 0:
             logger.warning("all-reduce fusion: %s could not grow to %d tokens (%s)", primary.strategy, max_tokens,
                            primary.failure)
-        return any(b.fits(max_tokens) for s, b in self.backends.items() if s is not _NCCL)
+        return any(b.fits(max_tokens) for s, b in self.backends.items() if s is not FALLBACK)
 
     def ensure_all(self, max_tokens: int) -> None:
         """Collective: every backend's resource for ``max_tokens`` rows (each voted: ready on every
         rank or on none), for measuring and benchmarking every strategy."""
         for strategy, backend in self.backends.items():
-            backend.ensure(DECLARATIONS[strategy].rows(self.config, max_tokens), self.hidden_size, self.dtype)
+            backend.ensure(self._rows(strategy, max_tokens), self.hidden_size, self.dtype)
 
     def destroy(self) -> None:
         """Free every backend's resource (on every rank, before the process groups)."""
@@ -156,7 +168,7 @@ class AllReduceFusion:
     def should_fuse_allreduce_residual_rmsnorm(self, layer_id: int, batch_size: int) -> bool:
         """Does layer ``layer_id`` with ``batch_size`` tokens fuse its reductions (and defer its
         MLP all-reduce into the next norm)? Cached in the plan; identical on every rank."""
-        return self.strategy(layer_id, batch_size) is not _NCCL
+        return self.strategy(layer_id, batch_size) is not FALLBACK
 
     def cache_info(self) -> Any:
         return self.plan.cache_info()
@@ -171,7 +183,7 @@ class AllReduceFusion:
 
     # ---- the hot path
 
-    def reduce_add_rms_norm(self, partial: PartialSum, residual: Optional[torch.Tensor], weight: torch.Tensor,
+    def reduce_add_rms_norm(self, partial: PartialSum, residual: torch.Tensor | None, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(s + residual), s + residual)``, ``s`` the sum over the group of
         ``partial``'s tensor (taken: a second call raises), by the strategy of
@@ -190,8 +202,8 @@ class AllReduceFusion:
         inputs.residual = residual_out  # the next reduction's trusted residual
         return normed, residual_out
 
-    def run(self, strategy: Strategy, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-            eps: float, quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, strategy: Strategy, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, quant: Quant | None = None) -> FusedOutput:
         """One reduction by an explicit ``strategy`` (tuner, benchmarks): `FusionInputError` when
         this op has no ready backend for it that fits ``x``."""
         check_fusion_inputs(x, residual, weight)
@@ -206,7 +218,7 @@ class AllReduceFusion:
 
     # ---- set-up helpers
 
-    def _static_off_reason(self) -> Optional[str]:
+    def _static_off_reason(self) -> str | None:
         """Why fusion never runs with this config on this group (rank-independent)."""
         if not self.config.enabled:
             return "fusion is not enabled (--enable-flashinfer-allreduce-fusion)"
@@ -214,18 +226,18 @@ class AllReduceFusion:
             return "TP size is 1: there is nothing to all-reduce"
         return None
 
-    def _rows(self, strategy: Strategy, largest: Optional[int] = None) -> int:
-        """The rows ``strategy``'s resource is made for (its declaration)."""
-        return DECLARATIONS[strategy].rows(self.config, largest)
+    def _rows(self, strategy: Strategy, largest: int | None = None) -> int:
+        """The rows ``strategy``'s resource is made for (its backend class says)."""
+        return BACKENDS[strategy].rows_to_make(self.config, largest)
 
-    def _strategy_table(self) -> Optional[StrategyTable]:
+    def _strategy_table(self) -> StrategyTable | None:
         """Collective: the strategy table every rank uses (rank 0's, broadcast: packaged or
-        ``table_path``; else measured now when ``tune_at_startup``; else none, and the built-in
-        rule decides)."""
+        ``table_path``; else measured now when the config's ``tune_at_startup`` is on and some
+        backend of the op declares ``tuned_at_startup``; else none, and the built-in rule decides)."""
         if (self.config.table_path or "").lower() == NO_TABLE:  # the same config on every rank
             return None
         table = self.group.broadcast_object(self._read_table() if self.group.rank == 0 else None)
-        if table is None and self.config.table_path is None and self.config.tune_at_startup:
+        if table is None and self.config.table_path is None and self.config.tune_at_startup and self._tuned:
             largest = self._largest_batch()
             on_demand = [(self.backends[s], self._rows(s, largest)) for s in self._on_demand]
             table = tune_at_startup(self.group, self.backends, on_demand, self.hidden_size, self.dtype, largest,
@@ -235,7 +247,7 @@ class AllReduceFusion:
     def _largest_batch(self) -> int:
         return max(self.config.max_tokens, self.config.symm_max_tokens or 0)
 
-    def _ensure_picked(self, table: Optional[StrategyTable]) -> None:
+    def _ensure_picked(self, table: StrategyTable | None) -> None:
         """Collective: the resources of the on-demand strategies the table (or the rule, among
         this op's strategies) picks anywhere."""
         if table is not None:
@@ -247,7 +259,7 @@ class AllReduceFusion:
             if strategy in picked:
                 self.backends[strategy].ensure(self._rows(strategy), self.hidden_size, self.dtype)
 
-    def _read_table(self) -> Optional[StrategyTable]:
+    def _read_table(self) -> StrategyTable | None:
         """(rank 0) The configured table's entry for this GPU, TP size, hidden and dtype."""
         gpu = gpu_name(self.group.device)
         path = self.config.table_path or PACKAGED_TABLE
@@ -270,7 +282,7 @@ class AllReduceFusion:
             "reason_inactive": self._off_reason,
             "max_tokens": self._primary.capacity,
             "measured_strategy_table": self.table is not None,
-            "backend_tokens": {s.value: b.capacity for s, b in self.backends.items() if s is not _NCCL},
+            "backend_tokens": {s.value: b.capacity for s, b in self.backends.items() if s is not FALLBACK},
             "cache": {"hits": info.hits, "misses": info.misses, "maxsize": info.maxsize, "currsize": info.currsize},
             "reductions": {s.value: n for s, n in sorted(self.counts.items())},
             "deterministic": deterministic,

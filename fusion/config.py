@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from arfusion.fusion.strategies import FUSION_BACKENDS
+from arfusion.fusion.options import FLASHINFER, FUSION_BACKENDS
 
 # Entries of the (layer_id, batch_size) decision LRU: layers x distinct batch sizes that stay cached
 # (32 layers x 128 batch sizes).
@@ -15,22 +14,22 @@ NO_TABLE = "none"  # table_path value: no measured table, the built-in rule deci
 @dataclass(frozen=True)
 class FusionConfig:
     enabled: bool = False
-    backend: str = "flashinfer"  # "flashinfer" (trtllm kernel + symmetric-memory strategies) or "torch" (any device)
+    backend: str = FLASHINFER  # one of `fusion.options.FUSION_BACKENDS`
     max_tokens: int = 2048  # largest batch (tokens) the flashinfer workspace takes
     cache_size: int = DEFAULT_CACHE_SIZE  # bound of the (layer_id, batch_size) decision cache
     # fusion stays on; every strategy the dispatch may pick follows one canonical numeric recipe
     # (fusion.reference), so switching strategies by batch size changes no bit (fusion.backends.deterministic)
     deterministic: bool = False
-    one_shot_max_input_bytes: Optional[int] = None  # overrides the one-shot/two-shot threshold
+    one_shot_max_input_bytes: int | None = None  # overrides the one-shot/two-shot threshold
     launch_with_pdl: bool = True  # launch the flashinfer kernel with programmatic dependent launch
-    table_path: Optional[str] = None  # measured strategy table; None: the packaged one; "none": no table
+    table_path: str | None = None  # measured strategy table; None: the packaged one; "none": no table
     # rows the fused two-shot buffer holds (larger batches run in chunks of it); None: max_tokens.
     # The engine's largest prefill: eager chunks of a few thousand rows are host-bound.
-    symm_max_tokens: Optional[int] = None
+    symm_max_tokens: int | None = None
     # measure the strategies at start-up when no table has this configuration (and no table_path
     # was given); the result is cached in tuning_cache_dir (None: ~/.cache/arfusion)
     tune_at_startup: bool = True
-    tuning_cache_dir: Optional[str] = None
+    tuning_cache_dir: str | None = None
     tuning_budget_s: float = 20.0  # past it the measurement is abandoned and the built-in rule decides
 
     def __post_init__(self) -> None:

@@ -9,28 +9,24 @@ It runs the op's own backends (`fusion.strategies`), each made for the one call
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
-from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.strategies import DECLARATIONS
+from arfusion.fusion.strategies import BACKENDS
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 from arfusion.fusion.validation import check_fusion_inputs
 
 
 def all_reduce_add_rms_norm(
     x: torch.Tensor,
-    residual: Optional[torch.Tensor],
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     *,
     group: TensorParallelGroup,
     strategy: Strategy = Strategy.NCCL,
-    workspace: Optional[AllReduceFusionWorkspace] = None,
-    quant: Optional[Quant] = None,
+    workspace: AllReduceFusionWorkspace | None = None,
+    quant: Quant | None = None,
     launch_with_pdl: bool = True,
 ) -> FusedOutput:
     """All-reduce + residual add + RMSNorm over ``group`` by ``strategy``; ``x`` and ``residual``
@@ -39,5 +35,5 @@ def all_reduce_add_rms_norm(
     take, before any collective; it never silently changes the strategy."""
     strategy = Strategy(strategy)
     check_fusion_inputs(x, residual, weight)
-    backend = DECLARATIONS[strategy].backend.standalone(group, x, workspace, launch_with_pdl)
+    backend = BACKENDS[strategy].standalone(group, x, workspace, launch_with_pdl)
     return backend.run(x, residual, weight, eps, quant)

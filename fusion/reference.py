@@ -35,7 +35,7 @@ strategies rely on:
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,10 +50,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)``; with ``residual=None`` the sum is
-    ``x`` itself. Out of place: neither input is written."""
+    ``x`` itself. Out of place: neither input is written. The torch strategy's one-call path
+    (`fusion.backends.reduce_then_norm.TorchBackend.run`) writes these ops out; a change here is
+    a change there (tests/test_fusion_ops.py holds the two bit-equal)."""
     residual_out = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     return rms_norm(residual_out, weight, eps), residual_out
 
@@ -96,7 +98,7 @@ def fixed_tree_sum(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def canonical_add_rms_norm(s: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+def canonical_add_rms_norm(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of the canonical recipe (module docstring) from the reduced
     sum ``s [T, H]`` (already ``round(...)`` in the model dtype). Out of place. An exact zero
@@ -109,7 +111,7 @@ def canonical_add_rms_norm(s: torch.Tensor, residual: Optional[torch.Tensor], we
     return (rf * inv_rms * weight.float()).to(s.dtype), residual_out
 
 
-def canonical_all_reduce_add_rms_norm(parts: Sequence[torch.Tensor], residual: Optional[torch.Tensor],
+def canonical_all_reduce_add_rms_norm(parts: Sequence[torch.Tensor], residual: torch.Tensor | None,
                                       weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole recipe from every rank's partial sum (in rank order): ``(normed, residual_out)``."""
     return canonical_add_rms_norm(rank_order_sum(parts), residual, weight, eps)

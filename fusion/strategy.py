@@ -5,18 +5,12 @@ every way takes and returns.
     residual_out = s + residual        (s when residual is None)
     normed       = residual_out / RMS(residual_out) * weight
 
-    Strategy              how (each is a backend in fusion/backends/)
-    nccl                  group all-reduce (NCCL on GPU), then add + RMSNorm (the unfused reference)
-    flashinfer_one_shot   flashinfer's trtllm Lamport kernel, one-shot: every rank reads all peers
-    flashinfer_two_shot   the same kernel, two-shot (reduce-scatter + all-gather; tokens > ranks)
-    symm_mem_two_shot     torch symmetric-memory two-shot all-reduce, then add + RMSNorm
-    symm_mem_fused        our Triton two-shot over symmetric memory with add + RMSNorm fused
-    lamport_one_shot      our Triton one-shot Lamport kernel over symmetric memory, norm fused
-    torch                 the same math in one function on any device (CPU tests, no flashinfer)
-
-``nccl`` runs everywhere. In deterministic mode every strategy the op builds follows one
-canonical recipe (fusion/reference.py), so a row's bits do not depend on which one runs;
-flashinfer's two are left out there (`fusion.backends.deterministic` says why).
+Each ``Strategy`` names one backend class (`fusion.backends`), registered in
+`fusion.strategies.REGISTRY`; the class is the strategy's declaration, its docstring's first line
+says how it runs. Exactly one is the unfused fallback (``nccl``: group all-reduce, then add +
+RMSNorm), which runs everywhere. In deterministic mode every strategy the op builds follows one
+canonical recipe (fusion/reference.py), so a row's bits do not depend on which one runs; the
+classes say which are left out there and why.
 
 An optional ``quant`` asks for quantized normed output: FP8 (static per-tensor e4m3) fuses into
 the flashinfer kernel and is a separate cast elsewhere; FP4 exists only as flashinfer's fused
@@ -26,10 +20,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 import torch
-
 from arfusion.fusion.errors import FusionInputError
 
 
@@ -70,4 +63,4 @@ class FusedOutput(NamedTuple):
 
     normed: torch.Tensor
     residual: torch.Tensor
-    block_scales: Optional[torch.Tensor] = None
+    block_scales: torch.Tensor | None = None

@@ -7,12 +7,14 @@ fails the test, and every rank is killed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -34,8 +36,11 @@ def free_port() -> int:
 
 
 def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: int, device_kind: str,
-                results: Any, args: tuple, node_ranks: Optional[list[int]]) -> None:
-    from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+                results: Any, args: tuple, node_ranks: list[int] | None) -> None:
+    from arfusion.layers.parallel_state import (
+        destroy_tensor_parallel,
+        init_tensor_parallel,
+    )
 
     torch.set_num_threads(1)
     try:
@@ -46,20 +51,18 @@ def _rank_entry(worker: Callable[..., Any], rank: int, world_size: int, port: in
         # Plain pickle (tensor data copied, not shared through fds that die with this process);
         # a value that cannot be pickled fails here, visibly, not in the queue's feeder thread.
         results.put((rank, True, pickle.dumps(worker(rank, world_size, *args))))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (every failure, an exit included, is the test's to report)
         results.put((rank, False, traceback.format_exc()))
     finally:
-        try:
+        with contextlib.suppress(Exception):  # teardown after a failure: the failure is reported
             destroy_tensor_parallel()
-        except Exception:
-            pass
         results.close()
         results.join_thread()
         os._exit(0)  # skip interpreter teardown: a wedged NCCL/IPC destructor must not hang the test
 
 
 def run_distributed(worker: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 90.0,
-                    device_kind: str = "cpu", node_ranks: Optional[list[int]] = None) -> list[Any]:
+                    device_kind: str = "cpu", node_ranks: list[int] | None = None) -> list[Any]:
     """``[worker's return value for rank r]``; raises AssertionError with a failing rank's traceback,
     or TimeoutError naming the ranks that did not finish within ``STARTUP_ALLOWANCE_S + timeout_s``."""
     ctx = mp.get_context("spawn")
@@ -126,18 +129,32 @@ def make_fusion(hidden: int, dtype: torch.dtype = torch.float32, **config: Any) 
 
 
 class AllReduceCounter:
-    """Counts the activation all-reduces over ``group`` from now on (eager calls: the group's own
-    ``all_reduce``, which the NCCL path and every layer that reduces use). ``total`` so far."""
+    """Counts the activation all-reduces over ``group`` from now on: the eager calls of
+    ``torch.distributed.all_reduce`` on its device group (the group's own ``all_reduce``, which
+    the NCCL path and every layer that reduces use, and the torch strategy's one-call path, which
+    calls the device group directly), plus those through the group's capturable stand-in.
+    ``total`` so far."""
 
     def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
         self.total = 0
-        original = group.all_reduce
+        device_group, original = group.device_group, dist.all_reduce
 
-        def counted(x: torch.Tensor) -> torch.Tensor:
-            self.total += 1
-            return original(x)
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group", args[1] if len(args) > 1 else None) is device_group:
+                self.total += 1
+            return original(tensor, *args, **kwargs)
 
-        group.all_reduce = counted
+        dist.all_reduce = counted
+        if group.capturable is not None:
+            stand_in = group.capturable.all_reduce
+
+            def counted_stand_in(x: torch.Tensor) -> torch.Tensor:
+                self.total += 1
+                return stand_in(x)
+
+            group.capturable.all_reduce = counted_stand_in
 
 
 def reductions(counter: AllReduceCounter, fusion: Any) -> int:

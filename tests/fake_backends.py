@@ -1,11 +1,11 @@
-"""Stand-ins for fusion backends where only the decision is under test: each answers ``fits``
+"""Stand-ins for fusion backends where only the decision is under test: each answers ``rows``
 from a token capacity, as a real backend does from its buffer."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
-
+from arfusion.fusion.backends.base import Rows
 from arfusion.fusion.dispatch.decision import DispatchPlan, ModelShape
 from arfusion.fusion.dispatch.table import StrategyTable
 from arfusion.fusion.strategy import Strategy
@@ -18,8 +18,8 @@ class FakeBackend:
         self.capacity = capacity
         self.more_than = more_than  # two-shot: needs more tokens than ranks
 
-    def fits(self, num_tokens: int) -> bool:
-        return self.more_than < num_tokens <= self.capacity
+    def rows(self) -> Rows:
+        return Rows(self.more_than + 1, self.capacity)
 
 
 def flashinfer_backends(max_tokens: int = 2048, world_size: int = 2, **more: int) -> dict[Strategy, FakeBackend]:
@@ -32,7 +32,7 @@ def flashinfer_backends(max_tokens: int = 2048, world_size: int = 2, **more: int
 
 
 def make_dispatcher(backends: Mapping[Strategy, FakeBackend], hidden: int = 4096, dtype: torch.dtype = torch.bfloat16,
-                    world_size: int = 2, table: Optional[StrategyTable] = None, off_reason: Optional[str] = None,
-                    one_shot_max_input_bytes: Optional[int] = None, cache_size: int = 4096) -> DispatchPlan:
+                    world_size: int = 2, table: StrategyTable | None = None, off_reason: str | None = None,
+                    one_shot_max_input_bytes: int | None = None, cache_size: int = 4096) -> DispatchPlan:
     return DispatchPlan(ModelShape(world_size, hidden, dtype, one_shot_max_input_bytes), backends, table, off_reason,
                         cache_size)

@@ -3,7 +3,6 @@ forward, and every bad input still refused with an error naming it once the resi
 weight are trusted (the op's inline test, then the full check)."""
 import pytest
 import torch
-
 from arfusion.fusion import AllReduceFusion, FusionConfig, FusionInputError, PartialSum
 from arfusion.fusion.group import TensorParallelGroup
 
@@ -60,3 +59,40 @@ def test_trusted_inputs_chain_and_destroy_drops_the_trust():
     assert op._inputs.residual is residual_out
     op.destroy()
     assert op._inputs.residual is None and not op._inputs.weights
+
+
+def _fused_path_refusals(rank: int, world_size: int) -> dict[str, str]:
+    """TP2, the torch strategy's one-call path: every bad input is named before any collective."""
+    from arfusion.fusion import Strategy
+    from arfusion.layers.parallel_state import get_tp_group
+
+    from tests.dist_utils import AllReduceCounter, make_fusion
+
+    op = make_fusion(64, enabled=True, backend="torch", max_tokens=8)
+    g = torch.Generator().manual_seed(rank)
+    weight = torch.randn(64, generator=torch.Generator().manual_seed(7))
+    _, residual = _reduce(op, torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), weight)
+    assert op.strategy(0, 4) is Strategy.TORCH and op._inputs.residual is residual
+    counter = AllReduceCounter(get_tp_group())
+    bad = {"dtype": torch.randn(4, 64).to(torch.float16), "shape": torch.randn(4, 32),
+           "contiguous": torch.randn(64, 4).t(), "int": torch.randint(0, 9, (4, 64))}
+    messages = {}
+    for name, x in bad.items():
+        with pytest.raises(FusionInputError) as err:
+            _reduce(op, x, residual, weight)
+        messages[name] = str(err.value)
+    with pytest.raises(FusionInputError) as err:  # more tokens than the torch backend was made for
+        op.run(Strategy.TORCH, torch.randn(9, 64), None, weight, 1e-6)
+    messages["tokens"] = str(err.value)
+    assert counter.total == 0, "a refused input starts no collective"
+    assert op.strategy(0, 9) is not Strategy.TORCH, "a batch beyond the limit falls back, reduced unfused"
+    return messages
+
+
+def test_the_fused_path_names_every_bad_input_before_any_collective():
+    from tests.dist_utils import run_distributed
+
+    for messages in run_distributed(_fused_path_refusals):
+        assert "dtype" in messages["dtype"] and "shape" in messages["shape"]
+        assert "contiguous" in messages["contiguous"] and "dtype" in messages["int"]
+        assert "cannot run 9 tokens" in messages["tokens"]

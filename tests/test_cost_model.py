@@ -4,10 +4,15 @@ import json
 
 import pytest
 import torch
-
-from arfusion.fusion.dispatch.cost_model import cheapest, predicted_us, rule_picks
+from arfusion.fusion.dispatch.cost_model import (
+    COEFFICIENTS,
+    cheapest,
+    predicted_us,
+    rule_picks,
+)
 from arfusion.fusion.dispatch.table import PACKAGED_TABLE
 from arfusion.fusion.strategy import Strategy as S
+
 from tests.fake_backends import UNLIMITED, flashinfer_backends, make_dispatcher
 
 ALL = tuple(S)
@@ -37,7 +42,7 @@ def test_the_rule_finds_the_fastest_strategy_off_the_table(hidden, tokens):
 
 
 def test_costs_grow_with_the_message():
-    for s in (S.NCCL, S.FLASHINFER_ONE_SHOT, S.SYMM_MEM_FUSED):
+    for s in COEFFICIENTS[2]:  # every strategy whose class declares a TP2 cost
         costs = [predicted_us(s, t, 4096, torch.bfloat16, 2) for t in (1, 64, 1024, 8192)]
         assert costs == sorted(costs) and costs[0] > 0
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from arfusion.fusion import FusionConfig, PartialSum, Strategy, reference
-from arfusion.fusion.strategies import deterministic_exclusions
+from arfusion.fusion.strategies import REGISTRY, deterministic_exclusions
 from tests.dist_utils import make_fusion, run_distributed
 
 EPS = 1e-6
@@ -118,8 +117,9 @@ def test_deterministic_mode_allows_our_strategies_and_says_why_not_flashinfer():
         out = deterministic_exclusions(world)
         assert Strategy.FLASHINFER_ONE_SHOT in out and Strategy.FLASHINFER_TWO_SHOT in out
         assert "rows" in out[Strategy.FLASHINFER_ONE_SHOT]
-        for s in (Strategy.NCCL, Strategy.TORCH, Strategy.SYMM_MEM_FUSED, Strategy.LAMPORT_ONE_SHOT):
-            assert s not in out
+        for cls in REGISTRY:  # each class's declaration: left out beyond its det_max_world, with its note
+            left_out = cls.det_max_world is not None and world > cls.det_max_world
+            assert (cls.strategy in out) == left_out and out.get(cls.strategy, cls.det_note) == cls.det_note
         assert (Strategy.SYMM_MEM_TWO_SHOT not in out) == (world == 2)
 
 
@@ -162,7 +162,7 @@ def _sweep(rank, world, token_counts, with_residual, dtype):
         res = residual if with_residual else None
         parts = [rank_rows(r, tokens, HIDDEN, dtype)[0] for r in range(world)]
         recipe = reference.canonical_all_reduce_add_rms_norm(parts, res, weight, EPS)
-        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        clone = lambda t: None if t is None else t.clone()
         partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
         outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, clone(res), weight, EPS)}
         out["picked"][tokens] = fusion.strategy(0, tokens).value

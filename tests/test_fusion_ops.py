@@ -2,10 +2,18 @@
 composition, 2 ranks over gloo; its input checks and the flashinfer workspace checks."""
 import pytest
 import torch
-
-from arfusion.fusion import (AllReduceFusionWorkspace, FusionInputError, FusionUnsupportedError, Quant, Strategy,
-                    TensorParallelGroup, all_reduce_add_rms_norm, reference)
+from arfusion.fusion import (
+    AllReduceFusionWorkspace,
+    FusionInputError,
+    FusionUnsupportedError,
+    Quant,
+    Strategy,
+    TensorParallelGroup,
+    all_reduce_add_rms_norm,
+    reference,
+)
 from arfusion.layers.parallel_state import get_tp_group
+
 from tests.dist_utils import AllReduceCounter, run_distributed
 from tests.tolerances import assert_close
 
@@ -39,6 +47,10 @@ def _backends_match_reference(rank, world_size, dtype, with_residual):
             assert counter.total == before + 1, "exactly one reduction per call"
             assert_close(normed, expected[0])
             assert_close(residual_out, expected[1])
+            if strategy is Strategy.TORCH:  # its one-call path is the reference's ops on the group's sum: same bits
+                reduced = group.all_reduce(x.clone())
+                exact = reference.add_rms_norm(reduced, res, weight, EPS)
+                assert torch.equal(normed, exact[0]) and torch.equal(residual_out, exact[1])
             results[(tokens, hidden, strategy.value)] = normed.float().sum().item()
     return results
 

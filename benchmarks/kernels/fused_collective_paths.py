@@ -15,26 +15,28 @@ from __future__ import annotations
 
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from arfusion import fusion
 from arfusion.fusion import norm, reference
+from arfusion.fusion.backends.base import Made
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.strategies import DECLARATIONS, Made
+from arfusion.fusion.strategies import REGISTRY
 
 EPS = 1e-6
 FP8_SCALE = 8.0 / 448.0  # |normed| stays below ~6 for these inputs: fp8 values below ~340
 FP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # nvfp4 convention: e4m3 max * e2m1 max / amax
 MAX_ERROR_CHARS = 300
-# arfusion's own strategies made on demand (over symmetric memory: `fusion.strategies`), each a
+# arfusion's own strategies made on demand (over symmetric memory: `fusion.strategies.REGISTRY`), each a
 # row where its buffer holds the batch
-OWN_STRATEGY_PATHS = {s: f"{s.value}_allreduce_rmsnorm" for s, d in DECLARATIONS.items() if d.made is Made.ON_DEMAND}
+OWN_STRATEGY_PATHS = {cls.strategy: f"{cls.strategy.value}_allreduce_rmsnorm" for cls in REGISTRY
+                      if cls.made is Made.ON_DEMAND}
 
-Op = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+Op = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Inputs:
     """One configuration's inputs on this rank (random, never zeros) and the fp32 reference."""
 
     x: torch.Tensor  # this rank's partial sum
-    residual: Optional[torch.Tensor]  # identical on every rank
+    residual: torch.Tensor | None  # identical on every rank
     weight: torch.Tensor  # identical on every rank
     scale: torch.Tensor  # fp32 [1]: the static FP8 scale or the FP4 global scale
     reference: torch.Tensor  # fp32 rms_norm(all-reduced fp32 sum + residual) * weight
@@ -51,8 +53,8 @@ class Inputs:
 @dataclass
 class Path:
     name: str
-    op: Optional[Op]
-    error: Optional[str] = None  # why op is None (identical on every rank)
+    op: Op | None
+    error: str | None = None  # why op is None (identical on every rank)
 
 
 class FusedResources:
@@ -60,10 +62,10 @@ class FusedResources:
     own `AllReduceFusion`. Collective to create and to `destroy`."""
 
     def __init__(self, group: TensorParallelGroup, max_tokens: int, hidden: int, dtype: torch.dtype, enabled: bool,
-                 launch_with_pdl: bool = True, table_path: Optional[str] = None):
+                 launch_with_pdl: bool = True, table_path: str | None = None):
         self.launch_with_pdl = launch_with_pdl
         self.workspace = fusion.AllReduceFusionWorkspace(group)
-        self.fusion_op: Optional[fusion.AllReduceFusion] = None
+        self.fusion_op: fusion.AllReduceFusion | None = None
         if enabled:
             self.workspace.ensure(max_tokens, hidden, dtype)
             # the dispatch as a server decides it, less start-up tuning: the packaged or given
@@ -95,7 +97,7 @@ def make_inputs(group: TensorParallelGroup, tokens: int, hidden: int, dtype: tor
     return Inputs(x, residual, weight, scale, ref)
 
 
-def fresh(inputs: Inputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fresh(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     return inputs.x.clone(), None if inputs.residual is None else inputs.residual.clone()
 
 
@@ -115,23 +117,23 @@ def _standard(group: TensorParallelGroup, quant: str, inputs: Inputs) -> Op:
     (float32, or no flashinfer)."""
     weight, scale = inputs.weight, inputs.scale
 
-    def op(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    def op(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         group.all_reduce(x)
         return _quantize(norm.add_rms_norm(x, residual, weight, EPS)[0], quant, scale)
 
     return op
 
 
-def _native_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _native_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference.add_rms_norm(x, residual, weight, eps)[0]
 
 
-def _native_norm_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+def _native_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      scale: torch.Tensor) -> torch.Tensor:
     return reference.quantize_fp8_static(_native_norm(x, residual, weight, eps), scale)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(quant: str) -> Callable[..., torch.Tensor]:
     import torch._dynamo
 
@@ -151,7 +153,7 @@ def _native_compiled(group: TensorParallelGroup, quant: str, inputs: Inputs) -> 
     compiled = _compiled(quant)
     weight, scale = inputs.weight, inputs.scale
 
-    def op(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    def op(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         group.all_reduce(x)
         if quant == "fp8":
             return compiled(x, residual, weight, EPS, scale)
@@ -180,20 +182,20 @@ def _raw_oneshot(quant: str, inputs: Inputs, handle: Any, pdl: bool) -> Op:
     weight = inputs.weight
     norm_out, residual_out = torch.empty_like(inputs.x), torch.empty_like(inputs.x)
     quant_out = torch.empty_like(inputs.x, dtype=torch.float8_e4m3fn) if quant == "fp8" else None
-    kw = dict(workspace=handle, launch_with_pdl=pdl, trigger_completion_at_end=True, use_oneshot=True)
+    kw = {"workspace": handle, "launch_with_pdl": pdl, "trigger_completion_at_end": True, "use_oneshot": True}
 
-    def no_residual(x: torch.Tensor, _: Optional[torch.Tensor]) -> torch.Tensor:
+    def no_residual(x: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
         fi_comm.allreduce_fusion(input=x, pattern=pattern.kAllReduce, output=residual_out, **kw)
         return fi_norm.rmsnorm(residual_out, weight, EPS, out=norm_out)
 
-    def residual_norm(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    def residual_norm(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         fi_comm.allreduce_fusion(
             input=x, pattern=pattern.kARResidualRMSNorm, output=norm_out, residual_in=residual,
             residual_out=residual_out, norm_out=norm_out, rms_gamma=weight, rms_eps=EPS, **kw,
         )
         return norm_out
 
-    def residual_norm_fp8(x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    def residual_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         fi_comm.allreduce_fusion(
             input=x, pattern=pattern.kARResidualRMSNormFP8Quant, output=residual_out, residual_in=residual,
             residual_out=residual_out, quant_out=quant_out, rms_gamma=weight, rms_eps=EPS,
@@ -245,7 +247,7 @@ def build_paths(group: TensorParallelGroup, quant: str, inputs: Inputs, res: Fus
         chosen = op.strategy(0, tokens)
         notes.append(f"arfusion_dispatch chose {chosen}" + (f" ({why})" if why else ""))
         # what a layer runs: the cached decision for (layer 0, tokens), then its strategy
-        def dispatch(x: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
+        def dispatch(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
             return op.reduce_add_rms_norm(fusion.PartialSum(pending=x, layer_id=0, op=op), r, inputs.weight, EPS)[0]
 
         paths.append(Path("arfusion_dispatch", None, uncapturable) if uncapturable and chosen is fusion.Strategy.NCCL
@@ -258,20 +260,20 @@ def one_line(exc: BaseException) -> str:
     return text[:MAX_ERROR_CHARS]
 
 
-def voted(group: TensorParallelGroup, step: Callable[[], Any]) -> tuple[Optional[str], list[Any]]:
+def voted(group: TensorParallelGroup, step: Callable[[], Any]) -> tuple[str | None, list[Any]]:
     """Run ``step`` (then synchronise the GPU) on every rank and agree over the CPU group:
     ``(first failing rank's error or None, every rank's return value)``."""
     try:
         value, error = step(), None
         torch.cuda.synchronize(group.device)
-    except Exception as exc:  # a rank-local failure must reach the other ranks
+    except Exception as exc:  # noqa: BLE001 (a rank-local failure must reach the other ranks)
         value, error = None, one_line(exc)
     gathered = group.all_gather_object((error, value))
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
     return (errors[0] if errors else None), [v for _, v in gathered]
 
 
-def rel_l2_error(op: Op, inputs: Inputs, quant: str) -> Optional[float]:
+def rel_l2_error(op: Op, inputs: Inputs, quant: str) -> float | None:
     """``||out - ref|| / ||ref||`` of one eager call on fresh inputs (FP8 dequantised with its
     scale); None for FP4, whose swizzled block scales are not dequantised here."""
     out = op(*fresh(inputs))
@@ -281,7 +283,7 @@ def rel_l2_error(op: Op, inputs: Inputs, quant: str) -> Optional[float]:
     return (torch.linalg.vector_norm(got - inputs.reference) / torch.linalg.vector_norm(inputs.reference)).item()
 
 
-def capture(op: Op, x: torch.Tensor, residual: Optional[torch.Tensor], ops_per_graph: int) -> torch.cuda.CUDAGraph:
+def capture(op: Op, x: torch.Tensor, residual: torch.Tensor | None, ops_per_graph: int) -> torch.cuda.CUDAGraph:
     """One eager call on a side stream (NCCL, flashinfer and compiled kernels warm), then
     ``ops_per_graph`` calls captured into one graph."""
     side = torch.cuda.Stream(device=x.device)
@@ -330,10 +332,10 @@ def run_paths(group: TensorParallelGroup, paths: list[Path], inputs: Inputs, qua
             result["error"] = path.error
             continue
         op = path.op
-        error, errors_l2 = voted(group, lambda: rel_l2_error(op, inputs, quant))
+        error, errors_l2 = voted(group, lambda op=op: rel_l2_error(op, inputs, quant))
         if error is None:
             buffers[i] = fresh(inputs)
-            error, _ = voted(group, lambda: graphs.__setitem__(i, capture(op, *buffers[i], ops_per_graph)))
+            error, _ = voted(group, lambda i=i, op=op: graphs.__setitem__(i, capture(op, *buffers[i], ops_per_graph)))
         if error is not None:
             result["error"] = error
             graphs.pop(i, None)

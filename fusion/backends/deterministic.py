@@ -13,19 +13,17 @@ ring or tree all-reduce adds in a chunk-dependent order with a rounding at every
 recipe in torch (`fusion.reference.canonical_add_rms_norm`: the CPU tests).
 
 Which strategies follow the recipe at which world size, and why the others do not, each
-strategy's declaration says (`fusion.strategies`: ``det_max_world``, ``det_note``); flashinfer's
+strategy's backend class declares (``det_max_world``, ``det_note``); flashinfer's
 normed output was measured to depend on the number of rows (hidden 4096, bf16, TP2 on one H200:
 0.01 % of the elements change between 64 and 128 rows in the call).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
 from arfusion.fusion import reference
 from arfusion.fusion.backends.base import output_tensors
 from arfusion.fusion.group import TensorParallelGroup
+
 
 def _uses_triton(x: torch.Tensor) -> bool:
     """The Triton row step takes ``x`` here: a CUDA tensor, Triton importable, a row of at most MAX_HIDDEN."""
@@ -38,7 +36,7 @@ def _uses_triton(x: torch.Tensor) -> bool:
     return x.shape[-1] <= MAX_HIDDEN
 
 
-def add_rms_norm(s: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+def add_rms_norm(s: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of the recipe from the reduced sum ``s [T, H]``. On the GPU in
     place (see `fusion.backends.base.output_tensors`); elsewhere out of place."""
@@ -58,7 +56,7 @@ def gather_parts(group: TensorParallelGroup, x: torch.Tensor) -> torch.Tensor:
     return parts.view(group.world_size, *x.shape)
 
 
-def reduce_then_norm(group: TensorParallelGroup, x: torch.Tensor, residual: Optional[torch.Tensor],
+def reduce_then_norm(group: TensorParallelGroup, x: torch.Tensor, residual: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective: the recipe's ``(normed, residual_out)`` of the group's partial sums ``x``
     (consumed; on the GPU ``x`` and ``residual`` are overwritten as in `add_rms_norm`)."""

@@ -16,16 +16,27 @@ any input, so it is safe after any kernel.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 import torch
-
 from arfusion.fusion import norm
-from arfusion.fusion.backends.base import Backend, BuildContext
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    BuildContext,
+    Costs,
+    Made,
+    Rows,
+)
 from arfusion.fusion.backends.flashinfer_workspace import AllReduceFusionWorkspace
 from arfusion.fusion.errors import FusionInputError, FusionUnsupportedError
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.platform import device_capability, flashinfer_import_error, hidden_alignment_error
+from arfusion.fusion.options import FLASHINFER
+from arfusion.fusion.platform import (
+    device_capability,
+    flashinfer_import_error,
+    hidden_alignment_error,
+)
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 # GPU generations the trtllm Lamport kernels are built and validated for.
@@ -38,7 +49,7 @@ PATTERN_RESIDUAL_RMS_NORM_FP8 = 2
 PATTERN_RESIDUAL_RMS_NORM_FP4 = 3
 
 
-def flashinfer_unavailable_reason(group: TensorParallelGroup, hidden: int, dtype: torch.dtype) -> Optional[str]:
+def flashinfer_unavailable_reason(group: TensorParallelGroup, hidden: int, dtype: torch.dtype) -> str | None:
     """Why flashinfer's fused kernel can never run for this group, hidden size and dtype (None if it can)."""
     if group.spans_nodes:
         return "the TP group spans nodes; the trtllm IPC workspace is single-node"
@@ -59,14 +70,17 @@ def require_fp4_support(device: torch.device) -> None:
     if cap is None or cap[0] < 10:
         raise FusionUnsupportedError(
             f"the FP4 fused all-reduce patterns need an sm100+ GPU (Blackwell); this device is "
-            f"{'sm%d%d' % cap if cap else device}, where the kernel would write all-zero output"
+            f"{f'sm{cap[0]}{cap[1]}' if cap else device}, where the kernel would write all-zero output"
         )
 
 
 class FlashInferBackend(Backend):
     """One of flashinfer's two fused kernels over the op's shared workspace."""
 
-    one_shot: bool
+    options = (FLASHINFER,)
+    det_max_world = 0
+    det_note = ("flashinfer's kernel reduces and normalises in its own order; its normed output changes with the "
+                "number of rows in the call")
 
     def __init__(self, group: TensorParallelGroup, workspace: AllReduceFusionWorkspace,
                  launch_with_pdl: bool = True) -> None:
@@ -75,13 +89,13 @@ class FlashInferBackend(Backend):
         self.launch_with_pdl = launch_with_pdl
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "FlashInferBackend":
+    def for_op(cls, context: BuildContext) -> FlashInferBackend:
         """Over the op's one workspace, shared by both kernels."""
         return cls(context.group, context.shared(AllReduceFusionWorkspace), context.launch_with_pdl)
 
     @classmethod
-    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: Optional[AllReduceFusionWorkspace],
-                   launch_with_pdl: bool) -> "FlashInferBackend":
+    def standalone(cls, group: TensorParallelGroup, x: torch.Tensor, workspace: AllReduceFusionWorkspace | None,
+                   launch_with_pdl: bool) -> FlashInferBackend:
         """Over ``workspace``, ensured by the caller for ``group``'s world size."""
         if workspace is None or not workspace.ready:
             raise FusionInputError("no fusion workspace: create it (AllReduceFusionWorkspace.ensure) before the call")
@@ -101,9 +115,9 @@ class FlashInferBackend(Backend):
         self.failure = None if ok else self.workspace.failure
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
+    def rows(self) -> Rows:
         shape = self.workspace.shape
-        return shape is not None and 1 <= num_tokens and self.workspace.fits(num_tokens, shape.hidden, shape.dtype)
+        return Rows(1, shape.max_tokens) if shape is not None and self.workspace.ready else NO_ROWS
 
     @property
     def capacity(self) -> int:
@@ -113,8 +127,8 @@ class FlashInferBackend(Backend):
     def _destroy(self) -> None:
         self.workspace.destroy()
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """One fused kernel; the outputs are new tensors (``x`` and ``residual`` are only read)."""
         if not (self.fits(x.shape[0]) and self.workspace.fits(x.shape[0], x.shape[1], x.dtype)):
             raise FusionInputError(f"{self.strategy} cannot take {tuple(x.shape)} {x.dtype}: the workspace holds "
@@ -124,21 +138,30 @@ class FlashInferBackend(Backend):
 
 
 class FlashInferOneShotBackend(FlashInferBackend):
+    """flashinfer's trtllm Lamport kernel, one-shot: every rank reads all peers"""
+
     strategy = Strategy.FLASHINFER_ONE_SHOT
+    made = Made.PRIMARY
+    cost: ClassVar[Costs] = {2: (4.328, 4.268, 0.003254)}
+    fallback_rank = 0
     one_shot = True
 
 
 class FlashInferTwoShotBackend(FlashInferBackend):
+    """the same kernel, two-shot (reduce-scatter + all-gather; tokens > ranks)"""
+
     strategy = Strategy.FLASHINFER_TWO_SHOT
-    one_shot = False
+    cost: ClassVar[Costs] = {2: (9.333, 4.487, 0.004395)}
+    fallback_rank = 1
 
-    def fits(self, num_tokens: int) -> bool:
+    def rows(self) -> Rows:
         """Two-shot splits the tokens over the ranks: it needs more tokens than ranks."""
-        return num_tokens > self.group.world_size and super().fits(num_tokens)
+        most = super().rows().most
+        return Rows(self.group.world_size + 1, most) if most else NO_ROWS
 
 
-def run_trtllm_fusion(workspace: Any, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                      eps: float, quant: Optional[Quant], one_shot: bool, launch_with_pdl: bool) -> FusedOutput:
+def run_trtllm_fusion(workspace: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, quant: Quant | None, one_shot: bool, launch_with_pdl: bool) -> FusedOutput:
     """One trtllm fused kernel through flashinfer's unified API (``workspace``: its handle).
     Without a residual (the first layer): the fused Lamport all-reduce, then flashinfer's
     rmsnorm. Outputs are new tensors."""

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
-
-from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    Made,
+    Rows,
+    output_tensors,
+    quantized,
+)
 from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError, FusionTimeoutError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.platform import hidden_alignment_error
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
@@ -73,7 +79,7 @@ def sentinel_bits(dtype: torch.dtype) -> int:
 
 
 def lamport_unavailable_reason(device: torch.device, world: int, max_tokens: int, hidden: int,
-                               dtype: torch.dtype) -> Optional[str]:
+                               dtype: torch.dtype) -> str | None:
     """None when this rank can run the kernel for ``max_tokens`` rows of ``hidden`` ``dtype``."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Lamport kernel takes fp16, bf16 or fp32, not {dtype}"
@@ -90,7 +96,9 @@ def lamport_unavailable_reason(device: torch.device, world: int, max_tokens: int
 
 
 class LamportOneShotBackend(Backend):
-    """The one-shot Lamport fused all-reduce + residual + RMSNorm of one TP group.
+    """our Triton one-shot Lamport kernel over symmetric memory, norm fused
+
+    The one-shot Lamport fused all-reduce + residual + RMSNorm of one TP group.
 
     ``timeout_ns``: each call's bound on its waits for the peers (read at launch: a captured
     graph keeps the value it was captured with). A wait that expires sets the device's error
@@ -99,16 +107,21 @@ class LamportOneShotBackend(Backend):
     this rank (``fits`` False) until `destroy`."""
 
     strategy = Strategy.LAMPORT_ONE_SHOT
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    row_limit = MAX_TOKENS
+    one_shot = True
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
         super().__init__(group)
         self.symmetric = SymmetricBuffer(group, "one-shot Lamport all-reduce + RMSNorm")
         self.timeout_ns = timeout_ns
-        self.layout: Optional[LamportLayout] = None
-        self.timed_out: Optional[str] = None  # why this backend is off on this rank, once a wait expired
-        self._control: Optional[torch.Tensor] = None
-        self._host_error: Optional[torch.Tensor] = None  # pinned int32 [1]: the kernel's error code, host-readable
-        self._host_error_addr: Optional[torch.Tensor] = None  # int64 [1] on the device: its address
+        self.layout: LamportLayout | None = None
+        self.timed_out: str | None = None  # why this backend is off on this rank, once a wait expired
+        self._control: torch.Tensor | None = None
+        self._host_error: torch.Tensor | None = None  # pinned int32 [1]: the kernel's error code, host-readable
+        self._host_error_addr: torch.Tensor | None = None  # int64 [1] on the device: its address
         self._max_programs = 0
         self._pdl = False
 
@@ -167,7 +180,10 @@ class LamportOneShotBackend(Backend):
         self._host_error_addr = torch.tensor([self._host_error.data_ptr()], dtype=torch.int64, device=self.group.device)
         props = torch.cuda.get_device_properties(self.group.device)
         self._max_programs = max(1, props.multi_processor_count // self.group.ranks_on_this_gpu)
-        from arfusion.fusion.backends.kernels.lamport_one_shot import precompile, use_pdl
+        from arfusion.fusion.backends.kernels.lamport_one_shot import (
+            precompile,
+            use_pdl,
+        )
 
         self._pdl = use_pdl(self.group.device)
         precompile(layout.hidden, buffer.dtype, self.group.device, self.symmetric.peer_ptrs, self._control,
@@ -175,12 +191,12 @@ class LamportOneShotBackend(Backend):
                    self.group.rank, layout.world, layout.max_tokens, self._pdl)
         torch.cuda.synchronize(self.group.device)
 
-    def fits(self, num_tokens: int) -> bool:
-        """1 <= ``num_tokens`` <= the ensured max_tokens, the buffer is ready and no wait expired."""
-        return self.ready and self.timed_out is None and 1 <= num_tokens <= self.layout.max_tokens
+    def rows(self) -> Rows:
+        """1 to the ensured max_tokens, while the buffer is ready and no wait expired."""
+        return Rows(1, self.layout.max_tokens) if self.ready and self.timed_out is None else NO_ROWS
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group, in place (see
         `output_tensors`): ``x`` [T, H] and ``residual`` contiguous, of the ensured hidden size
         and dtype. sum(x) is the fp32 sum in rank order rounded once (the same bits on every

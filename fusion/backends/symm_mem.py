@@ -15,23 +15,40 @@ element once, so the sum is the canonical one and the row's bits are the other s
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar
 
 import torch
-
 from arfusion.fusion import norm
 from arfusion.fusion.backends import deterministic
-from arfusion.fusion.backends.base import Backend, BuildContext, quantized
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    BuildContext,
+    Costs,
+    Made,
+    Rows,
+    quantized,
+)
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
 class SymmMemTwoShotBackend(Backend):
-    """The symmetric buffer of one TP group and the all-reduce + norm through it."""
+    """torch symmetric-memory two-shot all-reduce, then add + RMSNorm
+
+    The symmetric buffer of one TP group and the all-reduce + norm through it."""
 
     strategy = Strategy.SYMM_MEM_TWO_SHOT
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    det_max_world = 2
+    det_note = ("torch's two-shot all-reduce adds more than two ranks in its own order, rounding to the model dtype at "
+                "each step")
+    cost: ClassVar[Costs] = {2: (12.002, 5.074, -0.001805)}
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup, deterministic: bool = False) -> None:
         super().__init__(group)
@@ -40,7 +57,7 @@ class SymmMemTwoShotBackend(Backend):
         self.max_tokens = 0
 
     @classmethod
-    def for_op(cls, context: BuildContext) -> "SymmMemTwoShotBackend":
+    def for_op(cls, context: BuildContext) -> SymmMemTwoShotBackend:
         return cls(context.group, context.deterministic)
 
     def _ensure(self, max_tokens: int, hidden: int, dtype: torch.dtype) -> bool:
@@ -51,15 +68,15 @@ class SymmMemTwoShotBackend(Backend):
         self.max_tokens = self.symmetric.buffer.numel() // hidden if ok else 0
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
-        return 1 <= num_tokens <= self.max_tokens
+    def rows(self) -> Rows:
+        return Rows(1, self.max_tokens) if self.max_tokens else NO_ROWS
 
     @property
     def capacity(self) -> int:
         return self.max_tokens
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """torch's two-shot all-reduce of ``x`` in place (through the buffer), then add + RMSNorm
         as `fusion.norm.add_rms_norm` does it (in place on GPU)."""
         buffer = self.symmetric.buffer

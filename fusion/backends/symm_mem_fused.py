@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar
 
 import torch
-
-from arfusion.fusion.backends.base import Backend, output_tensors, quantized
+from arfusion.fusion.backends.base import (
+    NO_ROWS,
+    Backend,
+    Costs,
+    Made,
+    Rows,
+    output_tensors,
+    quantized,
+)
 from arfusion.fusion.backends.kernels import row_kernel_unavailable_reason
 from arfusion.fusion.backends.symmetric_buffer import SymmetricBuffer
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.options import FLASHINFER
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 
@@ -75,7 +83,7 @@ def row_chunks(tokens: int, max_tokens: int) -> list[slice]:
     return [slice(start, min(start + max_tokens, tokens)) for start in range(0, tokens, max_tokens)]
 
 
-def fused_unavailable_reason(hidden: int) -> Optional[str]:
+def fused_unavailable_reason(hidden: int) -> str | None:
     """None when the Triton kernels can run a row of ``hidden`` elements here."""
     return row_kernel_unavailable_reason(hidden, "the fused two-shot kernel")
 
@@ -92,7 +100,7 @@ def push_shards(x: torch.Tensor, peer_ptrs: torch.Tensor, layout: ShardLayout) -
             BLOCK=row_block(hidden), num_warps=row_num_warps(hidden))
 
 
-def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+def reduce_and_finish(x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                       residual_out: torch.Tensor, weight: torch.Tensor, eps: float, peer_ptrs: torch.Tensor,
                       layout: ShardLayout, gather_at: int, flags_at: int) -> None:
     """Launch 2: sum this rank's shard, push it with its flags to every peer and add + norm it
@@ -108,9 +116,18 @@ def reduce_and_finish(x: torch.Tensor, residual: Optional[torch.Tensor], out: to
 
 
 class SymmMemFusedBackend(Backend):
-    """The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
+    """our Triton two-shot over symmetric memory with add + RMSNorm fused
+
+    The fused two-shot all-reduce + residual + RMSNorm of one TP group."""
 
     strategy = Strategy.SYMM_MEM_FUSED
+    options = (FLASHINFER,)
+    made = Made.ON_DEMAND
+    made_det = Made.PRIMARY
+    symm_rows = True
+    cost: ClassVar[Costs] = {2: (9.243, 3.606, -0.000408)}
+    fallback_rank = 2
+    tuned_at_startup = True
 
     def __init__(self, group: TensorParallelGroup) -> None:
         super().__init__(group)
@@ -142,13 +159,13 @@ class SymmMemFusedBackend(Backend):
             self.symmetric.buffer.view(torch.uint8)[start:start + 4 * max_tokens].zero_()
         return ok
 
-    def fits(self, num_tokens: int) -> bool:
+    def rows(self) -> Rows:
         """Any number of rows once the buffer exists: a batch beyond it runs in chunks (every
         step of the op is row-wise)."""
-        return self.ready and num_tokens >= 1
+        return Rows(1, None) if self.ready else NO_ROWS
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-            quant: Optional[Quant] = None) -> FusedOutput:
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quant: Quant | None = None) -> FusedOutput:
         """``(rms_norm(sum(x) + residual), sum(x) + residual)`` over the group; ``x`` and
         ``residual`` are overwritten (see `output_tensors`); runs in chunks of at most
         ``max_tokens`` rows."""
@@ -163,7 +180,7 @@ class SymmMemFusedBackend(Backend):
         result = FusedOutput(out, residual_out)
         return result if quant is None else quantized(result, quant)
 
-    def _run_chunk(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+    def _run_chunk(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
                    residual_out: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         """The two launches for at most ``max_tokens`` rows (contiguous row slices)."""
         world = self.group.world_size

@@ -15,23 +15,22 @@ lowest floor but reads every peer's whole message (high ``b``), the fused two-sh
 for narrow rows (hidden <= 1024) than for wide ones. The rule picks the cheapest strategy that
 can run; `benchmarks/fit_cost_model.py` fits the coefficients from tables written by
 ``engine.tune_fusion`` (derivation and data: docs/results.md, "dispatch"). World sizes with no
-fitted model fall back to flashinfer one-shot / two-shot by message size (`fusion.dispatch.one_shot`).
+fitted model take the declared fallback order (`fusion.dispatch.rule`).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
-
 from arfusion.fusion.dispatch.table import power_of_two_buckets
-from arfusion.fusion.strategies import cost_coefficients
+from arfusion.fusion.strategies import COSTS
 from arfusion.fusion.strategy import Strategy
 
-# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank), from the
-# strategies' declarations (`fusion.strategies`: each declares its own coefficients). Fitted by
+# world size -> strategy -> (a µs, b µs per MiB per rank, c µs per row per rank): each backend
+# class declares its own (``cost``; `fusion.strategies.COSTS`). Fitted by
 # benchmarks/fit_cost_model.py to the packaged H200 TP2 bf16 table (hidden 1024, 4096, 8192;
 # tokens 1-4096); relative least squares.
-COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = cost_coefficients()
+COEFFICIENTS: dict[int, dict[Strategy, tuple[float, float, float]]] = COSTS
 
 
 def predicted_us(strategy: Strategy, num_tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> float:
@@ -41,7 +40,7 @@ def predicted_us(strategy: Strategy, num_tokens: int, hidden: int, dtype: torch.
 
 
 def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype: torch.dtype,
-             world_size: int) -> Optional[Strategy]:
+             world_size: int) -> Strategy | None:
     """The available strategy the model predicts fastest; None when no model covers
     ``world_size`` (or none of ``available``)."""
     model = COEFFICIENTS.get(world_size)
@@ -54,7 +53,7 @@ def cheapest(available: Iterable[Strategy], num_tokens: int, hidden: int, dtype:
 
 
 def rule_picks(max_tokens: int, hidden: int, dtype: torch.dtype, world_size: int,
-               among: Optional[Iterable[Strategy]] = None) -> set[Strategy]:
+               among: Iterable[Strategy] | None = None) -> set[Strategy]:
     """The strategies the model picks at some token bucket up to ``max_tokens`` (the table's
     buckets, `fusion.dispatch.table.power_of_two_buckets`) when all of ``among`` (default: every
     modelled one) can run (whose buffers an op must create); empty without a model. The op

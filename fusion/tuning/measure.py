@@ -10,20 +10,19 @@ rank. Collective: every rank of the group calls it together, with the same backe
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-
 from arfusion.fusion.backends.base import Backend
 from arfusion.fusion.dispatch.table import dtype_name, gpu_name, power_of_two_buckets
-from arfusion.fusion.strategies import DECLARATIONS
 from arfusion.fusion.group import TensorParallelGroup
+from arfusion.fusion.strategies import MEASURED
 from arfusion.fusion.strategy import Strategy
 from arfusion.fusion.tuning.timing import median_us_eager, median_us_per_call
 
 logger = logging.getLogger(__name__)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-MEASURED = tuple(s for s, d in DECLARATIONS.items() if d.measured)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -51,9 +50,9 @@ def measure_bucket(group: TensorParallelGroup, backends: Mapping[Strategy, Backe
                 backend.run(x, residual, weight, 1e-6)
 
         try:
-            us: Optional[float] = timer(calls, ops_per_graph, warmup, trials)
+            us: float | None = timer(calls, ops_per_graph, warmup, trials)
             error = None
-        except Exception as exc:  # a strategy that fails here is left out, on every rank
+        except Exception as exc:  # noqa: BLE001 (a strategy that fails here is left out, on every rank)
             us, error = None, f"{type(exc).__name__}: {exc}"
         results = group.all_gather_object((us, error))
         if all(u is not None for u, _ in results):
