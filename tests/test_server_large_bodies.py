@@ -7,26 +7,27 @@
   there); a valid one is parsed there once, as before.
 - The pool is bounded: with its parsers busy and its queue full, one more body is refused (503
   from the server); a parser that dies is replaced (its job goes to the app); stopping the pool,
-  or the server, ends every parser process.
+  or the server (in-process, and the real one on SIGTERM), ends every parser process.
 """
 import asyncio
 import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
-from arfusion.engine.common.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from arfusion.engine.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from arfusion.engine.server.api.body_screen import build_screen
-from arfusion.engine.server.http.parser_pool import ParserPool, ParserUnavailable, PoolBusy
+from arfusion.engine.server.http.parser_pool import ParserPool, ParserUnavailable
 from arfusion.engine.server.http.parser_process import Answer, Job, Screen
 from arfusion.engine.server.http.server import BodyParsing, HttpLimits
 from tests.fake_engine import FakeEngine
 from tests.in_process_server import InProcessServer
 from tests.raw_http import exchange, head
-from tests.server_process import pid_alive
+from tests.server_process import ServerProcess, child_pids, pid_alive
 
 pytestmark = pytest.mark.timeout(180)
 MIN_BYTES = 1024
@@ -230,3 +231,22 @@ def test_the_server_starts_and_stops_its_parsers():
     server.stop()
     assert not server.thread.is_alive()
     assert not any(pid_alive(p) for p in pids)
+
+
+def test_the_real_server_screens_in_a_parser_process_and_ends_it_on_sigterm():
+    server = ServerProcess("--device", "cpu")
+    try:
+        parsers = [p for p in child_pids(server.proc.pid)
+                   if "parser_process" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(parsers) == 1, "--body-parsers defaults to 1"
+        status, body = server.request("/v1/completions", raw=REFUSED[0][3])
+        assert (status, body["error"]["message"]) == (400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got 40000")
+        status, body = server.request("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x" * 70_000]})
+        assert status == 400 and body["error"]["message"].startswith("stop: every stop string must have")
+        largest = {"prompt": "hi", "max_tokens": 2, "stop": ["z" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS}
+        assert server.request("/v1/completions", largest)[0] == 200  # over 64 KiB: screened, then served
+        server.stop(signal.SIGTERM)
+        assert server.proc.returncode == 0
+        assert not any(pid_alive(p) for p in parsers)
+    finally:
+        server.kill()
