@@ -6,7 +6,8 @@
 - A refused large body is never parsed in the server's process (``json.loads`` is counted
   there); a valid one is parsed there once, as before.
 - The pool is bounded: with its parsers busy and its queue full, one more body is refused (503
-  from the server); a parser that dies is replaced (its job goes to the app); stopping the pool,
+  from the server); a parser that dies is replaced (its job goes to the app), one that cannot
+  start fails the start with its traceback; stopping the pool,
   or the server (in-process, and the real one on SIGTERM), ends every parser process.
 """
 import asyncio
@@ -21,7 +22,7 @@ import pytest
 
 from arfusion.engine.common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from arfusion.engine.server.api.body_screen import build_screen
-from arfusion.engine.server.http.parser_pool import ParserPool, ParserUnavailable
+from arfusion.engine.server.http.parser_pool import ParserPool, ParserStartError, ParserUnavailable
 from arfusion.engine.server.http.parser_process import Answer, Job, Screen
 from arfusion.engine.server.http.server import BodyParsing, HttpLimits
 from tests.fake_engine import FakeEngine
@@ -78,6 +79,11 @@ def slow_screen() -> Screen:
         return Answer(418, [(b"content-length", b"2")], b"{}")
 
     return screen
+
+
+def broken_screen() -> Screen:
+    """A screen factory that fails (for a parser that cannot start)."""
+    raise RuntimeError("this screen cannot be made")
 
 
 def post(port: int, path: str, content_type: str, body: bytes) -> tuple[int, dict[str, str], Any]:
@@ -221,6 +227,14 @@ def test_stopping_the_pool_ends_its_parsers_and_its_jobs():
     results, pids = asyncio.run(run())
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
     assert all(isinstance(r, ParserUnavailable) for r in results), results
+
+
+def test_a_parser_that_cannot_start_fails_the_pools_start_naming_why():
+    async def run() -> None:
+        await ParserPool(broken_screen, 2, 1).start()
+
+    with pytest.raises(ParserStartError, match="this screen cannot be made"):
+        asyncio.run(run())
 
 
 def test_the_server_starts_and_stops_its_parsers():

@@ -2,7 +2,7 @@
 request bodies for the server, and the bounded queue in front of them.
 
 JSON parsing and request validation are C code that holds the GIL for as long as they run: for a
-body of 40,000 stop strings (549 KB) 3-14 ms of ``json.loads`` alone. In the server's process, a
+body of 40,000 stop strings, milliseconds of ``json.loads`` alone. In the server's process, a
 flood of such bodies, each refused with a 400, takes that time from the scheduler's thread (the
 same process at TP1), which wins the GIL back after every torch op. A parser process parses
 them instead: the server's process only moves the bytes through a pipe, and reads back the answer.
@@ -23,7 +23,6 @@ import logging
 import os
 import pickle
 import sys
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from arfusion.engine.server.http.parser_process import (
@@ -33,7 +32,6 @@ from arfusion.engine.server.http.parser_process import (
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 STOP_WAIT_S = 2.0
-CHECKOUT = str(Path(__file__).resolve().parents[4])  # the directory holding this `arfusion` package
 
 
 class PoolBusy(Exception):
@@ -69,8 +67,13 @@ class ParserPool:
 
     async def start(self) -> None:
         """Spawn the parsers; returns once each is ready to take jobs."""
+        spawned = await asyncio.gather(*(self._spawn() for _ in range(self.processes)), return_exceptions=True)
+        failed = next((p for p in spawned if isinstance(p, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(_end(p) for p in spawned if not isinstance(p, BaseException)))
+            raise failed
         self._jobs = asyncio.Queue()
-        self._procs = list(await asyncio.gather(*(self._spawn() for _ in range(self.processes))))
+        self._procs = list(spawned)  # type: ignore[arg-type]
         self._tasks = [asyncio.ensure_future(self._serve(i)) for i in range(self.processes)]
 
     async def screen(self, job: Job) -> Optional[Answer]:
@@ -101,7 +104,8 @@ class ParserPool:
         self._procs = []
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (CHECKOUT, os.environ.get("PYTHONPATH"))))}
+        """A parser process, ready; it imports from this process's ``sys.path``."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "arfusion.engine.server.http.parser_process", self.factory, env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -110,6 +114,9 @@ class ParserPool:
             ready = await asyncio.wait_for(_read(proc), START_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, pickle.UnpicklingError):
             ready = None
+        except BaseException:  # cancelled (the pool stops): no process is left behind
+            proc.kill()
+            raise
         if ready != READY:
             await _end(proc)
             tail = (await proc.stderr.read()).decode(errors="replace")[-2000:] if proc.stderr else ""

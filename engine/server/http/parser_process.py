@@ -9,7 +9,8 @@ the server's process then parses it as it would have anyway). The process reads 
 stdin and writes answers to its stdout, each a length-prefixed pickle (`write_frame`), one job
 at a time, in order; after the factory has run it writes one ``READY`` frame. It exits at the end
 of its stdin (the server closed it, or died). A job the screen fails on is answered None. It
-ignores SIGINT (a Ctrl-C reaches the whole process group: the server ends it) and runs at
+ignores SIGINT and SIGTERM (a Ctrl-C, or a signal to the process group, reaches it too: the
+server drains and then ends it by closing its stdin) and runs at
 ``NICENESS``: under a flood of refused bodies its parsing takes the CPU time the server's
 scheduler leaves. Its stdout carries frames only: what code in it prints goes to stderr.
 """
@@ -85,7 +86,8 @@ def _read_frame(stream: IO[bytes]) -> Optional[Any]:
 
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     os.nice(NICENESS)
     frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # print() in this process goes to stderr
