@@ -31,8 +31,11 @@ the victim alone. On a loaded machine the end-to-end rates are noisy, so it also
 a stop list costs the thread that runs every request: the median time of one `Request.release`
 (one token's detokenization and stop-string check) of a request with each list, and the time to
 make its stop-string automaton (a list the server refuses is constructed directly where the
-checkout allows it, else reported refused). Both tables go to ``--out`` as JSON. Run it in
-another checkout (``PYTHONPATH=that/checkout``) for that code's numbers.
+checkout allows it, else reported refused). For the requests a flood sends (`CPU_KEYS`), it then sends each ``--cpu-requests``
+times from one client, nothing else running, and reports the CPU time per request of the
+server's process and of its child processes (the body parsers at TP1), from /proc. The tables
+go to ``--out`` as JSON. Run it in another checkout (``PYTHONPATH=that/checkout``) for that
+code's numbers.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from arfusion.engine.scheduling.request import Request
 from arfusion.engine.tokenizers.tokenizer import build_tiny_tokenizer
 
 ONCE_DELAY_S = 0.5  # when the requests sent once go, after the victim's stream began
+CPU_KEYS = ("refused-control", "stops-flood", "chars-flood", "largest-short")
 
 
 def stop_lists(seed: int) -> dict[str, list[str]]:
@@ -201,6 +205,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per scenario, median taken (default: %(default)s)")
     p.add_argument("--out", default="bench_stop_strings.json", help="result file (default: %(default)s)")
     p.add_argument("--release-only", action="store_true", help="only the Request.release table (no server)")
+    p.add_argument("--cpu-requests", type=int, default=100,
+                   help="requests per row of the CPU table (0: no CPU table; default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=list(scenarios(0)), default=[],
                    help="only these scenarios (with alone and their controls)")
     p.add_argument("server_flags", nargs="*", help="flags for engine.launch_server (after --)")
@@ -209,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    rows = serving_rows(url, port, args) if not args.release_only else []
+    rows, cpu = serving_rows(url, port, args) if not args.release_only else ([], [])
     lists = {"no stop strings": []} | stop_lists(0)
     costs = {name: release_cost_us(stops) for name, stops in lists.items()}
     builds = {name: build_cost_us(stops) for name, stops in lists.items()}
@@ -218,11 +224,58 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"{name:36} {'refused' if cost is None else f'{cost:.1f}':>16} "
               f"{'refused' if builds[name] is None else f'{builds[name]:.1f}':>14}")
     Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "server_flags": args.server_flags,
-                                          "rows": rows, "release_us": costs, "automaton_us": builds}, indent=2) + "\n")
+                                          "rows": rows, "cpu_per_request": cpu,
+                                          "release_us": costs, "automaton_us": builds}, indent=2) + "\n")
 
 
-def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The victim's rates per scenario (printed as a table)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+async def send_sequentially(url: str, body: bytes, count: int) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for _ in range(count):
+            await send(session, url, body, asyncio.Event())
+
+
+def cpu_rows(url: str, pid: int, count: int) -> list[dict[str, Any]]:
+    """CPU milliseconds per request of the server's process ``pid`` and of its children, for
+    ``count`` of each `CPU_KEYS` request sent one after the other (printed as a table)."""
+    every, children = scenarios(0), child_pids(pid)
+    rows = []
+    for key in CPU_KEYS:
+        body = every[key].body
+        assert body is not None
+        asyncio.run(send_sequentially(url, body, 5))  # warm up
+        server, others, start = cpu_seconds(pid), sum(map(cpu_seconds, children)), time.monotonic()
+        asyncio.run(send_sequentially(url, body, count))
+        rows.append({"key": key, "scenario": every[key].name, "requests": count,
+                     "server_cpu_ms": round(1e3 * (cpu_seconds(pid) - server) / count, 2),
+                     "children_cpu_ms": round(1e3 * (sum(map(cpu_seconds, children)) - others) / count, 2),
+                     "wall_ms": round(1e3 * (time.monotonic() - start) / count, 2)})
+    print(f"\n{'one client sends, one at a time':38} {'server CPU ms':>14} {'children CPU ms':>16} {'wall ms':>8}")
+    for row in rows:
+        print(f"{row['scenario']:38} {row['server_cpu_ms']:14.2f} {row['children_cpu_ms']:16.2f} {row['wall_ms']:8.2f}")
+    return rows
+
+
+def serving_rows(url: str, port: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The victim's rates per scenario and the CPU table (`cpu_rows`), each printed as a table."""
     every = scenarios(0)
     keys = [k for k in every if k == "alone" or not args.only or k in args.only
             or any(every[o].control == k for o in args.only)]
@@ -236,6 +289,7 @@ def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str
                 rate, n = asyncio.run(run_scenario(url, every[k], args.tokens))
                 rates[k].append(rate)
                 sent[k] += n
+        cpu = cpu_rows(url, proc.pid, args.cpu_requests) if args.cpu_requests else []
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -255,7 +309,7 @@ def serving_rows(url: str, port: int, args: argparse.Namespace) -> list[dict[str
                       if row["vs_control"] is not None else "")
         print(f"{row['scenario']:38} {row['victim_tokens_per_s']:12.1f} {row['ratio']:9.3f} {vs_control:>22} "
               f"{row['abusive_requests_sent']:12d}")
-    return rows
+    return rows, cpu
 
 
 if __name__ == "__main__":
