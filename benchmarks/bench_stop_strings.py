@@ -31,11 +31,11 @@ the victim alone. On a loaded machine the end-to-end rates are noisy, so it also
 a stop list costs the thread that runs every request: the median time of one `Request.release`
 (one token's detokenization and stop-string check) of a request with each list, and the time to
 make its stop-string automaton (a list the server refuses is constructed directly where the
-checkout allows it, else reported refused). For the requests a flood sends (`CPU_KEYS`), it then sends each ``--cpu-requests``
-times from one client, nothing else running, and reports the CPU time per request of the
-server's process and of its child processes (the body parsers at TP1), from /proc. The tables
-go to ``--out`` as JSON. Run it in another checkout (``PYTHONPATH=that/checkout``) for that
-code's numbers.
+checkout allows it, else reported refused). For the requests a flood sends (`CPU_KEYS`), it
+then sends each ``--cpu-requests`` times from one client, nothing else running, and reports the
+CPU time per request of the server's process and of its child processes (the body parsers at
+TP1), from /proc. The tables go to ``--out`` as JSON. Run it in another checkout
+(``PYTHONPATH=that/checkout``) for that code's numbers.
 """
 from __future__ import annotations
 
@@ -223,7 +223,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     for name, cost in costs.items():
         print(f"{name:36} {'refused' if cost is None else f'{cost:.1f}':>16} "
               f"{'refused' if builds[name] is None else f'{builds[name]:.1f}':>14}")
-    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "server_flags": args.server_flags,
+    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
+                                          "server_flags": args.server_flags,
                                           "rows": rows, "cpu_per_request": cpu,
                                           "release_us": costs, "automaton_us": builds}, indent=2) + "\n")
 

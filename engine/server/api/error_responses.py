@@ -1,7 +1,7 @@
 """Every error as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too,
-and bodies that are not UTF-8 JSON; a field over its limit is answered with its own message), unknown paths 404, wrong methods 405, an `APIError` with its
-status, any other fault while serving one request 500; a request whose client left is logged as
-499 (`ClientGone`)."""
+and bodies that are not UTF-8 JSON; a field over its limit is answered with its own message),
+unknown paths 404, wrong methods 405, an `APIError` with its status, any other fault while
+serving one request 500; a request whose client left is logged as 499 (`ClientGone`)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request

@@ -95,7 +95,8 @@ class BodyParsing:
     min_bytes: int
 
 
-def http_config(app: ASGIApp, limits: HttpLimits, log_level: str, parsing: Optional[BodyParsing] = None) -> uvicorn.Config:
+def http_config(app: ASGIApp, limits: HttpLimits, log_level: str,
+                parsing: Optional[BodyParsing] = None) -> uvicorn.Config:
     """uvicorn's configuration for ``app`` behind ``limits`` (and ``parsing``); heads over
     ``MAX_HEAD_BYTES`` get 431."""
     protocol = functools.partial(LimitedH11Protocol, head_timeout_s=limits.head_timeout_s,
