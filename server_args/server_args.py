@@ -90,6 +90,9 @@ class ServerArgs(BaseModel):
     request_body_timeout: float = Field(60.0, gt=0, description="Seconds a client has to send a request's whole body, counted from the end of its headers (a body shorter than its Content-Length, or sent a few bytes at a time): a body still incomplete then is answered 408 and the connection closed")
     allow_special_tokens_in_messages: bool = Field(False, description="Tokenize special tokens' text in chat messages (content, name) as the special tokens themselves, so that a message can hold control tokens such as <|im_start|>: for trusted callers only (off: only the chat template's own text yields special tokens, message text is tokenized as text)")
     max_connections: int = Field(1000, ge=1, description="Most open HTTP connections: a connection beyond them is answered 503 and closed at once (keep it below the process's open-file limit, ulimit -n)")
+    body_parsers: int = Field(1, ge=0, description="Processes that parse and validate request bodies over --body-parser-min-bytes before the server's process does: a body refused as malformed or invalid (a field over its limit) is answered from there, never parsed where the scheduler runs; a valid one is passed on and parsed as before (0: every body is parsed in the server's process)")
+    body_parser_min_bytes: int = Field(64 * 1024, ge=0, description="Bodies over this many bytes go to the body parsers first")
+    body_parser_queue: int = Field(8, ge=0, description="Large bodies that may wait for a body parser: one more, while every parser is busy, is answered 503")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "ServerArgs":

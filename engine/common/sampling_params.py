@@ -33,6 +33,21 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 
 
+def too_many_stop_strings(count: int) -> str:
+    """The error naming ``stop`` for a list of ``count`` > MAX_STOP_STRINGS stop strings."""
+    return f"stop: at most {MAX_STOP_STRINGS} stop strings, got {count}"
+
+
+def stop_string_length_error(length: int) -> str:
+    """The error naming ``stop`` for a stop string of ``length`` characters (0, or > MAX_STOP_STRING_CHARS)."""
+    return f"stop: every stop string must have 1 to {MAX_STOP_STRING_CHARS} characters, got one of {length}"
+
+
+def too_many_stop_token_ids(count: int) -> str:
+    """The error naming ``stop_token_ids`` for ``count`` > MAX_STOP_TOKEN_IDS ids."""
+    return f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {count}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # 0: prefill the prompt (and score it, with prompt_logprobs), generate nothing
@@ -64,13 +79,12 @@ class SamplingParams:
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise ValueError(too_many_stop_strings(len(self.stop)))
         bad = next((s for s in self.stop if not 0 < len(s) <= MAX_STOP_STRING_CHARS), None)
         if bad is not None:
-            raise ValueError(f"stop: every stop string must have 1 to {MAX_STOP_STRING_CHARS} characters, "
-                             f"got one of {len(bad)}")
+            raise ValueError(stop_string_length_error(len(bad)))
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+            raise ValueError(too_many_stop_token_ids(len(self.stop_token_ids)))
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be token ids (>= 0)")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -6,8 +6,11 @@ the serving parts on top of it, in order:
     scheduler  the `Scheduler` over the runner; warm-up (before its first plan and before
                /health), then the step cost of the step-time budget, measured once warm
     engine     the `Engine` the routes talk to, given the model's context and fusion op
-    app        the API (`engine.server.api.build_app`) behind the HTTP limits, on the bound socket
-    http       the `DrainingServer`; the scheduler thread starts just before it serves
+    app        the API (`engine.server.api.build_app`) behind the HTTP limits, on the bound socket;
+               large bodies screened first by the API's own validation in parser processes
+               (`engine.server.api.body_screen`, `engine.server.http.parser_pool`)
+    http       the `DrainingServer`; the scheduler thread starts just before it serves; it starts
+               the parser processes before it listens and stops them when it stops serving
 
 Every part's teardown goes on one `contextlib.ExitStack` as it is built. On the way out (a
 drained server, or a part that failed to build) the signals are ignored (the clean-up is
@@ -34,10 +37,12 @@ from arfusion.engine.runtime.step_cost import measure_step_cost
 from arfusion.engine.runtime.warm_up import warm_up
 from arfusion.engine.scheduling.scheduler import Scheduler
 from arfusion.engine.server.api import build_app
+from arfusion.engine.server.api.body_screen import build_screen
 from arfusion.engine.server.engine import Engine
 from arfusion.engine.server.http.lifecycle import Lifecycle
 from arfusion.engine.server.http.limits import max_request_bytes
-from arfusion.engine.server.http.server import DrainingServer, HttpLimits, http_config
+from arfusion.engine.server.http.parser_pool import ParserPool
+from arfusion.engine.server.http.server import BodyParsing, DrainingServer, HttpLimits, http_config
 from arfusion.engine.supervision.supervisor import Supervisor
 from arfusion.engine.supervision.watchdog import GroupWatch
 from arfusion.engine.supervision.workers import EXIT_GRACE_S, WorkerSet
@@ -113,9 +118,11 @@ class Rank0Server:
                                     f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
         limits = HttpLimits(body_limit, args.request_head_timeout, args.request_body_timeout, args.max_connections)
         app = build_app(engine, self.model_name, lifecycle, args.allow_special_tokens_in_messages)
-        config = http_config(app, limits, args.log_level)
+        pool = ParserPool(build_screen, args.body_parsers, args.body_parser_queue) if args.body_parsers else None
+        parsing = BodyParsing(pool, args.body_parser_min_bytes) if pool is not None else None
+        config = http_config(app, limits, args.log_level, parsing)
         http = DrainingServer(config, lifecycle, args.shutdown_timeout, lambda: engine.fail_all(shutdown),
-                              lambda: self._log_serving(rank))
+                              lambda: self._log_serving(rank), pool)
         return ServingParts(rank, scheduler, engine, lifecycle, http)
 
     def _make_watch(self) -> StepWatch:

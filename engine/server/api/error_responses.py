@@ -1,7 +1,7 @@
 """Every error as ``{"error": {"message", "type", "code"}}``: bad input 400 (FastAPI's 422 too,
-and bodies that are not UTF-8 JSON), unknown paths 404, wrong methods 405, an `APIError` with its
-status, any other fault while serving one request 500; a request whose client left is logged as
-499 (`ClientGone`)."""
+and bodies that are not UTF-8 JSON; a field over its limit is answered with its own message),
+unknown paths 404, wrong methods 405, an `APIError` with its status, any other fault while
+serving one request 500; a request whose client left is logged as 499 (`ClientGone`)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from arfusion.engine.server.api.protocol import APIError
+from arfusion.engine.server.api.protocol import REQUEST_LIMIT, APIError
 from arfusion.engine.server.api.request_handling import ClientGone
 from arfusion.engine.server.http.errors import error_body
 
@@ -42,9 +42,14 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    """``field.path: reason`` for the first errors; malformed JSON says so."""
+    """``field.path: reason`` for the first errors; malformed JSON says so; a field over its
+    limit (`REQUEST_LIMIT`) is answered alone, with the engine's message naming it."""
+    errors = exc.errors()
+    over = next((err for err in errors if err.get("type") == REQUEST_LIMIT), None)
+    if over is not None:
+        return over["msg"]
     parts = []
-    for err in exc.errors()[:3]:
+    for err in errors[:3]:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _union_member(p))

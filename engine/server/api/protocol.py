@@ -3,7 +3,10 @@ SGLang's /generate, and the OpenAI error body.
 
 Requests validate strictly (no "1" -> 1 coercion); ``null`` means "the default". Every integer
 must fit in int64, every float must be finite (no NaN or Infinity) and every string must be
-valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. Every
+valid Unicode (no lone surrogates), so the engine never sees a value it cannot hold. A list
+bounded by the engine (``stop``, ``stop_token_ids``) is counted before its items are validated,
+and refused at once with the engine's error naming the field (a `REQUEST_LIMIT` error): a body of
+40,000 stop strings costs its JSON parse and a ``len``, not the validation of 40,000 strings. Every
 documented OpenAI field is honoured, inert, or, at a value this server cannot honour, rejected
 by `unsupported_fields` (`engine.server.api.openai_fields`) rather than silently ignored; fields
 neither OpenAI nor vLLM documents are ignored.
@@ -12,10 +15,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from arfusion.engine.common.sampling_params import (
-    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams,
+    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    SamplingParams, stop_string_length_error, too_many_stop_strings, too_many_stop_token_ids,
 )
 from arfusion.engine.server.api.logprobs_format import ChatLogprobs, CompletionLogprobs
 from arfusion.engine.server.api.openai_fields import (
@@ -36,6 +41,34 @@ def _valid_unicode(text: str) -> str:
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+REQUEST_LIMIT = "request_limit"  # the error type of a field over its limit; its message names the field
+
+
+def _over_limit(message: str) -> PydanticCustomError:
+    return PydanticCustomError(REQUEST_LIMIT, "{message}", {"message": message})
+
+
+def _stop_within_limits(value: Any) -> Any:
+    """``stop`` as given (a string or a list, its items not yet validated), unless it has more
+    than ``MAX_STOP_STRINGS`` strings or one of more than ``MAX_STOP_STRING_CHARS`` characters."""
+    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _over_limit(too_many_stop_strings(len(stops)))
+    long = next((s for s in stops if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS), None)
+    if long is not None:
+        raise _over_limit(stop_string_length_error(len(long)))
+    return value
+
+
+def _stop_token_ids_within_limit(value: Any) -> Any:
+    """``stop_token_ids`` as given, unless it is a list of more than ``MAX_STOP_TOKEN_IDS`` items."""
+    if isinstance(value, list) and len(value) > MAX_STOP_TOKEN_IDS:
+        raise _over_limit(too_many_stop_token_ids(len(value)))
+    return value
+
+
+Stop = Annotated[Union[Text, list[Text], None], BeforeValidator(_stop_within_limits)]
+StopTokenIds = Annotated[Optional[list[Int64]], BeforeValidator(_stop_token_ids_within_limit)]
 
 
 class APIError(Exception):
@@ -75,8 +108,8 @@ class SamplingFields(RequestBody):
     top_p: Optional[Finite] = None
     top_k: Optional[Int64] = None  # extension (vLLM/SGLang)
     seed: Optional[Int64] = None
-    stop: Union[Text, list[Text], None] = None
-    stop_token_ids: Optional[list[Int64]] = None  # extension
+    stop: Stop = None
+    stop_token_ids: StopTokenIds = None  # extension
     ignore_eos: bool = False  # extension
     min_tokens: Optional[Int64] = None  # extension
     stream: bool = False
@@ -143,10 +176,8 @@ def logit_bias_pairs(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int
 
 
 def stop_token_ids(ids: list[int], vocab_size: int) -> tuple[int, ...]:
-    """vLLM's ``stop_token_ids`` as a tuple; ValueError naming stop_token_ids for more than
-    ``MAX_STOP_TOKEN_IDS`` ids or one that is not a token id of the vocabulary."""
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    """vLLM's ``stop_token_ids`` (at most ``MAX_STOP_TOKEN_IDS``: checked at validation) as a
+    tuple; ValueError naming stop_token_ids for one that is not a token id of the vocabulary."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids: token ids out of range [0, {vocab_size}): {bad[:8]}")
@@ -256,8 +287,8 @@ class GenerateSamplingParams(RequestBody):
     top_p: Optional[Finite] = None
     top_k: Optional[Int64] = None
     seed: Optional[Int64] = None
-    stop: Union[Text, list[Text], None] = None
-    stop_token_ids: Optional[list[Int64]] = None
+    stop: Stop = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     presence_penalty: Optional[Finite] = None
     frequency_penalty: Optional[Finite] = None

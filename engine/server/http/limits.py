@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -56,7 +56,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await _refuse(send, 413, f"the request body has {declared} bytes; the limit is {self.max_bytes} bytes "
                                      f"(--max-request-bytes)")
@@ -86,19 +86,24 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:
     """Answer ``status`` with the error object naming ``message``, and ``connection: close``."""
-    body = json.dumps(error_body(status, message)).encode()
+    await send_json(send, status, error_body(status, message), close=True)
+
+
+async def send_json(send: Send, status: int, content: dict[str, Any], close: bool = False) -> None:
+    """Answer ``status`` with ``content`` as JSON (and ``connection: close`` if ``close``)."""
+    body = json.dumps(content).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                "headers": headers + [(b"connection", b"close")] if close else headers})
     await send({"type": "http.response.body", "body": body})
 
 
-def _content_length(scope: Scope) -> Optional[int]:
+def content_length(scope: Scope) -> Optional[int]:
     """The declared body length, None when there is none (a chunked body) or it is not a number
     (the HTTP parser refuses such a request before it gets here)."""
     for name, value in scope["headers"]:
@@ -107,7 +112,7 @@ def _content_length(scope: Scope) -> Optional[int]:
     return None
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that first gives ``body`` as the whole request, then passes on ``receive``'s
     messages (the disconnect a streaming response waits for)."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]

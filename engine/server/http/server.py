@@ -11,7 +11,9 @@ Readiness: the launcher binds the port with `bind_http_socket` before the model 
 port fails at once), but listens only when uvicorn starts serving it: until then a client's
 connection is refused, not queued. ``on_serving`` is called once the socket accepts requests.
 `http_config` is uvicorn's configuration for the app: the request limits (`HttpLimits`) of
-`engine.server.http.limits` and `engine.server.http.protocol`.
+`engine.server.http.limits` and `engine.server.http.protocol`, and, with a `ParserPool`, large
+bodies screened in its parser processes (`engine.server.http.large_bodies`). The server starts
+the pool before it listens and stops it once it no longer serves.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from typing import Callable, Optional
 import uvicorn
 from starlette.types import ASGIApp
 
+from arfusion.engine.server.http.large_bodies import LargeBodies
 from arfusion.engine.server.http.lifecycle import Lifecycle
 from arfusion.engine.server.http.limits import BodyLimit
+from arfusion.engine.server.http.parser_pool import ParserPool
 from arfusion.engine.server.http.protocol import MAX_HEAD_BYTES, LimitedH11Protocol
 
 logger = logging.getLogger("arfusion.engine.launch_server")
@@ -83,10 +87,22 @@ class HttpLimits:
     max_connections: int
 
 
-def http_config(app: ASGIApp, limits: HttpLimits, log_level: str) -> uvicorn.Config:
-    """uvicorn's configuration for ``app`` behind ``limits``; heads over ``MAX_HEAD_BYTES`` get 431."""
+@dataclass(frozen=True)
+class BodyParsing:
+    """Request bodies over ``min_bytes`` are screened by ``pool`` (`LargeBodies`)."""
+
+    pool: ParserPool
+    min_bytes: int
+
+
+def http_config(app: ASGIApp, limits: HttpLimits, log_level: str,
+                parsing: Optional[BodyParsing] = None) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` behind ``limits`` (and ``parsing``); heads over
+    ``MAX_HEAD_BYTES`` get 431."""
     protocol = functools.partial(LimitedH11Protocol, head_timeout_s=limits.head_timeout_s,
                                  max_connections=limits.max_connections)
+    if parsing is not None:
+        app = LargeBodies(app, parsing.pool, parsing.min_bytes)
     return uvicorn.Config(BodyLimit(app, limits.max_request_bytes, limits.body_timeout_s), log_level=log_level,
                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http=protocol,  # type: ignore[arg-type]
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -99,8 +115,10 @@ def _unavailable(host: str, port: int, exc: OSError) -> ValueError:
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace_s: float,
-                 end_requests: Callable[[], int], on_serving: Callable[[], None] = lambda: None) -> None:
+                 end_requests: Callable[[], int], on_serving: Callable[[], None] = lambda: None,
+                 parsers: Optional[ParserPool] = None) -> None:
         super().__init__(config)
+        self.parsers = parsers  # started before the server listens, stopped once it no longer serves
         self.on_serving = on_serving
         self.lifecycle = lifecycle
         self.grace_s = grace_s
@@ -112,7 +130,13 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: Optional[list] = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._grace_over = asyncio.Event()
-        await super().serve(sockets)
+        try:
+            if self.parsers is not None:
+                await self.parsers.start()
+            await super().serve(sockets)
+        finally:
+            if self.parsers is not None:
+                await self.parsers.stop()
 
     async def startup(self, sockets: Optional[list] = None) -> None:
         """uvicorn's start-up (it listens on ``sockets``, or binds its host and port), then
