@@ -66,7 +66,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parse_overrides(text: str) -> dict:
     """``"swap=1,block_m=8"`` -> ``{"swap": True, "block_m": 8}`` (`Mxfp4MoEConfig` fields)."""
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig
 
     fields = {f.name: f.type for f in dataclasses.fields(Mxfp4MoEConfig)}
     overrides = {}
@@ -103,7 +103,8 @@ def sweep_candidates(tokens: int) -> list[dict]:
 def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
     """Rows at ``tokens`` (module docstring), one per configuration in ``configs`` (None: the
     kernel's default; else a `Mxfp4MoEConfig`), on the same inputs."""
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config, gpt_oss_experts_triton
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = experts.num_experts
@@ -170,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp4_moe needs a CUDA GPU")
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
     from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(1, 0, device=torch.device("cuda", 0))
