@@ -17,8 +17,14 @@ error in its row and the run goes on.
 
 ``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
 fields that replace the default's at each token count, e.g. ``swap=1,word_decode=1,block_m=8``
-or ``block_n_down=64,split_k_down=2,num_stages=4``. ``--sweep`` adds this file's candidate list
-(`sweep_candidates`: the variants by token count) after them.
+or ``block_n_down=64,split_k_down=2,num_stages=4`` or ``split_k_gate_up=4,num_stages_down=3`` (booleans
+as 0 / 1; every field of `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K
+splits of either projection). ``--sweep`` adds this file's candidate list (`sweep_candidates`:
+the variants by token count) after them.
+
+Time: each configuration compiles its gate/up and down launches for each token count whose
+slot count differs in divisibility by 16 (triton specialises integer arguments on it), seconds
+each, then makes about a hundred calls; the replays themselves take milliseconds.
 """
 from __future__ import annotations
 
@@ -154,7 +160,8 @@ def describe(row: dict) -> str:
         return "(the default's fields)"
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
-             "split_k_down": "split"}
+             "split_k_down": "split", "split_k_gate_up": "split13", "gate_up_atomic": "atomic13",
+             "num_warps_down": "w2", "num_stages_down": "st2"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
