@@ -114,7 +114,8 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool, deterministic: bool = False) 
         if getattr(cfg, name) < (0 if name.endswith("_down") else 1):
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gate_up_atomic and cfg.split_k_gate_up == 1:
-        raise ValueError("gate_up_atomic needs split_k_gate_up above 1 (the unsplit gate/up launch has no partial sums)")
+        raise ValueError("gate_up_atomic needs split_k_gate_up above 1 (the unsplit gate/up launch has no partial "
+                         "sums)")
     if deterministic and cfg.split_k_gate_up > 1:
         raise ValueError(f"batch-invariant mode keeps the gate/up projection unsplit (split_k_gate_up=1), got "
                          f"split_k_gate_up={cfg.split_k_gate_up}")
