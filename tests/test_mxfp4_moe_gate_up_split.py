@@ -102,14 +102,16 @@ def interpreted():
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-tokens{}-{}".format(c[0], c[1], "mxfp4" if c[2] else "bf16form"))
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "{}-tokens{}-{}".format(c[0], c[1], "mxfp4" if c[2] else "bf16form"))
 def test_gate_up_split_matches_torch_reference(interpreted, case):
     out, expected = interpreted[case]
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", EMPTY_SPLIT_CASES, ids=lambda c: "tokens{}-{}".format(c[0], "mxfp4" if c[1] else "bf16form"))
+@pytest.mark.parametrize("case", EMPTY_SPLIT_CASES,
+                         ids=lambda c: "tokens{}-{}".format(c[0], "mxfp4" if c[1] else "bf16form"))
 def test_split_with_one_nonempty_split_gives_the_unsplit_bits(interpreted, case):
     unsplit, split = interpreted[("empty_split",) + case]
     assert torch.equal(unsplit, split)
