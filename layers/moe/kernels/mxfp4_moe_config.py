@@ -9,15 +9,17 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Mxfp4MoEConfig:
-    """Tiles and variant of the launches (the kernel module's docstring). ``block_m``: token rows per block
-    (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per program
-    (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at least
-    128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``: MXFP4
-    decoded from 32-bit words; ``split_k_down``: K splits of the down projection;
+    """Tiles and variant of the launches (the kernel module's docstring). ``block_m``: token rows
+    per block (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per
+    program (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at
+    least 128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``:
+    MXFP4 decoded from 32-bit words; ``split_k_down``: K splits of the down projection;
     ``split_k_gate_up``: K splits of the gate/up projection (above 1: fp32 partial sums, the
-    bias and activation in the down launch's prologue); ``gate_up_atomic``: those partial sums
-    added by fp32 atomics into one zeroed buffer instead of summed in split order by the down
-    launch (the order of the atomics is not fixed from 3 splits on); ``num_warps`` and
+    bias and activation in the down launch's prologue, which loads every split's sums for each
+    of its activation tiles: its code and compile time grow with the splits, most with the word
+    decoder's eight tiles a K step); ``gate_up_atomic``: those partial sums added by fp32
+    atomics into one zeroed buffer instead of summed in split order by the down launch (one sum
+    to load; the order of the atomics is not fixed from 3 splits on); ``num_warps`` and
     ``num_stages``: the gate/up launch's, and the down launch's unless ``num_warps_down`` /
     ``num_stages_down`` are set (0: the same)."""
 
