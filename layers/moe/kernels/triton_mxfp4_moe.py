@@ -166,8 +166,9 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
     activation loads (else acc_up is returned as given): ``x_base`` pointers at the token rows'
     starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
     MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight),
-    layers/moe/kernels/mxfp4_decode.py; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile. The activation tiles by
-    `_load_operand` (SUMS, DTYPE and the four arguments before them: its own)."""
+    layers/moe/kernels/mxfp4_decode.py; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile.
+    The activation tiles by `_load_operand` (SUMS, DTYPE and the four arguments before them:
+    its own)."""
     if MXFP4:
         if WORD:
             kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -191,7 +192,7 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
             even, odd = byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
             if PAIR:
                 even_up, odd_up = byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
-                                               stride_sn, BLOCK_K)
+                                              stride_sn, BLOCK_K)
             xk = _load_operand(x_base, x_valid, 2 * kb, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP,
                                DTYPE)
             acc = _mma(even, xk, acc, SWAP)
