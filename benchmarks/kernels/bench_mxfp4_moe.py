@@ -17,8 +17,14 @@ error in its row and the run goes on.
 
 ``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
 fields that replace the default's at each token count, e.g. ``swap=1,word_decode=1,block_m=8``
-or ``block_n_down=64,split_k_down=2,num_stages=4``. ``--sweep`` adds this file's candidate list
-(`sweep_candidates`: the variants by token count) after them.
+or ``block_n_down=64,split_k_down=2,num_stages=4`` or ``split_k_gate_up=4,num_stages_down=3`` (booleans
+as 0 / 1; every field of `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K
+splits of either projection). ``--sweep`` adds this file's candidate list (`sweep_candidates`:
+the variants by token count) after them.
+
+Time: each configuration compiles its gate/up and down launches for each token count whose
+slot count differs in divisibility by 16 (triton specialises integer arguments on it), seconds
+each, then makes about a hundred calls; the replays themselves take milliseconds.
 """
 from __future__ import annotations
 
@@ -66,7 +72,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parse_overrides(text: str) -> dict:
     """``"swap=1,block_m=8"`` -> ``{"swap": True, "block_m": 8}`` (`Mxfp4MoEConfig` fields)."""
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig
 
     fields = {f.name: f.type for f in dataclasses.fields(Mxfp4MoEConfig)}
     overrides = {}
@@ -103,7 +109,8 @@ def sweep_candidates(tokens: int) -> list[dict]:
 def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
     """Rows at ``tokens`` (module docstring), one per configuration in ``configs`` (None: the
     kernel's default; else a `Mxfp4MoEConfig`), on the same inputs."""
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config, gpt_oss_experts_triton
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = experts.num_experts
@@ -153,7 +160,8 @@ def describe(row: dict) -> str:
         return "(the default's fields)"
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
-             "split_k_down": "split"}
+             "split_k_down": "split", "split_k_gate_up": "split13", "gate_up_atomic": "atomic13",
+             "num_warps_down": "w2", "num_stages_down": "st2"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
@@ -170,7 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp4_moe needs a CUDA GPU")
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import experts_block_config
+    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
     from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(1, 0, device=torch.device("cuda", 0))

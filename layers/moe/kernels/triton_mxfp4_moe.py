@@ -15,39 +15,39 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 (round: to the activations' dtype, as the reference rounds each expert's output). The split count
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only.
 
+K splits of the gate/up projection (``split_k_gate_up`` = G > 1: G times the programs of launch
+1, each streaming a G-th of the weights, for decode sizes where one program per tile keeps too
+few bytes in flight). Launch 1 then stores the fp32 sums without bias, q[g, slot] = x[t] @ W[e,
+rows, split g's K range]^T for gate and up (``[G, slots, 2I]``), and launch 2 makes each K-tile
+of act from them as it loads it:
+
+    launch 1' q[g, slot, :I], q[g, slot, I:] = split g's gate and up sums     fp32
+    launch 2' act = the launch-1 formula on round(q[0] + ... + q[G-1] + b)   in g order, then as
+              p[s, slot] = act @ W_down[e]^T ...                             launch 1 rounds
+
+so G = 1 is launch 1 unchanged and G > 1 differs from it only in the order of the fp32 sums. With
+``gate_up_atomic`` launch 1' adds its sums by fp32 atomics into one zeroed ``[1, slots, 2I]``
+instead (launch 2' reads one sum, not G): for G = 2 still one result (0 + a + b = 0 + b + a), from
+3 on the order of the atomics and so the bits can vary run to run. Batch-invariant mode keeps
+G = 1 (layers/moe/kernels/mxfp4_moe_config.py).
+
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
 operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
 or ``(W @ x^T)^T`` (the dequantized weight tile the left operand, which Hopper's MMAs take from
 registers, and the few token rows the N side, ``block_m`` as small as 1: Triton pads to the MMA's
 8). Either way every output element is one fp32 accumulator over its K range in a fixed order.
 
-MXFP4 in registers, two decoders (`Mxfp4MoEConfig.word_decode`), both exact:
-
-* byte decoder: a K-tile of BLOCK_K columns of BLOCK_N rows reads each row's ``BLOCK_K / 2``
-  bytes ``blocks[e, n, k / 32, (k % 32) / 2]`` contiguous along k and the scales beside them; the
-  low nibbles are the even-k weights, the high nibbles the odd-k ones (two dots per K-tile). Code
-  c (sign bit 3, exponent bits 2..1, mantissa bit 0) placed as ``(c & 7) << 9 | (c & 8) << 12``
-  is the fp16 E2M1[c] * 2^-14 (e = 0 lands on fp16's subnormals: m / 2 * 2^-14, exact).
-* word decoder: the same bytes read as 32-bit words, word j of a row holding the codes of k =
-  8j .. 8j + 7 (nibble q = k - 8j at bits 4q .. 4q + 3, little-endian). One word gives four
-  fp16 pairs with three or two 32-bit operations each: pair q (q = 0..3) holds codes q (low half)
-  and q + 4 (high half), both at bits 4q within their half, moved to bits 9..11 and 15 of each
-  half by ``(w << (9 - 4q)) & 0x0E000E00 | (w << (12 - 4q)) & 0x80008000`` (a right shift by 3
-  for q = 3): the same fp16 E2M1 * 2^-14 per half, at under two integer operations a weight
-  instead of five. The eight residues k = 8j + r are eight dots per K-tile (K = BLOCK_K / 8 each),
-  the activations loaded at the matching stride.
-
-Either way the fp32 whose bits are ``(scale + 14) << 23`` is 2^(scale - 127) * 2^14; the fp16
-weight widened to fp32 times it is the weight, exact (a 2-bit significand times a power of two),
-then cast to the activations' dtype for the dot, exact for every scale byte up to 240 (2^113),
-so all real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight
-bytes read per expert: half a byte per weight and a byte per 32, about 3.8x fewer than bf16.
+MXFP4 in registers, two decoders (`Mxfp4MoEConfig.word_decode`), both exact, each weight the
+dot's operand in the activations' dtype: layers/moe/kernels/mxfp4_decode.py (a byte decoder, two
+dots per K-tile over the even and odd columns; a 32-bit-word decoder, eight dots over the residues
+of k mod 8, the activations loaded at the matching stride). Weight bytes read per expert: half a
+byte per weight and a byte per 32, about 3.8x fewer than bf16.
 bf16-form weights load as ``[BLOCK_N, BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
 
 Deterministic run to run (fixed tiles and splits per shape, each partial sum in one program in
-a fixed order, the splits and the combine summed in a fixed order, no atomics); not
-batch-invariant (the tiles follow the rows per expert, as the README's deterministic section says
-of the MoE kernels).
+a fixed order, the splits and the combine summed in a fixed order, no atomics but those of
+``gate_up_atomic``, above); not batch-invariant (the tiles follow the rows per expert, as the
+README's deterministic section says of the MoE kernels).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
 weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
@@ -59,85 +59,21 @@ launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
+from arfusion.layers.moe.kernels.mxfp4_decode import byte_halves, fp16_half, load_words, word_pairs
+from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig, check_config, experts_block_config
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 
 COMBINE_BLOCK = 512  # output columns per program of the combine launch
-
-
-@dataclass(frozen=True)
-class Mxfp4MoEConfig:
-    """Tiles and variant of the launches (module docstring). ``block_m``: token rows per block
-    (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per program
-    (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at least
-    128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``: MXFP4
-    decoded from 32-bit words; ``split_k_down``: K splits of the down projection."""
-
-    block_m: int
-    block_n_gate_up: int
-    block_k_gate_up: int
-    block_n_down: int
-    block_k_down: int
-    num_warps: int = 4
-    num_stages: int = 3
-    swap: bool = False
-    word_decode: bool = False
-    split_k_down: int = 1
-
-
-def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True) -> Mxfp4MoEConfig:
-    """Tiles by the mean rows per expert (``num_slots / num_experts``), chosen by the sweep of
-    benchmarks/kernels/bench_mxfp4_moe.py (``--sweep``) at gpt-oss-20b's shapes on 1 × H200,
-    MXFP4 weights (µs per call; the best of 7 to 14 configurations at each point):
-
-        tokens  rows/expert  chosen                                         µs     % of 4.8 TB/s
-        1       0.125        x @ W^T, bytes, m 16, n 32, k 128, 4 warps     85.2   12.9
-        8       1            (the same)                                     335.5  17.2
-        32      4            (the same)                                     544.8  15.9
-        128     16           W @ x^T, words, m 16, n 64, k 256, 4 warps     868.3  10.2 (1.30x)
-        512     64           W @ x^T, words, m 64, n 64, k 256, 4 warps     1457.2 6.1  (2.75x)
-
-    (the speed-ups over the tiles used before: x @ W^T with the byte decoder, m 16 / 32). Up
-    to 4 rows no variant beat the tiles of the first row (the weight as the left operand, the word decoder,
-    token blocks of 8 or 1, K splits, 16 .. 128 rows and K steps of 128 .. 512 were all slower).
-    The switch points between the measured rows (8 and 32 rows per expert) are not measured.
-    bf16-form weights (not swept) keep the tiles from before: 16-row blocks up to 16 rows per
-    expert, then 32 and 64, 64-column tiles and 8 warps past 16 rows."""
-    rows_per_expert = num_slots / num_experts
-    if mxfp4 and rows_per_expert > 8:
-        return Mxfp4MoEConfig(block_m=16 if rows_per_expert <= 32 else 64, block_n_gate_up=64, block_k_gate_up=256,
-                              block_n_down=64, block_k_down=256, num_warps=4, num_stages=3, swap=True,
-                              word_decode=True)
-    if rows_per_expert <= 16:
-        return Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
-                              num_warps=4, num_stages=4)
-    return Mxfp4MoEConfig(block_m=32 if rows_per_expert <= 64 else 64, block_n_gate_up=64, block_k_gate_up=128,
-                          block_n_down=64, block_k_down=128, num_warps=8, num_stages=3)
-
-
-def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
-    """ValueError naming the field when ``cfg`` cannot run (`Mxfp4MoEConfig`'s limits)."""
-    for name in ("block_m", "block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down"):
-        value = getattr(cfg, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
-    if not cfg.swap and cfg.block_m < 16:
-        raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
-    if cfg.split_k_down < 1:
-        raise ValueError(f"split_k_down must be at least 1, got {cfg.split_k_down}")
-    least = (128 if cfg.word_decode else 32) if mxfp4 else 16
-    for name in ("block_k_gate_up", "block_k_down"):
-        if getattr(cfg, name) < least:
-            raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"
-                             f"{', word decoder' if mxfp4 and cfg.word_decode else ''}), got {getattr(cfg, name)}")
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -148,6 +84,57 @@ def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
         tile = tl.load(rows_base[None, :] + k[:, None], mask=rows_valid[None, :] & (k < k_size)[:, None], other=0.0)
     else:
         tile = tl.load(rows_base[:, None] + k[None, :], mask=rows_valid[:, None] & (k < k_size)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _swiglu(gate, up, alpha, limit):
+    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``,
+    elementwise in fp32 (gate and up already rounded to the activations' dtype)."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+
+
+@triton.jit
+def _load_act(rows_base, rows_valid, k, inter, stride_sum, bias_base, alpha, limit, SUMS: tl.constexpr,
+              SWAP: tl.constexpr, DTYPE: tl.constexpr):
+    """The activations the unsplit gate/up launch stores, from the split launch's fp32 partial
+    sums instead: rows at ``rows_base`` (pointers into sum 0 of ``[SUMS, slots, 2I]``: gate at
+    columns k, up at I + k; sum s ``s * stride_sum`` further), ``bias_base`` at the expert's
+    gate/up bias, ``inter`` = I;
+
+        gate = round(p[0, k] + ... + p[SUMS - 1, k] + b_gate[k]),  up likewise at I + k,
+        act  = round(`_swiglu`(gate, up))                          (round: to DTYPE)
+
+    ``[K, M]`` when SWAP, else ``[M, K]`` (`_load_x`), DTYPE; zeros at invalid rows and k >= I."""
+    gate = _load_x(rows_base, rows_valid, k, inter, SWAP)
+    up = _load_x(rows_base + inter, rows_valid, k, inter, SWAP)
+    for s in tl.static_range(1, SUMS):
+        gate += _load_x(rows_base + s * stride_sum, rows_valid, k, inter, SWAP)
+        up += _load_x(rows_base + s * stride_sum + inter, rows_valid, k, inter, SWAP)
+    k_mask = k < inter
+    gate_b = tl.load(bias_base + k, mask=k_mask, other=0.0).to(tl.float32)
+    up_b = tl.load(bias_base + inter + k, mask=k_mask, other=0.0).to(tl.float32)
+    if SWAP:
+        gate_b, up_b = gate_b[:, None], up_b[:, None]
+        keep = k_mask[:, None] & rows_valid[None, :]
+    else:
+        gate_b, up_b = gate_b[None, :], up_b[None, :]
+        keep = rows_valid[:, None] & k_mask[None, :]
+    act = _swiglu((gate + gate_b).to(DTYPE).to(tl.float32), (up + up_b).to(DTYPE).to(tl.float32), alpha, limit)
+    return tl.where(keep, act, 0.0).to(DTYPE)
+
+
+@triton.jit
+def _load_operand(rows_base, rows_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS: tl.constexpr,
+                  SWAP: tl.constexpr, DTYPE: tl.constexpr):
+    """The dot's activation tile: `_load_x` when SUMS is 0 (rows hold the activations), else
+    `_load_act` of the SUMS fp32 partial gate/up sums (k_size = I)."""
+    if SUMS == 0:
+        tile = _load_x(rows_base, rows_valid, k, k_size, SWAP)
+    else:
+        tile = _load_act(rows_base, rows_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP, DTYPE)
     return tile
 
 
@@ -170,107 +157,56 @@ def _mma(w_nk, xk, acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _scale_factor(scales_ptr, rows, groups, mask):
-    """fp32 ``2^(scale - 127) * 2^14`` of the scale bytes at ``scales_ptr + rows + groups`` (offsets
-    broadcast together; masked ones give 2^-113, times a zero weight): bits ``(scale + 14) << 23``."""
-    scale = tl.load(scales_ptr + rows + groups, mask=mask, other=0).to(tl.int32)
-    return ((scale + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp16_half(pairs, HIGH: tl.constexpr):
-    """The fp32 value of the low or high fp16 half of each 32-bit word of ``pairs``."""
-    if HIGH:
-        half = (pairs >> 16).to(tl.uint16)
-    else:
-        half = (pairs & 0xFFFF).to(tl.uint16)
-    return half.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn):
-    """Word decoder's input: the 32-bit words ``kw`` (1-D, a multiple of 4 first) of ``rows``
-    (``[N, KW]`` uint32, zeros past ``k_words``) and each word's scale factor (`_scale_factor`).
-    ``stride_wn`` (bytes) is a multiple of 16, so that rows start on 16 bytes (vector loads)."""
-    mask = row_mask[:, None] & (kw < k_words)[None, :]
-    row_words = (rows * (stride_wn // 16))[:, None] * 4
-    words = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + row_words + kw[None, :], mask=mask, other=0)
-    return words, _scale_factor(scales_ptr, rows[:, None] * stride_sn, (kw // 4)[None, :], mask)
-
-
-@triton.jit
-def _word_pairs(words, q: tl.constexpr):
-    """Codes q (low half) and q + 4 (high half) of each word as fp16 E2M1 * 2^-14 (module
-    docstring): ``(w << (9 - 4q)) & 0x0E000E00 | (w << (12 - 4q)) & 0x80008000``."""
-    if q < 3:
-        magnitude = words << (9 - 4 * q)
-    else:
-        magnitude = words >> 3
-    return (magnitude & 0x0E000E00) | ((words << (12 - 4 * q)) & 0x80008000)
-
-
-@triton.jit
-def _byte_halves(w_ptr, scales_ptr, rows, row_mask, kb0, k_size, stride_wn, stride_sn, BLOCK_K: tl.constexpr):
-    """Byte decoder: the even-k and odd-k weights (fp32 ``[N, BLOCK_K / 2]``, module docstring)
-    of ``rows`` over the bytes kb0 .. kb0 + BLOCK_K / 2 - 1 (kb0 a multiple of 16); each scale
-    loaded once and broadcast over its 16 bytes."""
-    kb = kb0 + tl.arange(0, BLOCK_K // 2)
-    mask = row_mask[:, None] & (kb < k_size // 2)[None, :]
-    byte = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0).to(tl.uint16)
-    groups = kb0 // 16 + tl.arange(0, BLOCK_K // 32)
-    factor = _scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
-                           row_mask[:, None] & (groups < k_size // 32)[None, :])
-    factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [rows.shape[0], BLOCK_K // 32, 16]),
-                        [rows.shape[0], BLOCK_K // 2])
-    even = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-    odd = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
-    return even.to(tl.float32) * factor, odd.to(tl.float32) * factor
-
-
-@triton.jit
 def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-                acc_up, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr,
-                PAIR: tl.constexpr):
+                acc_up, stride_sum, bias_base, alpha, limit, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                WORD: tl.constexpr, SWAP: tl.constexpr, PAIR: tl.constexpr, SUMS: tl.constexpr,
+                DTYPE: tl.constexpr):
     """``(acc, acc_up)`` plus one K-tile (columns k0 .. k0 + BLOCK_K - 1) of ``x @ W[rows]^T``
     (transposed when SWAP) and, when PAIR, of ``x @ W[up_rows]^T`` into ``acc_up`` on the same
     activation loads (else acc_up is returned as given): ``x_base`` pointers at the token rows'
     starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
-    MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight), module
-    docstring; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile."""
+    MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight),
+    layers/moe/kernels/mxfp4_decode.py; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile.
+    The activation tiles by `_load_operand` (SUMS, DTYPE and the four arguments before them:
+    its own)."""
     if MXFP4:
         if WORD:
             kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
             k_words = (k_size // 32) * 4
-            words, factor = _words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn)
+            words, factor = load_words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn)
             if PAIR:
-                words_up, factor_up = _words(w_ptr, scales_ptr, up_rows, row_mask, kw, k_words, stride_wn, stride_sn)
+                words_up, factor_up = load_words(w_ptr, scales_ptr, up_rows, row_mask, kw, k_words, stride_wn,
+                                                 stride_sn)
             for q in tl.static_range(4):
-                pairs = _word_pairs(words, q)
+                pairs = word_pairs(words, q)
                 if PAIR:
-                    pairs_up = _word_pairs(words_up, q)
+                    pairs_up = word_pairs(words_up, q)
                 for high in tl.static_range(2):
-                    xk = _load_x(x_base, x_valid, 8 * kw + q + 4 * high, k_size, SWAP)
-                    acc = _mma(_fp16_half(pairs, high) * factor, xk, acc, SWAP)
+                    xk = _load_operand(x_base, x_valid, 8 * kw + q + 4 * high, k_size, stride_sum, bias_base,
+                                       alpha, limit, SUMS, SWAP, DTYPE)
+                    acc = _mma(fp16_half(pairs, high) * factor, xk, acc, SWAP)
                     if PAIR:
-                        acc_up = _mma(_fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP)
+                        acc_up = _mma(fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP)
         else:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            even, odd = _byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
+            even, odd = byte_halves(w_ptr, scales_ptr, rows, row_mask, k0 // 2, k_size, stride_wn, stride_sn, BLOCK_K)
             if PAIR:
-                even_up, odd_up = _byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
-                                               stride_sn, BLOCK_K)
-            xk = _load_x(x_base, x_valid, 2 * kb, k_size, SWAP)
+                even_up, odd_up = byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
+                                              stride_sn, BLOCK_K)
+            xk = _load_operand(x_base, x_valid, 2 * kb, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP,
+                               DTYPE)
             acc = _mma(even, xk, acc, SWAP)
             if PAIR:
                 acc_up = _mma(even_up, xk, acc_up, SWAP)
-            xk = _load_x(x_base, x_valid, 2 * kb + 1, k_size, SWAP)
+            xk = _load_operand(x_base, x_valid, 2 * kb + 1, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP,
+                               DTYPE)
             acc = _mma(odd, xk, acc, SWAP)
             if PAIR:
                 acc_up = _mma(odd_up, xk, acc_up, SWAP)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (k < k_size)[None, :]
-        xk = _load_x(x_base, x_valid, k, k_size, SWAP)
+        xk = _load_operand(x_base, x_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP, DTYPE)
         acc = _mma(tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc, SWAP)
         if PAIR:
             acc_up = _mma(tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc_up,
@@ -279,14 +215,22 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
                     num_slots, hidden, inter, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_be, stride_act,
+                    stride_be, stride_out_split, stride_out_row,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr):
+                    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr,
+                    SWAP: tl.constexpr):
+    """Launch 1 (module docstring). SPLIT_K 1: ``out`` is the activations ``[rows, I]`` by
+    sorted row. Else program ``pid`` sums split ``pid % SPLIT_K`` of the K range and stores its
+    fp32 gate and up sums, no bias, at ``out[split, slot, n]`` and ``out[split, slot, I + n]``
+    (``[SPLIT_K, slots, 2I]``), or with ATOMIC adds them into ``out[0]`` (``[1, slots, 2I]``, zeroed
+    by the caller)."""
     pid = tl.program_id(0)
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K
     num_n = tl.cdiv(inter, BLOCK_N)
-    block = pid // num_n
+    block = tile // num_n
     if block * BLOCK_M >= tl.load(num_rows_ptr):
         return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -295,7 +239,8 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
     x_base = x_ptr + (slots // TOPK).to(tl.int64) * stride_x
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bias_expert = bias_ptr + expert * stride_be
+    offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     gate_rows = offs_n.to(tl.int64)
     up_rows = gate_rows + inter
@@ -304,34 +249,59 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_pt
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc_gate)
-    for k0 in range(0, hidden, BLOCK_K):
-        acc_gate, acc_up = _accumulate(x_base, valid, w_expert, s_expert, gate_rows, up_rows, n_mask, k0, hidden,
-                                       stride_wn, stride_sn, acc_gate, acc_up, BLOCK_K, MXFP4, WORD, SWAP, True)
-    dot_ty = act_ptr.dtype.element_ty
-    gate_b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    up_b = tl.load(bias_ptr + expert * stride_be + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SWAP:
-        gate_b, up_b = gate_b[:, None], up_b[:, None]
-        act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_act + offs_n[:, None]
-        store_mask = n_mask[:, None]
+    if SPLIT_K == 1:
+        k_start, k_end = 0, hidden
     else:
-        gate_b, up_b = gate_b[None, :], up_b[None, :]
-        act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
-        store_mask = n_mask[None, :]
-    gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
-    up = (acc_up + up_b).to(dot_ty).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-    tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
+        k_per_split = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, hidden)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        acc_gate, acc_up = _accumulate(x_base, valid, w_expert, s_expert, gate_rows, up_rows, n_mask, k0, hidden,
+                                       stride_wn, stride_sn, acc_gate, acc_up, 0, bias_expert, alpha, limit, BLOCK_K,
+                                       MXFP4, WORD, SWAP, True, 0, tl.float32)
+    if SPLIT_K == 1:
+        dot_ty = out_ptr.dtype.element_ty
+        gate_b = tl.load(bias_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        up_b = tl.load(bias_expert + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SWAP:
+            gate_b, up_b = gate_b[:, None], up_b[:, None]
+            act_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_out_row + offs_n[:, None]
+            store_mask = n_mask[:, None]
+        else:
+            gate_b, up_b = gate_b[None, :], up_b[None, :]
+            act_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
+            store_mask = n_mask[None, :]
+        gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
+        up = (acc_up + up_b).to(dot_ty).to(tl.float32)
+        act = _swiglu(gate, up, alpha, limit)
+        tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
+    else:
+        slots64 = slots.to(tl.int64)
+        if SWAP:
+            ptrs = out_ptr + slots64[None, :] * stride_out_row + offs_n[:, None]
+            mask = valid[None, :] & n_mask[:, None]
+        else:
+            ptrs = out_ptr + slots64[:, None] * stride_out_row + offs_n[None, :]
+            mask = valid[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, acc_gate, mask=mask, sem="relaxed")
+            tl.atomic_add(ptrs + inter, acc_up, mask=mask, sem="relaxed")
+        else:
+            tl.store(ptrs + split * stride_out_split, acc_gate, mask=mask)
+            tl.store(ptrs + split * stride_out_split + inter, acc_up, mask=mask)
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
                  num_slots, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-                 stride_split, stride_slot,
+                 stride_split, stride_slot, stride_act_sum, gate_up_bias_ptr, stride_gate_up_be, alpha, limit,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT_SUMS: tl.constexpr, ACT_DTYPE: tl.constexpr):
+    """Launch 2 (module docstring). ACT_SUMS 0: ``act`` is the activations ``[rows, I]`` by
+    sorted row; else the gate/up launch's ACT_SUMS fp32 partial sums ``[ACT_SUMS, slots, 2I]``
+    by slot, turned into activations of ACT_DTYPE as each K-tile is loaded (`_load_act`, with
+    the gate/up bias, alpha and limit)."""
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -342,9 +312,14 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
-    act_base = act_ptr + offs_m.to(tl.int64) * stride_act
+    slots64 = slots.to(tl.int64)
+    if ACT_SUMS == 0:
+        act_base = act_ptr + offs_m.to(tl.int64) * stride_act
+    else:
+        act_base = act_ptr + slots64 * stride_act
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
+    gate_up_bias = gate_up_bias_ptr + expert * stride_gate_up_be
     offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     rows = offs_n.to(tl.int64)
@@ -356,8 +331,8 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, inter), BLOCK_K):
         acc, _ = _accumulate(act_base, valid, w_expert, s_expert, rows, rows, n_mask, k0, inter, stride_wn, stride_sn,
-                             acc, acc, BLOCK_K, MXFP4, WORD, SWAP, False)
-    slots64 = slots.to(tl.int64)
+                             acc, acc, stride_act_sum, gate_up_bias, alpha, limit, BLOCK_K, MXFP4, WORD, SWAP, False,
+                             ACT_SUMS, ACT_DTYPE)
     if HAS_BIAS:  # split 0 adds it
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         bias = tl.where(split == 0, bias, 0.0)
@@ -398,7 +373,9 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
-    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked)."""
+    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked). In
+    batch-invariant mode (`layers.batch_invariant.enabled`) the gate/up projection stays unsplit:
+    the default keeps ``split_k_gate_up`` 1 and a config that splits it is a ValueError."""
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -409,8 +386,9 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
-    cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4)
-    check_config(cfg, experts.mxfp4)
+    deterministic = batch_invariant.enabled()
+    cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
+    check_config(cfg, experts.mxfp4, deterministic)
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
     blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
     if experts.mxfp4:
@@ -426,21 +404,29 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         s13, s2 = w13, w2  # unused
         w13_strides = s13_strides = (w13.stride(0), w13.stride(1))
         w2_strides = s2_strides = (w2.stride(0), w2.stride(1))
-    variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap, num_warps=cfg.num_warps,
-                   num_stages=cfg.num_stages)
-    act = x.new_empty(blocks.sorted_slots.shape[0], inter)
-    _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
+    variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap)
+    splits = cfg.split_k_gate_up
+    if splits == 1:  # the activations by sorted row
+        act, act_sums = x.new_empty(blocks.sorted_slots.shape[0], inter), 0
+    else:  # fp32 partial gate/up sums by slot: one zeroed buffer for the atomics, else one per split
+        act_sums = 1 if cfg.gate_up_atomic else splits
+        act = (torch.zeros if cfg.gate_up_atomic else torch.empty)(act_sums, num_slots, 2 * inter,
+                                                                   dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up) * splits,)](
         x, w13, s13, experts.w13_bias, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, experts.alpha, experts.limit, x.stride(0), *w13_strides, *s13_strides,
-        experts.w13_bias.stride(0), act.stride(0),
-        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, **variant)
+        experts.w13_bias.stride(0), act.stride(0) if act_sums else 0, act.stride(-2),
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, SPLIT_K=splits,
+        ATOMIC=cfg.gate_up_atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **variant)
     partial = torch.empty(cfg.split_k_down, num_slots, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down) * cfg.split_k_down,)](
         act, w2, s2, experts.w2_bias, partial, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
-        num_slots, hidden, inter, act.stride(0), *w2_strides, *s2_strides, experts.w2_bias.stride(0),
-        partial.stride(0), partial.stride(1),
+        num_slots, hidden, inter, act.stride(-2), *w2_strides, *s2_strides, experts.w2_bias.stride(0),
+        partial.stride(0), partial.stride(1), act.stride(0) if act_sums else 0, experts.w13_bias,
+        experts.w13_bias.stride(0), experts.alpha, experts.limit,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, SPLIT_K=cfg.split_k_down,
-        HAS_BIAS=experts.tp_rank == 0, **variant)
+        HAS_BIAS=experts.tp_rank == 0, ACT_SUMS=act_sums, ACT_DTYPE=TL_DTYPES[x.dtype],
+        num_warps=cfg.num_warps_down or cfg.num_warps, num_stages=cfg.num_stages_down or cfg.num_stages, **variant)
     out = x.new_empty(tokens, hidden)
     weights = topk_weights.to(torch.float32).contiguous()
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](

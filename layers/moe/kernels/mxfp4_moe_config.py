@@ -1,0 +1,128 @@
+"""Tiles and variants of gpt-oss's experts kernel (layers/moe/kernels/triton_mxfp4_moe.py, whose
+module docstring describes each variant): the configuration, the default chooser and the limits
+a configuration must meet. Pure Python: nothing here needs triton or a GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Mxfp4MoEConfig:
+    """Tiles and variant of the launches (the kernel module's docstring). ``block_m``: token rows
+    per block (a power of two; at least 16 unless ``swap``); ``block_n_*``: output rows of W per
+    program (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at
+    least 128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``:
+    MXFP4 decoded from 32-bit words; ``split_k_down``: K splits of the down projection;
+    ``split_k_gate_up``: K splits of the gate/up projection (above 1: fp32 partial sums, the
+    bias and activation in the down launch's prologue, which loads every split's sums for each
+    of its activation tiles: its code and compile time grow with the splits, most with the word
+    decoder's eight tiles a K step); ``gate_up_atomic``: those partial sums added by fp32
+    atomics into one zeroed buffer instead of summed in split order by the down launch (one sum
+    to load; the order of the atomics is not fixed from 3 splits on); ``num_warps`` and
+    ``num_stages``: the gate/up launch's, and the down launch's unless ``num_warps_down`` /
+    ``num_stages_down`` are set (0: the same)."""
+
+    block_m: int
+    block_n_gate_up: int
+    block_k_gate_up: int
+    block_n_down: int
+    block_k_down: int
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+    word_decode: bool = False
+    split_k_down: int = 1
+    split_k_gate_up: int = 1
+    gate_up_atomic: bool = False
+    num_warps_down: int = 0
+    num_stages_down: int = 0
+
+
+# Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
+# configuration), ascending; `decode_block_config` takes the first that fits. The one entry is the
+# configuration measured best up to 4 rows per expert (`experts_block_config`'s table), used up to
+# 8 rows as before: the gate/up split and the other fields that keep more bytes in flight stay at
+# their unsplit defaults until a sweep on the GPU (benchmarks/kernels/bench_mxfp4_moe.py) measures
+# them.
+DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
+    (8.0, Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
+                         num_warps=4, num_stages=4)),
+)
+
+
+def decode_block_config(rows_per_expert: float) -> Optional[Mxfp4MoEConfig]:
+    """The first entry of `DECODE_CONFIGS` whose bound is at least ``rows_per_expert`` (MXFP4
+    weights); None past the last bound."""
+    for most_rows, config in DECODE_CONFIGS:
+        if rows_per_expert <= most_rows:
+            return config
+    return None
+
+
+def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
+                         deterministic: bool = False) -> Mxfp4MoEConfig:
+    """Tiles by the mean rows per expert (``num_slots / num_experts``), chosen by the sweep of
+    benchmarks/kernels/bench_mxfp4_moe.py (``--sweep``) at gpt-oss-20b's shapes on 1 × H200,
+    MXFP4 weights (µs per call; the best of 7 to 14 configurations at each point):
+
+        tokens  rows/expert  chosen                                         µs     % of 4.8 TB/s
+        1       0.125        x @ W^T, bytes, m 16, n 32, k 128, 4 warps     85.2   12.9
+        8       1            (the same)                                     335.5  17.2
+        32      4            (the same)                                     544.8  15.9
+        128     16           W @ x^T, words, m 16, n 64, k 256, 4 warps     868.3  10.2 (1.30x)
+        512     64           W @ x^T, words, m 64, n 64, k 256, 4 warps     1457.2 6.1  (2.75x)
+
+    (the speed-ups over the tiles used before: x @ W^T with the byte decoder, m 16 / 32). Up
+    to 4 rows no variant beat the tiles of the first row (the weight as the left operand, the word decoder,
+    token blocks of 8 or 1, K splits, 16 .. 128 rows and K steps of 128 .. 512 were all slower).
+    The switch points between the measured rows (8 and 32 rows per expert) are not measured.
+    bf16-form weights (not swept) keep the tiles from before: 16-row blocks up to 16 rows per
+    expert, then 32 and 64, 64-column tiles and 8 warps past 16 rows.
+
+    MXFP4 up to 8 rows per expert: `decode_block_config`. ``deterministic`` (batch-invariant
+    mode): the gate/up projection unsplit (``split_k_gate_up`` 1) whatever the table holds, so
+    that its sums keep one order, the unsplit kernel's."""
+    rows_per_expert = num_slots / num_experts
+    decode = decode_block_config(rows_per_expert) if mxfp4 else None
+    if decode is not None:
+        if deterministic and decode.split_k_gate_up > 1:
+            return replace(decode, split_k_gate_up=1, gate_up_atomic=False)
+        return decode
+    if mxfp4:
+        return Mxfp4MoEConfig(block_m=16 if rows_per_expert <= 32 else 64, block_n_gate_up=64, block_k_gate_up=256,
+                              block_n_down=64, block_k_down=256, num_warps=4, num_stages=3, swap=True,
+                              word_decode=True)
+    if rows_per_expert <= 16:
+        return Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
+                              num_warps=4, num_stages=4)
+    return Mxfp4MoEConfig(block_m=32 if rows_per_expert <= 64 else 64, block_n_gate_up=64, block_k_gate_up=128,
+                          block_n_down=64, block_k_down=128, num_warps=8, num_stages=3)
+
+
+def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool, deterministic: bool = False) -> None:
+    """ValueError naming the field when ``cfg`` cannot run (`Mxfp4MoEConfig`'s limits) or, with
+    ``deterministic`` (batch-invariant mode), splits the gate/up projection."""
+    for name in ("block_m", "block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down"):
+        value = getattr(cfg, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if not cfg.swap and cfg.block_m < 16:
+        raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
+    for name in ("split_k_down", "split_k_gate_up"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("num_warps", "num_stages", "num_warps_down", "num_stages_down"):
+        if getattr(cfg, name) < (0 if name.endswith("_down") else 1):
+            raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
+    if cfg.gate_up_atomic and cfg.split_k_gate_up == 1:
+        raise ValueError("gate_up_atomic needs split_k_gate_up above 1 (the unsplit gate/up launch has no partial "
+                         "sums)")
+    if deterministic and cfg.split_k_gate_up > 1:
+        raise ValueError(f"batch-invariant mode keeps the gate/up projection unsplit (split_k_gate_up=1), got "
+                         f"split_k_gate_up={cfg.split_k_gate_up}")
+    least = (128 if cfg.word_decode else 32) if mxfp4 else 16
+    for name in ("block_k_gate_up", "block_k_down"):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"
+                             f"{', word decoder' if mxfp4 and cfg.word_decode else ''}), got {getattr(cfg, name)}")
