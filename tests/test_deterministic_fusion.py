@@ -32,6 +32,10 @@ TOKEN_COUNTS = sorted(set(range(1, 18)) | {31, 32, 33, 63, 64, 65, 99, 100, 101,
 PROBES = 4  # probe rows per call (all of them when T >= 4)
 
 
+
+def _clone_or_none(t):
+    return None if t is None else t.clone()
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of a bf16/fp16/fp32 tensor (equality of these is equality of every bit, -0 included)."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
@@ -162,13 +166,12 @@ def _sweep(rank, world, token_counts, with_residual, dtype):
         res = residual if with_residual else None
         parts = [rank_rows(r, tokens, HIDDEN, dtype)[0] for r in range(world)]
         recipe = reference.canonical_all_reduce_add_rms_norm(parts, res, weight, EPS)
-        clone = lambda t: None if t is None else t.clone()
         partial = PartialSum(pending=x.clone(), layer_id=0, op=fusion)
-        outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, clone(res), weight, EPS)}
+        outputs = {"dispatch": fusion.reduce_add_rms_norm(partial, _clone_or_none(res), weight, EPS)}
         out["picked"][tokens] = fusion.strategy(0, tokens).value
         for name in status["deterministic_strategies"]:
             if fusion.backends[Strategy(name)].fits(tokens):
-                outputs[name] = fusion.run(Strategy(name), x.clone(), clone(res), weight, EPS)
+                outputs[name] = fusion.run(Strategy(name), x.clone(), _clone_or_none(res), weight, EPS)
         out["rows"][tokens] = {"recipe": _probe(*recipe, at), **{k: _probe(*v[:2], at) for k, v in outputs.items()}}
         out["differs"].update({(k, tokens): _differs(v, recipe) for k, v in outputs.items() if _differs(v, recipe)})
     fusion.destroy()
