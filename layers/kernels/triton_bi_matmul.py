@@ -44,6 +44,7 @@ from arfusion.layers.kernels.bi_matmul_table import load_table
 TARGET_PROGRAMS = 256  # about two programs per SM of an H200 at M <= BLOCK_M
 MAX_SPLITS = 8
 MIN_SPLIT_K = 512  # a split keeps at least this many K columns
+GROUP_M = 8  # row tiles per group of the program order (L2 reuse of W in large prefills)
 
 
 class MatmulConfig(NamedTuple):
@@ -81,10 +82,17 @@ def default_config(n: int, k: int) -> MatmulConfig:
 @triton.jit
 def _matmul_kernel(X, W, Bias, Out, Part, M, N, K, split_k, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
+                   SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr):
+    # tiles in groups of GROUP_M row tiles: consecutive programs share W's column tiles and x's
+    # row tiles in L2 (a large prefill reads W once per group instead of once per row tile)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -145,10 +153,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     split_k = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
     part = out if cfg.splits == 1 else torch.empty(cfg.splits, m, n, dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.splits)
     _matmul_kernel[grid](x, weight, bias_arg, out, part, m, n, k, split_k, x.stride(0), weight.stride(0),
                          out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         SPLITS=cfg.splits, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+                         SPLITS=cfg.splits, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
     if cfg.splits > 1:
         block = 1024
