@@ -20,7 +20,9 @@ fields that replace the default's at each token count, e.g. ``swap=1,word_decode
 or ``block_n_down=64,split_k_down=2,num_stages=4`` or ``split_k_gate_up=4,num_stages_down=3`` (booleans
 as 0 / 1; every field of `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K
 splits of either projection). ``--sweep`` adds this file's candidate list (`sweep_candidates`:
-the variants by token count) after them.
+the variants by token count) after them. ``--profile`` prints under each row its launches
+(align, gate/up, down, combine, ...) with their GPU µs per call, from the torch profiler's
+records of the graph's replays.
 
 Time: each configuration compiles its gate/up and down launches for each token count whose
 slot count differs in divisibility by 16 (triton specialises integer arguments on it), seconds
@@ -35,7 +37,7 @@ import statistics
 
 import torch
 
-from arfusion.benchmarks.kernels.graph_timing import median_replay_us
+from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op, median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
 MODELS = {"gpt-oss-20b": 32, "gpt-oss-120b": 128}  # experts; hidden = intermediate = 2880, top-4
@@ -106,9 +108,10 @@ def sweep_candidates(tokens: int) -> list[dict]:
     return out
 
 
-def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
+def bench(experts, tokens: int, seed: int, configs: list, profile: bool = False) -> list[dict]:
     """Rows at ``tokens`` (module docstring), one per configuration in ``configs`` (None: the
-    kernel's default; else a `Mxfp4MoEConfig`), on the same inputs."""
+    kernel's default; else a `Mxfp4MoEConfig`), on the same inputs; with ``profile`` each row
+    also has ``kernels``: µs per call of each of its launches (`kernel_us_per_op`)."""
     from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
@@ -143,6 +146,8 @@ def bench(experts, tokens: int, seed: int, configs: list) -> list[dict]:
             graph.replay()
             row["us"] = median_replay_us(graph, CALLS)
             row["bandwidth_share"] = floor_us / row["us"]
+            if profile:
+                row["kernels"] = kernel_us_per_op(graph, CALLS)
             del graph
         except Exception as exc:  # a candidate that does not compile or run: its row says why
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
@@ -174,6 +179,8 @@ def main() -> None:
                         help="more configurations to time, each NAME=VALUE,... of Mxfp4MoEConfig fields over the "
                              "default's")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate list (sweep_candidates)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each configuration's launches with their GPU µs per call (torch profiler)")
     parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -193,7 +200,7 @@ def main() -> None:
                 overrides = list(args.configs) + (sweep_candidates(tokens) if args.sweep else [])
                 configs = [None] + [dataclasses.replace(base, **o) for o in overrides]
                 default_us = None
-                for row in bench(experts, tokens, tokens, configs):
+                for row in bench(experts, tokens, tokens, configs, args.profile):
                     row = {"model": model, "weights": args.weights, **row}
                     row["changed"] = {k: v for k, v in row["config"].items() if getattr(base, k) != v}
                     rows.append(row)
@@ -207,6 +214,8 @@ def main() -> None:
                           f"{100 * row['bandwidth_share']:>8.1f}% {row['floor_us']:>8.1f} {row['bytes'] / 1e6:>7.1f} "
                           f"{row['rel_rms_error']:>8.1e} {'yes' if row['deterministic'] else 'NO':>3}  {label}",
                           flush=True)
+                    for name, us in row.get("kernels", {}).items():
+                        print(f"{'':>13} {us:8.1f} us  {name}", flush=True)
                 best = min((r for r in rows if r["model"] == model and r["tokens"] == tokens and "us" in r),
                            key=lambda r: r["us"])
                 print(f"{'':>13} best at {tokens} tokens: {best['us']:.1f} us, "

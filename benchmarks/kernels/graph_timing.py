@@ -1,4 +1,5 @@
-"""Timing a captured CUDA graph: the median over replays of the µs per operation it holds."""
+"""Timing a captured CUDA graph: the median over replays of the µs per operation it holds, and
+the GPU time of each of its kernels per operation."""
 import statistics
 
 import torch
@@ -16,3 +17,21 @@ def median_replay_us(graph: torch.cuda.CUDAGraph, ops_per_replay: int, replays: 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / ops_per_replay)
     return statistics.median(times)
+
+
+def kernel_us_per_op(graph: torch.cuda.CUDAGraph, ops_per_replay: int, replays: int = 3) -> dict[str, float]:
+    """GPU time of each kernel of ``graph`` (by name, the profiler's CUPTI records of the replayed
+    kernels), summed over ``replays`` replays and divided by ``replays * ops_per_replay``, in µs,
+    largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            totals[event.name[:60]] = totals.get(event.name[:60], 0.0) + event.device_time
+    return {name: us / (replays * ops_per_replay) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
