@@ -10,7 +10,9 @@ and more rows per expert, the default is the weight as the left operand with the
 small tiles at hidden 96 (several K-tiles and column tiles, a masked K tail); the word decoder,
 the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and K splits of the
 down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
-96 or 160 (two K-tiles of 128, the second masked). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
+96 or 160 (two K-tiles of 128, the second masked); the matrix-vector launches (gemv: the default
+at 1 and 3 tokens, and small tiles at 1 / 3 / 8 tokens over several K steps with a masked tail
+and several row tiles with a masked last one). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
 with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
@@ -45,6 +47,7 @@ CONFIGS = {
                       swap=True, word_decode=True, split_k_down=3),
     "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                          swap=True, word_decode=True, split_k_down=2),
+    "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True),
 }
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
@@ -56,7 +59,9 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (8, True, 160, 160, "swap_word", False), (33, True, 160, 160, "swap_word", False),
          (1, True, 160, 160, "swap_word_m1", False), (3, True, 160, 160, "swap_word_m1", True),
          (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
-         (33, False, 96, 96, "swap", False)]
+         (33, False, 96, 96, "swap", False),
+         (1, True, 160, 96, "gemv", False), (3, True, 96, 160, "gemv", True), (8, True, 160, 160, "gemv", False),
+         (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False)]
 
 def fill_experts(experts, seed: int) -> None:
     """Seeded random weights in place: bf16-form weights N(0, 0.5) on gate/up, N(0, 0.1) on down;
@@ -118,7 +123,7 @@ def test_matches_torch_reference(interpreted, case):
 
 # TP shards: (configuration as above, hidden, full intermediate); each rank's share of the
 # intermediate is a multiple of 32, one group (32) or several (64, 96)
-TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128)]
+TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128), ("gemv", 96, 192)]
 
 
 def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:

@@ -1,7 +1,7 @@
 """Every variant of gpt-oss's experts kernel (layers/moe/kernels/triton_mxfp4_moe.py:
 `Mxfp4MoEConfig`'s swap, word decoder, token blocks down to one row, K splits of the down
 projection, K splits of the gate/up projection summed in order or by atomics (2 and 8, two of
-the 8 empty), with the down launch's own warps and stages) on one GPU at gpt-oss-20b's expert
+the 8 empty), with the down launch's own warps and stages; the matrix-vector launches, gemv) on one GPU at gpt-oss-20b's expert
 shapes (hidden 2880, intermediate 2880, 8 of its 32 experts to keep the test short, top-4), bf16
 activations, MXFP4 and bf16-form weights, 1 / 3 / 8 / 33 tokens, against
 `GptOssExperts.forward_torch` on the same weights: relative RMS error at most 1e-2 (bf16: one
@@ -37,6 +37,9 @@ VARIANTS = {
                               split_k_down=2),
     "split13_atomic2": dict(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                             split_k_gate_up=2, gate_up_atomic=True),
+    "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=512, block_n_down=16, block_k_down=512, gemv=True),
+    "gemv_n32_k256": dict(block_m=1, block_n_gate_up=32, block_k_gate_up=256, block_n_down=32, block_k_down=256,
+                          num_warps=8, gemv=True),
     "split13_atomic8": dict(block_m=16, block_n_gate_up=64, block_k_gate_up=256, block_n_down=64, block_k_down=256,
                             split_k_gate_up=8, gate_up_atomic=True),  # 12 K-tiles: 6 splits of 2, 2 empty
 }

@@ -21,7 +21,10 @@ class Mxfp4MoEConfig:
     atomics into one zeroed buffer instead of summed in split order by the down launch (one sum
     to load; the order of the atomics is not fixed from 3 splits on); ``num_warps`` and
     ``num_stages``: the gate/up launch's, and the down launch's unless ``num_warps_down`` /
-    ``num_stages_down`` are set (0: the same)."""
+    ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector launches of
+    layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and ``block_n_*`` rows,
+    ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``, ``word_decode``
+    and the stages unused, no K splits)."""
 
     block_m: int
     block_n_gate_up: int
@@ -37,6 +40,7 @@ class Mxfp4MoEConfig:
     gate_up_atomic: bool = False
     num_warps_down: int = 0
     num_stages_down: int = 0
+    gemv: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -49,6 +53,20 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
     (8.0, Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                          num_warps=4, num_stages=4)),
 )
+
+
+# The matrix-vector launches (``gemv``) serve calls of at most this many slots (tokens x top-k):
+# they read an expert's weights once per slot that uses it, so past a few tokens the grouped
+# launches, which read them once per expert, take over. Tiles and bound from the GPU sweep of
+# benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section).
+# By weight form (MXFP4 or not): a K step of 64 words (512 columns) or of 128 bf16 columns.
+GEMV_MAX_SLOTS = 16
+GEMV_CONFIGS = {
+    True: Mxfp4MoEConfig(block_m=1, block_n_gate_up=16, block_k_gate_up=512, block_n_down=16, block_k_down=512,
+                         num_warps=4, gemv=True),
+    False: Mxfp4MoEConfig(block_m=1, block_n_gate_up=16, block_k_gate_up=128, block_n_down=16, block_k_down=128,
+                          num_warps=4, gemv=True),
+}
 
 
 def decode_block_config(rows_per_expert: float) -> Optional[Mxfp4MoEConfig]:
@@ -82,7 +100,13 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
 
     MXFP4 up to 8 rows per expert: `decode_block_config`. ``deterministic`` (batch-invariant
     mode): the gate/up projection unsplit (``split_k_gate_up`` 1) whatever the table holds, so
-    that its sums keep one order, the unsplit kernel's."""
+    that its sums keep one order, the unsplit kernel's.
+
+    Up to `GEMV_MAX_SLOTS` slots, outside batch-invariant mode: `GEMV_CONFIGS` (a slot's result
+    then depends on its own token alone, but its sums over K run in another order than the
+    grouped launches', so batch-invariant mode does not take it and keeps the tiles above)."""
+    if num_slots <= GEMV_MAX_SLOTS and not deterministic:
+        return GEMV_CONFIGS[mxfp4]
     rows_per_expert = num_slots / num_experts
     decode = decode_block_config(rows_per_expert) if mxfp4 else None
     if decode is not None:
@@ -107,7 +131,7 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool, deterministic: bool = False) 
         value = getattr(cfg, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    if not cfg.swap and cfg.block_m < 16:
+    if not cfg.swap and not cfg.gemv and cfg.block_m < 16:
         raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
     for name in ("split_k_down", "split_k_gate_up"):
         if getattr(cfg, name) < 1:
@@ -115,13 +139,15 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool, deterministic: bool = False) 
     for name in ("num_warps", "num_stages", "num_warps_down", "num_stages_down"):
         if getattr(cfg, name) < (0 if name.endswith("_down") else 1):
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
+    if cfg.gemv and (cfg.split_k_gate_up > 1 or cfg.split_k_down > 1):
+        raise ValueError("gemv has no K splits (split_k_gate_up and split_k_down must be 1)")
     if cfg.gate_up_atomic and cfg.split_k_gate_up == 1:
         raise ValueError("gate_up_atomic needs split_k_gate_up above 1 (the unsplit gate/up launch has no partial "
                          "sums)")
     if deterministic and cfg.split_k_gate_up > 1:
         raise ValueError(f"batch-invariant mode keeps the gate/up projection unsplit (split_k_gate_up=1), got "
                          f"split_k_gate_up={cfg.split_k_gate_up}")
-    least = (128 if cfg.word_decode else 32) if mxfp4 else 16
+    least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:
             raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"

@@ -71,6 +71,8 @@ from arfusion.layers.moe.kernels.mxfp4_decode import byte_halves, fp16_half, loa
 from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig, check_config, experts_block_config
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
+from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
+from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
 
 COMBINE_BLOCK = 512  # output columns per program of the combine launch
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -88,15 +90,6 @@ def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _swiglu(gate, up, alpha, limit):
-    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``,
-    elementwise in fp32 (gate and up already rounded to the activations' dtype)."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-
-
-@triton.jit
 def _load_act(rows_base, rows_valid, k, inter, stride_sum, bias_base, alpha, limit, SUMS: tl.constexpr,
               SWAP: tl.constexpr, DTYPE: tl.constexpr):
     """The activations the unsplit gate/up launch stores, from the split launch's fp32 partial
@@ -105,7 +98,7 @@ def _load_act(rows_base, rows_valid, k, inter, stride_sum, bias_base, alpha, lim
     gate/up bias, ``inter`` = I;
 
         gate = round(p[0, k] + ... + p[SUMS - 1, k] + b_gate[k]),  up likewise at I + k,
-        act  = round(`_swiglu`(gate, up))                          (round: to DTYPE)
+        act  = round(`clamped_swiglu`(gate, up))                          (round: to DTYPE)
 
     ``[K, M]`` when SWAP, else ``[M, K]`` (`_load_x`), DTYPE; zeros at invalid rows and k >= I."""
     gate = _load_x(rows_base, rows_valid, k, inter, SWAP)
@@ -122,7 +115,7 @@ def _load_act(rows_base, rows_valid, k, inter, stride_sum, bias_base, alpha, lim
     else:
         gate_b, up_b = gate_b[None, :], up_b[None, :]
         keep = rows_valid[:, None] & k_mask[None, :]
-    act = _swiglu((gate + gate_b).to(DTYPE).to(tl.float32), (up + up_b).to(DTYPE).to(tl.float32), alpha, limit)
+    act = clamped_swiglu((gate + gate_b).to(DTYPE).to(tl.float32), (up + up_b).to(DTYPE).to(tl.float32), alpha, limit)
     return tl.where(keep, act, 0.0).to(DTYPE)
 
 
@@ -273,7 +266,7 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_slots_pt
             store_mask = n_mask[None, :]
         gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
         up = (acc_up + up_b).to(dot_ty).to(tl.float32)
-        act = _swiglu(gate, up, alpha, limit)
+        act = clamped_swiglu(gate, up, alpha, limit)
         tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
     else:
         slots64 = slots.to(tl.int64)
@@ -389,6 +382,14 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     deterministic = batch_invariant.enabled()
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
     check_config(cfg, experts.mxfp4, deterministic)
+    out = x.new_empty(tokens, hidden)
+    weights = topk_weights.to(torch.float32).contiguous()
+    if cfg.gemv:
+        partial = gemv_partials(x, experts, topk_ids, cfg)
+        _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+            partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
+            TOPK=top_k, SPLIT_K=1, BLOCK=COMBINE_BLOCK, num_warps=4)
+        return out
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
     blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
     if experts.mxfp4:
@@ -427,8 +428,6 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, SPLIT_K=cfg.split_k_down,
         HAS_BIAS=experts.tp_rank == 0, ACT_SUMS=act_sums, ACT_DTYPE=TL_DTYPES[x.dtype],
         num_warps=cfg.num_warps_down or cfg.num_warps, num_stages=cfg.num_stages_down or cfg.num_stages, **variant)
-    out = x.new_empty(tokens, hidden)
-    weights = topk_weights.to(torch.float32).contiguous()
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
         TOPK=top_k, SPLIT_K=cfg.split_k_down, BLOCK=COMBINE_BLOCK, num_warps=4)
