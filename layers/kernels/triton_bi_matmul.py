@@ -33,6 +33,7 @@ scratch ``[S, M, N]``. Launch and buffers depend on shapes only (CUDA-graph capt
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,6 +41,7 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.kernels.bi_matmul_table import load_table
+from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 
 TARGET_PROGRAMS = 256  # about two programs per SM of an H200 at M <= BLOCK_M
 MAX_SPLITS = 8
@@ -133,33 +135,54 @@ def _reduce_kernel(Part, Bias, Out, M, N, stride_om, SPLITS: tl.constexpr, BLOCK
     tl.store(Out + m.to(tl.int64) * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=n_mask)
 
 
+MATMUL_LAUNCHER = CachedLauncher(_matmul_kernel, max_entries=256)
+REDUCE_LAUNCHER = CachedLauncher(_reduce_kernel, max_entries=64)
+REDUCE_BLOCK = 1024
+
+
+class LaunchPlan(NamedTuple):
+    config: MatmulConfig
+    split_k: int  # K columns per split: Ks = round_up(ceil(K / S), BLOCK_K)
+    grid: tuple[int, int]  # of _matmul_kernel: (row tiles x column tiles, S)
+    reduce_grid: tuple[int, int]  # of _reduce_kernel: (M, column blocks)
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_plan(m: int, n: int, k: int, config: Optional[MatmulConfig] = None) -> LaunchPlan:
+    """The config (``config`` or `choose_config`), split width and grids of an ``[m, k] x [k, n]``
+    product; cached per arguments (the table is read once per process anyway)."""
+    cfg = config or choose_config(n, k, m)
+    split_k = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.splits)
+    return LaunchPlan(cfg, split_k, grid, (m, triton.cdiv(n, REDUCE_BLOCK)))
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            config: Optional[MatmulConfig] = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias [N])`` -> new ``[M, N]`` of x's dtype (module
     docstring). ``x`` and ``weight`` need a contiguous last dimension and one dtype; ``config``
-    overrides `choose_config` (tests)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
+    overrides `choose_config` (tests). Both kernels go through `CachedLauncher`s."""
+    x_shape, w_shape = x.shape, weight.shape
+    if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != w_shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x_shape)} and {tuple(w_shape)}")
+    dtype, has_bias = x.dtype, bias is not None
+    if weight.dtype != dtype or (has_bias and (bias.shape != (w_shape[0],) or bias.dtype != dtype)):
         raise ValueError(f"x, weight and bias must share one dtype and bias must be [N]; got {x.dtype}, "
                          f"{weight.dtype}, {None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (has_bias and not bias.is_contiguous()):
         raise ValueError("x and weight need a contiguous last dimension, bias must be contiguous")
-    (m, k), n = x.shape, weight.shape[0]
-    cfg = config or choose_config(n, k, m)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    (m, k), n = x_shape, w_shape[0]
+    out = torch.empty(m, n, dtype=dtype, device=x.device)
     if m == 0:
         return out
-    split_k = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
-    part = out if cfg.splits == 1 else torch.empty(cfg.splits, m, n, dtype=torch.float32, device=x.device)
-    bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.splits)
-    _matmul_kernel[grid](x, weight, bias_arg, out, part, m, n, k, split_k, x.stride(0), weight.stride(0),
-                         out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         SPLITS=cfg.splits, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
-    if cfg.splits > 1:
-        block = 1024
-        _reduce_kernel[(m, triton.cdiv(n, block))](part, bias_arg, out, m, n, out.stride(0), SPLITS=cfg.splits,
-                                                   BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    cfg, split_k, grid, reduce_grid = launch_plan(m, n, k, config)
+    splits = cfg.splits
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    bias_arg = bias if has_bias else out
+    # out is a new contiguous [m, n]: its row stride is n
+    MATMUL_LAUNCHER(grid, x, weight, bias_arg, out, part, m, n, k, split_k, x.stride(0), weight.stride(0), n,
+                    cfg.block_m, cfg.block_n, cfg.block_k, splits, has_bias, GROUP_M,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        REDUCE_LAUNCHER(reduce_grid, part, bias_arg, out, m, n, n, splits, REDUCE_BLOCK, has_bias, num_warps=4)
     return out
