@@ -60,10 +60,10 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
 # launches, which read them once per expert, take over. Tiles and bound from the GPU sweep of
 # benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section).
 # By weight form (MXFP4 or not): a K step of 64 words (512 columns) or of 128 bf16 columns.
-GEMV_MAX_SLOTS = 16
+GEMV_MAX_SLOTS = 32
 GEMV_CONFIGS = {
-    True: Mxfp4MoEConfig(block_m=1, block_n_gate_up=16, block_k_gate_up=512, block_n_down=16, block_k_down=512,
-                         num_warps=4, gemv=True),
+    True: Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=512, block_n_down=8, block_k_down=512,
+                         num_warps=2, gemv=True),
     False: Mxfp4MoEConfig(block_m=1, block_n_gate_up=16, block_k_gate_up=128, block_n_down=16, block_k_down=128,
                           num_warps=4, gemv=True),
 }
