@@ -10,8 +10,8 @@ and more rows per expert, the default is the weight as the left operand with the
 small tiles at hidden 96 (several K-tiles and column tiles, a masked K tail); the word decoder,
 the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and K splits of the
 down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
-96 or 160 (two K-tiles of 128, the second masked); the matrix-vector launches (gemv: the default
-at 1 and 3 tokens, and small tiles at 1 / 3 / 8 tokens over several K steps with a masked tail
+96 or 160 (two K-tiles of 128, the second masked); the matrix-vector launches (gemv: MXFP4's default
+at 5 tokens, and small tiles at 1 / 3 / 8 tokens over several K steps with a masked tail
 and several row tiles with a masked last one). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
 with some scale bytes 0 (2^-127).
 

@@ -55,18 +55,15 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
 )
 
 
-# The matrix-vector launches (``gemv``) serve calls of at most this many slots (tokens x top-k):
-# they read an expert's weights once per slot that uses it, so past a few tokens the grouped
-# launches, which read them once per expert, take over. Tiles and bound from the GPU sweep of
-# benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section).
-# By weight form (MXFP4 or not): a K step of 64 words (512 columns) or of 128 bf16 columns.
+# The matrix-vector launches (``gemv``) serve MXFP4 calls of at most this many slots (tokens x
+# top-k): they read an expert's weights once per slot that uses it, so past a few tokens the
+# grouped launches, which read them once per expert, take over. Tiles and bound from the GPU sweep
+# of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section): 8 rows, K steps of
+# 512 columns (64 words), 2 warps were the fastest of 8 tiles at 1, 2, 4 and 8 tokens and beat the
+# grouped launches at each; bf16-form weights stay on the grouped launches, faster there.
 GEMV_MAX_SLOTS = 32
-GEMV_CONFIGS = {
-    True: Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=512, block_n_down=8, block_k_down=512,
-                         num_warps=2, gemv=True),
-    False: Mxfp4MoEConfig(block_m=1, block_n_gate_up=16, block_k_gate_up=128, block_n_down=16, block_k_down=128,
-                          num_warps=4, gemv=True),
-}
+GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=512, block_n_down=8, block_k_down=512,
+                             num_warps=2, gemv=True)
 
 
 def decode_block_config(rows_per_expert: float) -> Optional[Mxfp4MoEConfig]:
@@ -102,11 +99,11 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
     mode): the gate/up projection unsplit (``split_k_gate_up`` 1) whatever the table holds, so
     that its sums keep one order, the unsplit kernel's.
 
-    Up to `GEMV_MAX_SLOTS` slots, outside batch-invariant mode: `GEMV_CONFIGS` (a slot's result
+    MXFP4 up to `GEMV_MAX_SLOTS` slots, outside batch-invariant mode: `GEMV_CONFIG` (a slot's result
     then depends on its own token alone, but its sums over K run in another order than the
     grouped launches', so batch-invariant mode does not take it and keeps the tiles above)."""
-    if num_slots <= GEMV_MAX_SLOTS and not deterministic:
-        return GEMV_CONFIGS[mxfp4]
+    if mxfp4 and num_slots <= GEMV_MAX_SLOTS and not deterministic:
+        return GEMV_CONFIG
     rows_per_expert = num_slots / num_experts
     decode = decode_block_config(rows_per_expert) if mxfp4 else None
     if decode is not None:
