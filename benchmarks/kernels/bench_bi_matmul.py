@@ -52,7 +52,7 @@ def host_us(fn: Callable[[], torch.Tensor]) -> float:
 def host_overhead() -> list[dict]:
     """`host_us` of ``F.linear`` and of the matmul with and without its launch cache, per
     `HOST_SHAPES` entry at one row; printed and returned."""
-    launchers = (triton_bi_matmul.MATMUL_LAUNCHER, triton_bi_matmul.REDUCE_LAUNCHER)
+    launchers = (triton_bi_matmul.MATMUL_LAUNCHER,)
     results = []
     print(f"{'N':>6} {'K':>6} {'splits':>6} {'F.linear us':>11} {'cached us':>9} {'uncached us':>11}")
     for n, k in HOST_SHAPES:

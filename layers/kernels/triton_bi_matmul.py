@@ -5,9 +5,11 @@ the number of rows M in the call and whatever the other rows hold.
                                                            of x[m, k] . W[n, k]   (fp32 accumulation)
 
 S splits of K (split s takes K columns [s*Ks, (s+1)*Ks), Ks = round_up(ceil(K / S), BLOCK_K)),
-each a ``tl.dot`` loop over BLOCK_K-wide blocks in increasing k; the partial sums P_s (fp32) are
-added in the fixed order s = 0, 1, ..., S-1 by a second kernel, which adds the bias in fp32 and
-rounds once to the output dtype (S = 1: the first kernel does that itself).
+each a ``tl.dot`` loop over BLOCK_K-wide blocks in increasing k, one program per (tile, split);
+each stores its partial sum P_s (fp32) and counts its arrival on the tile's counter, and the
+tile's last program to arrive adds the S partials in the fixed order s = 0, 1, ..., S-1, adds the
+bias in fp32 and rounds once to the output dtype (S = 1: the one program does that). Which
+program arrives last varies from run to run; the order of the sums does not.
 
 Why it is row-invariant: BLOCK_K and S, which fix the order of the sums over K, are functions of
 (N, K) only (`choose_config`), never of M. A row is one row of a BLOCK_M tile; tensor-core
@@ -29,7 +31,9 @@ H200's 132 SMs at N = 4096 (64 tiles of 64 columns), so it cannot reach the memo
 floor; a fixed S reduced in a fixed order keeps the result a function of (N, K) alone.
 
 Effects: reads x, W and b; returns a new ``[M, N]`` tensor of x's dtype; with S > 1 uses an fp32
-scratch ``[S, M, N]``. Launch and buffers depend on shapes only (CUDA-graph capturable).
+scratch ``[S, M, N]`` and the device's arrival counters (`arrival_counters`: zero before and
+after each call; calls that share a device run one at a time, as on one stream). Launch and
+buffers depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ def default_config(n: int, k: int) -> MatmulConfig:
 
 
 @triton.jit
-def _matmul_kernel(X, W, Bias, Out, Part, M, N, K, split_k, stride_xm, stride_wn, stride_om,
+def _matmul_kernel(X, W, Bias, Out, Part, Arrivals, M, N, K, split_k, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr):
     # tiles in groups of GROUP_M row tiles: consecutive programs share W's column tiles and x's
@@ -111,50 +115,63 @@ def _matmul_kernel(X, W, Bias, Out, Part, M, N, K, split_k, stride_xm, stride_wn
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
     mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if SPLITS == 1:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(Out.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
     else:
-        rows = (split * M + offs_m).to(tl.int64)
-        tl.store(Part + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _reduce_kernel(Part, Bias, Out, M, N, stride_om, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
-    m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    n_mask = offs_n < N
-    acc = tl.load(Part + m.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(Part + (s * M + m).to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Out + m.to(tl.int64) * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=n_mask)
+        part_ptrs = Part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # split s: s * M * N further
+        tl.store(part_ptrs + split.to(tl.int64) * M * N, acc, mask=mask)
+        # every thread's stores before the tile's arrival count (release), the last program of
+        # the tile reads the others' partials after it (acquire) from L2 (.cg), in split order
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Arrivals + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(Arrivals + pid, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
 MATMUL_LAUNCHER = CachedLauncher(_matmul_kernel, max_entries=256)
-REDUCE_LAUNCHER = CachedLauncher(_reduce_kernel, max_entries=64)
-REDUCE_BLOCK = 1024
+MIN_ARRIVAL_COUNTERS = 1 << 16
+_arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the zeroed int32 arrival counters of the tiles
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's int32 counters (zero between calls) for a split launch of ``tiles`` tiles,
+    at least MIN_ARRIVAL_COUNTERS; a larger buffer is made when a call needs more, which a CUDA
+    graph capture cannot do (RuntimeError naming the sizes)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _arrivals.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"batch-invariant matmul: a split launch of {tiles} tiles needs more arrival counters "
+                               f"than the {0 if counters is None else counters.numel()} made so far, which cannot "
+                               f"be allocated during CUDA graph capture; run the shape once before capturing")
+        counters = torch.zeros(max(tiles, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _arrivals[device] = counters
+    return counters
 
 
 class LaunchPlan(NamedTuple):
     config: MatmulConfig
     split_k: int  # K columns per split: Ks = round_up(ceil(K / S), BLOCK_K)
-    grid: tuple[int, int]  # of _matmul_kernel: (row tiles x column tiles, S)
-    reduce_grid: tuple[int, int]  # of _reduce_kernel: (M, column blocks)
+    grid: tuple[int, int]  # (row tiles x column tiles, S)
 
 
 @functools.lru_cache(maxsize=4096)
 def launch_plan(m: int, n: int, k: int, config: Optional[MatmulConfig] = None) -> LaunchPlan:
-    """The config (``config`` or `choose_config`), split width and grids of an ``[m, k] x [k, n]``
+    """The config (``config`` or `choose_config`), split width and grid of an ``[m, k] x [k, n]``
     product; cached per arguments (the table is read once per process anyway)."""
     cfg = config or choose_config(n, k, m)
     split_k = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.splits)
-    return LaunchPlan(cfg, split_k, grid, (m, triton.cdiv(n, REDUCE_BLOCK)))
+    return LaunchPlan(cfg, split_k, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.splits))
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -175,14 +192,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     if m == 0:
         return out
-    cfg, split_k, grid, reduce_grid = launch_plan(m, n, k, config)
+    cfg, split_k, grid = launch_plan(m, n, k, config)
     splits = cfg.splits
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    bias_arg = bias if has_bias else out
+    if splits == 1:
+        part = arrivals = out
+    else:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(x.device, grid[0])
     # out is a new contiguous [m, n]: its row stride is n
-    MATMUL_LAUNCHER(grid, x, weight, bias_arg, out, part, m, n, k, split_k, x.stride(0), weight.stride(0), n,
-                    cfg.block_m, cfg.block_n, cfg.block_k, splits, has_bias, GROUP_M,
+    MATMUL_LAUNCHER(grid, x, weight, bias if has_bias else out, out, part, arrivals, m, n, k, split_k, x.stride(0),
+                    weight.stride(0), n, cfg.block_m, cfg.block_n, cfg.block_k, splits, has_bias, GROUP_M,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        REDUCE_LAUNCHER(reduce_grid, part, bias_arg, out, m, n, n, splits, REDUCE_BLOCK, has_bias, num_warps=4)
     return out
