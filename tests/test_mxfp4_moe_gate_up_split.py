@@ -123,8 +123,8 @@ def test_batch_invariant_default_keeps_gate_up_unsplit(monkeypatch):
     entry = mc.Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32,
                               block_k_down=128, split_k_gate_up=4, gate_up_atomic=True, num_stages=5)
     monkeypatch.setattr(mc, "DECODE_CONFIGS", ((8.0, entry),))
-    assert mc.experts_block_config(4, 32, True) == entry
-    assert mc.experts_block_config(4, 32, True, deterministic=True) == dataclasses.replace(
+    assert mc.experts_block_config(64, 32, True) == entry  # past the matrix-vector launches' slots
+    assert mc.experts_block_config(64, 32, True, deterministic=True) == dataclasses.replace(
         entry, split_k_gate_up=1, gate_up_atomic=False)
     # past the decode table: the prefill tiles, unsplit either way
     assert mc.experts_block_config(2048, 32, True, deterministic=True).split_k_gate_up == 1
