@@ -18,3 +18,21 @@ def _interpreted(rank: int, world: int) -> list:
 def test_split_partials_are_summed_in_order_by_the_last_program():
     pytest.importorskip("triton")
     assert run_under_triton_interpreter(_interpreted, timeout_s=240) == []
+
+
+def test_outgrown_arrival_counters_stay_allocated(monkeypatch):
+    """A larger counter buffer replaces the device's, and the smaller one is kept alive (a CUDA
+    graph captured on it would otherwise launch on freed memory); both start at zero."""
+    import torch
+
+    pytest.importorskip("triton")
+    from arfusion.layers.kernels import triton_bi_matmul as bm
+
+    monkeypatch.setattr(bm, "_arrivals", {})
+    monkeypatch.setattr(bm, "_outgrown", [])
+    device = torch.device("cpu")
+    small = bm.arrival_counters(device, 10)
+    assert small.numel() == bm.MIN_ARRIVAL_COUNTERS and bm.arrival_counters(device, 5) is small
+    large = bm.arrival_counters(device, bm.MIN_ARRIVAL_COUNTERS + 1)
+    assert large.numel() == bm.MIN_ARRIVAL_COUNTERS + 1 and not large.any()
+    assert bm._outgrown == [small] and bm.arrival_counters(device, 3) is large

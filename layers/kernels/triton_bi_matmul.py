@@ -140,12 +140,14 @@ def _matmul_kernel(X, W, Bias, Out, Part, Arrivals, M, N, K, split_k, stride_xm,
 MATMUL_LAUNCHER = CachedLauncher(_matmul_kernel, max_entries=256)
 MIN_ARRIVAL_COUNTERS = 1 << 16
 _arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the zeroed int32 arrival counters of the tiles
+_outgrown: list[torch.Tensor] = []  # counters replaced by larger ones: kept, a captured CUDA graph may hold them
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The device's int32 counters (zero between calls) for a split launch of ``tiles`` tiles,
-    at least MIN_ARRIVAL_COUNTERS; a larger buffer is made when a call needs more, which a CUDA
-    graph capture cannot do (RuntimeError naming the sizes)."""
+    at least MIN_ARRIVAL_COUNTERS; a larger buffer is made when a call needs more (the smaller one
+    stays allocated: a CUDA graph captured before may launch on it), which a CUDA graph capture
+    cannot do (RuntimeError naming the sizes)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     counters = _arrivals.get(device)
@@ -154,6 +156,8 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
             raise RuntimeError(f"batch-invariant matmul: a split launch of {tiles} tiles needs more arrival counters "
                                f"than the {0 if counters is None else counters.numel()} made so far, which cannot "
                                f"be allocated during CUDA graph capture; run the shape once before capturing")
+        if counters is not None:
+            _outgrown.append(counters)
         counters = torch.zeros(max(tiles, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
         _arrivals[device] = counters
     return counters
