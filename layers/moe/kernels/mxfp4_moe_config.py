@@ -3,7 +3,7 @@ module docstring describes each variant): the configuration, the default chooser
 a configuration must meet. Pure Python: nothing here needs triton or a GPU."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -14,17 +14,11 @@ class Mxfp4MoEConfig:
     program (of each of gate and up); ``block_k_*``: K per step (MXFP4: a multiple of 32, and at
     least 128 with ``word_decode``); ``swap``: the weight the left operand; ``word_decode``:
     MXFP4 decoded from 32-bit words; ``split_k_down``: K splits of the down projection;
-    ``split_k_gate_up``: K splits of the gate/up projection (above 1: fp32 partial sums, the
-    bias and activation in the down launch's prologue, which loads every split's sums for each
-    of its activation tiles: its code and compile time grow with the splits, most with the word
-    decoder's eight tiles a K step); ``gate_up_atomic``: those partial sums added by fp32
-    atomics into one zeroed buffer instead of summed in split order by the down launch (one sum
-    to load; the order of the atomics is not fixed from 3 splits on); ``num_warps`` and
-    ``num_stages``: the gate/up launch's, and the down launch's unless ``num_warps_down`` /
-    ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector launches of
-    layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and ``block_n_*`` rows,
-    ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``, ``word_decode``
-    and the stages unused, no K splits)."""
+    ``num_warps`` and ``num_stages``: the gate/up launch's, and the down launch's unless
+    ``num_warps_down`` / ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector
+    launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
+    ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
+    ``word_decode`` and the stages unused, no K splits)."""
 
     block_m: int
     block_n_gate_up: int
@@ -36,8 +30,6 @@ class Mxfp4MoEConfig:
     swap: bool = False
     word_decode: bool = False
     split_k_down: int = 1
-    split_k_gate_up: int = 1
-    gate_up_atomic: bool = False
     num_warps_down: int = 0
     num_stages_down: int = 0
     gemv: bool = False
@@ -46,9 +38,7 @@ class Mxfp4MoEConfig:
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
 # configuration), ascending; `decode_block_config` takes the first that fits. The one entry is the
 # configuration measured best up to 4 rows per expert (`experts_block_config`'s table), used up to
-# 8 rows as before: the gate/up split and the other fields that keep more bytes in flight stay at
-# their unsplit defaults until a sweep on the GPU (benchmarks/kernels/bench_mxfp4_moe.py) measures
-# them.
+# 8 rows as before.
 DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
     (8.0, Mxfp4MoEConfig(block_m=16, block_n_gate_up=32, block_k_gate_up=128, block_n_down=32, block_k_down=128,
                          num_warps=4, num_stages=4)),
@@ -95,9 +85,7 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
     bf16-form weights (not swept) keep the tiles from before: 16-row blocks up to 16 rows per
     expert, then 32 and 64, 64-column tiles and 8 warps past 16 rows.
 
-    MXFP4 up to 8 rows per expert: `decode_block_config`. ``deterministic`` (batch-invariant
-    mode): the gate/up projection unsplit (``split_k_gate_up`` 1) whatever the table holds, so
-    that its sums keep one order, the unsplit kernel's.
+    MXFP4 up to 8 rows per expert: `decode_block_config`.
 
     MXFP4 up to `GEMV_MAX_SLOTS` slots, outside batch-invariant mode: `GEMV_CONFIG` (a slot's result
     then depends on its own token alone, but its sums over K run in another order than the
@@ -107,8 +95,6 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
     rows_per_expert = num_slots / num_experts
     decode = decode_block_config(rows_per_expert) if mxfp4 else None
     if decode is not None:
-        if deterministic and decode.split_k_gate_up > 1:
-            return replace(decode, split_k_gate_up=1, gate_up_atomic=False)
         return decode
     if mxfp4:
         return Mxfp4MoEConfig(block_m=16 if rows_per_expert <= 32 else 64, block_n_gate_up=64, block_k_gate_up=256,
@@ -121,29 +107,21 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
                           block_n_down=64, block_k_down=128, num_warps=8, num_stages=3)
 
 
-def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool, deterministic: bool = False) -> None:
-    """ValueError naming the field when ``cfg`` cannot run (`Mxfp4MoEConfig`'s limits) or, with
-    ``deterministic`` (batch-invariant mode), splits the gate/up projection."""
+def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
+    """ValueError naming the field when ``cfg`` cannot run (`Mxfp4MoEConfig`'s limits)."""
     for name in ("block_m", "block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down"):
         value = getattr(cfg, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
     if not cfg.swap and not cfg.gemv and cfg.block_m < 16:
         raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
-    for name in ("split_k_down", "split_k_gate_up"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.split_k_down < 1:
+        raise ValueError(f"split_k_down must be at least 1, got {cfg.split_k_down}")
     for name in ("num_warps", "num_stages", "num_warps_down", "num_stages_down"):
         if getattr(cfg, name) < (0 if name.endswith("_down") else 1):
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
-    if cfg.gemv and (cfg.split_k_gate_up > 1 or cfg.split_k_down > 1):
-        raise ValueError("gemv has no K splits (split_k_gate_up and split_k_down must be 1)")
-    if cfg.gate_up_atomic and cfg.split_k_gate_up == 1:
-        raise ValueError("gate_up_atomic needs split_k_gate_up above 1 (the unsplit gate/up launch has no partial "
-                         "sums)")
-    if deterministic and cfg.split_k_gate_up > 1:
-        raise ValueError(f"batch-invariant mode keeps the gate/up projection unsplit (split_k_gate_up=1), got "
-                         f"split_k_gate_up={cfg.split_k_gate_up}")
+    if cfg.gemv and cfg.split_k_down > 1:
+        raise ValueError("gemv has no K splits (split_k_down must be 1)")
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:

@@ -15,22 +15,6 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 (round: to the activations' dtype, as the reference rounds each expert's output). The split count
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only.
 
-K splits of the gate/up projection (``split_k_gate_up`` = G > 1: G times the programs of launch
-1, each streaming a G-th of the weights, for decode sizes where one program per tile keeps too
-few bytes in flight). Launch 1 then stores the fp32 sums without bias, q[g, slot] = x[t] @ W[e,
-rows, split g's K range]^T for gate and up (``[G, slots, 2I]``), and launch 2 makes each K-tile
-of act from them as it loads it:
-
-    launch 1' q[g, slot, :I], q[g, slot, I:] = split g's gate and up sums     fp32
-    launch 2' act = the launch-1 formula on round(q[0] + ... + q[G-1] + b)   in g order, then as
-              p[s, slot] = act @ W_down[e]^T ...                             launch 1 rounds
-
-so G = 1 is launch 1 unchanged and G > 1 differs from it only in the order of the fp32 sums. With
-``gate_up_atomic`` launch 1' adds its sums by fp32 atomics into one zeroed ``[1, slots, 2I]``
-instead (launch 2' reads one sum, not G): for G = 2 still one result (0 + a + b = 0 + b + a), from
-3 on the order of the atomics and so the bits can vary run to run. Batch-invariant mode keeps
-G = 1 (layers/moe/kernels/mxfp4_moe_config.py).
-
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
 operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
 or ``(W @ x^T)^T`` (the dequantized weight tile the left operand, which Hopper's MMAs take from
@@ -45,9 +29,9 @@ byte per weight and a byte per 32, about 3.8x fewer than bf16.
 bf16-form weights load as ``[BLOCK_N, BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
 
 Deterministic run to run (fixed tiles and splits per shape, each partial sum in one program in
-a fixed order, the splits and the combine summed in a fixed order, no atomics but those of
-``gate_up_atomic``, above); not batch-invariant (the tiles follow the rows per expert, as the
-README's deterministic section says of the MoE kernels).
+a fixed order, the splits and the combine summed in a fixed order, no atomics); not
+batch-invariant (the tiles follow the rows per expert, as the README's deterministic section says
+of the MoE kernels).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
 weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
@@ -75,7 +59,6 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
 
 COMBINE_BLOCK = 512  # output columns per program of the combine launch
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -86,48 +69,6 @@ def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
         tile = tl.load(rows_base[None, :] + k[:, None], mask=rows_valid[None, :] & (k < k_size)[:, None], other=0.0)
     else:
         tile = tl.load(rows_base[:, None] + k[None, :], mask=rows_valid[:, None] & (k < k_size)[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
-def _load_act(rows_base, rows_valid, k, inter, stride_sum, bias_base, alpha, limit, SUMS: tl.constexpr,
-              SWAP: tl.constexpr, DTYPE: tl.constexpr):
-    """The activations the unsplit gate/up launch stores, from the split launch's fp32 partial
-    sums instead: rows at ``rows_base`` (pointers into sum 0 of ``[SUMS, slots, 2I]``: gate at
-    columns k, up at I + k; sum s ``s * stride_sum`` further), ``bias_base`` at the expert's
-    gate/up bias, ``inter`` = I;
-
-        gate = round(p[0, k] + ... + p[SUMS - 1, k] + b_gate[k]),  up likewise at I + k,
-        act  = round(`clamped_swiglu`(gate, up))                          (round: to DTYPE)
-
-    ``[K, M]`` when SWAP, else ``[M, K]`` (`_load_x`), DTYPE; zeros at invalid rows and k >= I."""
-    gate = _load_x(rows_base, rows_valid, k, inter, SWAP)
-    up = _load_x(rows_base + inter, rows_valid, k, inter, SWAP)
-    for s in tl.static_range(1, SUMS):
-        gate += _load_x(rows_base + s * stride_sum, rows_valid, k, inter, SWAP)
-        up += _load_x(rows_base + s * stride_sum + inter, rows_valid, k, inter, SWAP)
-    k_mask = k < inter
-    gate_b = tl.load(bias_base + k, mask=k_mask, other=0.0).to(tl.float32)
-    up_b = tl.load(bias_base + inter + k, mask=k_mask, other=0.0).to(tl.float32)
-    if SWAP:
-        gate_b, up_b = gate_b[:, None], up_b[:, None]
-        keep = k_mask[:, None] & rows_valid[None, :]
-    else:
-        gate_b, up_b = gate_b[None, :], up_b[None, :]
-        keep = rows_valid[:, None] & k_mask[None, :]
-    act = clamped_swiglu((gate + gate_b).to(DTYPE).to(tl.float32), (up + up_b).to(DTYPE).to(tl.float32), alpha, limit)
-    return tl.where(keep, act, 0.0).to(DTYPE)
-
-
-@triton.jit
-def _load_operand(rows_base, rows_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS: tl.constexpr,
-                  SWAP: tl.constexpr, DTYPE: tl.constexpr):
-    """The dot's activation tile: `_load_x` when SUMS is 0 (rows hold the activations), else
-    `_load_act` of the SUMS fp32 partial gate/up sums (k_size = I)."""
-    if SUMS == 0:
-        tile = _load_x(rows_base, rows_valid, k, k_size, SWAP)
-    else:
-        tile = _load_act(rows_base, rows_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP, DTYPE)
     return tile
 
 
@@ -151,17 +92,14 @@ def _mma(w_nk, xk, acc, SWAP: tl.constexpr):
 
 @triton.jit
 def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-                acc_up, stride_sum, bias_base, alpha, limit, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                WORD: tl.constexpr, SWAP: tl.constexpr, PAIR: tl.constexpr, SUMS: tl.constexpr,
-                DTYPE: tl.constexpr):
+                acc_up, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr,
+                PAIR: tl.constexpr):
     """``(acc, acc_up)`` plus one K-tile (columns k0 .. k0 + BLOCK_K - 1) of ``x @ W[rows]^T``
     (transposed when SWAP) and, when PAIR, of ``x @ W[up_rows]^T`` into ``acc_up`` on the same
     activation loads (else acc_up is returned as given): ``x_base`` pointers at the token rows'
     starts, ``x_valid`` which are real; ``w_ptr``, ``scales_ptr`` at one expert (bytes for
     MXFP4); rows int64. MXFP4 by the byte decoder (two dots) or the word decoder (eight),
-    layers/moe/kernels/mxfp4_decode.py; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile.
-    The activation tiles by `_load_operand` (SUMS, DTYPE and the four arguments before them:
-    its own)."""
+    layers/moe/kernels/mxfp4_decode.py; bf16 form one dot on the ``[BLOCK_N, BLOCK_K]`` tile."""
     if MXFP4:
         if WORD:
             kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -175,8 +113,7 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
                 if PAIR:
                     pairs_up = word_pairs(words_up, q)
                 for high in tl.static_range(2):
-                    xk = _load_operand(x_base, x_valid, 8 * kw + q + 4 * high, k_size, stride_sum, bias_base,
-                                       alpha, limit, SUMS, SWAP, DTYPE)
+                    xk = _load_x(x_base, x_valid, 8 * kw + q + 4 * high, k_size, SWAP)
                     acc = _mma(fp16_half(pairs, high) * factor, xk, acc, SWAP)
                     if PAIR:
                         acc_up = _mma(fp16_half(pairs_up, high) * factor_up, xk, acc_up, SWAP)
@@ -186,20 +123,18 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
             if PAIR:
                 even_up, odd_up = byte_halves(w_ptr, scales_ptr, up_rows, row_mask, k0 // 2, k_size, stride_wn,
                                               stride_sn, BLOCK_K)
-            xk = _load_operand(x_base, x_valid, 2 * kb, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP,
-                               DTYPE)
+            xk = _load_x(x_base, x_valid, 2 * kb, k_size, SWAP)
             acc = _mma(even, xk, acc, SWAP)
             if PAIR:
                 acc_up = _mma(even_up, xk, acc_up, SWAP)
-            xk = _load_operand(x_base, x_valid, 2 * kb + 1, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP,
-                               DTYPE)
+            xk = _load_x(x_base, x_valid, 2 * kb + 1, k_size, SWAP)
             acc = _mma(odd, xk, acc, SWAP)
             if PAIR:
                 acc_up = _mma(odd_up, xk, acc_up, SWAP)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (k < k_size)[None, :]
-        xk = _load_operand(x_base, x_valid, k, k_size, stride_sum, bias_base, alpha, limit, SUMS, SWAP, DTYPE)
+        xk = _load_x(x_base, x_valid, k, k_size, SWAP)
         acc = _mma(tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc, SWAP)
         if PAIR:
             acc_up = _mma(tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=mask, other=0.0), xk, acc_up,
@@ -208,22 +143,15 @@ def _accumulate(x_base, x_valid, w_ptr, scales_ptr, rows, up_rows, row_mask, k0,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, act_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
                     num_slots, hidden, inter, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-                    stride_be, stride_out_split, stride_out_row,
+                    stride_be, stride_act,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, MXFP4: tl.constexpr, WORD: tl.constexpr,
-                    SWAP: tl.constexpr):
-    """Launch 1 (module docstring). SPLIT_K 1: ``out`` is the activations ``[rows, I]`` by
-    sorted row. Else program ``pid`` sums split ``pid % SPLIT_K`` of the K range and stores its
-    fp32 gate and up sums, no bias, at ``out[split, slot, n]`` and ``out[split, slot, I + n]``
-    (``[SPLIT_K, slots, 2I]``), or with ATOMIC adds them into ``out[0]`` (``[1, slots, 2I]``, zeroed
-    by the caller)."""
+                    MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr):
+    """Launch 1 (module docstring): the activations ``act [rows, I]`` by sorted row."""
     pid = tl.program_id(0)
-    split = pid % SPLIT_K
-    tile = pid // SPLIT_K
     num_n = tl.cdiv(inter, BLOCK_N)
-    block = tile // num_n
+    block = pid // num_n
     if block * BLOCK_M >= tl.load(num_rows_ptr):
         return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -233,7 +161,7 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_slots_pt
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
     bias_expert = bias_ptr + expert * stride_be
-    offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     gate_rows = offs_n.to(tl.int64)
     up_rows = gate_rows + inter
@@ -242,59 +170,34 @@ def _gate_up_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, sorted_slots_pt
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros_like(acc_gate)
-    if SPLIT_K == 1:
-        k_start, k_end = 0, hidden
-    else:
-        k_per_split = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_start = split * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, hidden)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, hidden, BLOCK_K):
         acc_gate, acc_up = _accumulate(x_base, valid, w_expert, s_expert, gate_rows, up_rows, n_mask, k0, hidden,
-                                       stride_wn, stride_sn, acc_gate, acc_up, 0, bias_expert, alpha, limit, BLOCK_K,
-                                       MXFP4, WORD, SWAP, True, 0, tl.float32)
-    if SPLIT_K == 1:
-        dot_ty = out_ptr.dtype.element_ty
-        gate_b = tl.load(bias_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        up_b = tl.load(bias_expert + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if SWAP:
-            gate_b, up_b = gate_b[:, None], up_b[:, None]
-            act_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_out_row + offs_n[:, None]
-            store_mask = n_mask[:, None]
-        else:
-            gate_b, up_b = gate_b[None, :], up_b[None, :]
-            act_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
-            store_mask = n_mask[None, :]
-        gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
-        up = (acc_up + up_b).to(dot_ty).to(tl.float32)
-        act = clamped_swiglu(gate, up, alpha, limit)
-        tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
+                                       stride_wn, stride_sn, acc_gate, acc_up, BLOCK_K, MXFP4, WORD, SWAP, True)
+    dot_ty = act_ptr.dtype.element_ty
+    gate_b = tl.load(bias_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    up_b = tl.load(bias_expert + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if SWAP:
+        gate_b, up_b = gate_b[:, None], up_b[:, None]
+        act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_act + offs_n[:, None]
+        store_mask = n_mask[:, None]
     else:
-        slots64 = slots.to(tl.int64)
-        if SWAP:
-            ptrs = out_ptr + slots64[None, :] * stride_out_row + offs_n[:, None]
-            mask = valid[None, :] & n_mask[:, None]
-        else:
-            ptrs = out_ptr + slots64[:, None] * stride_out_row + offs_n[None, :]
-            mask = valid[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(ptrs, acc_gate, mask=mask, sem="relaxed")
-            tl.atomic_add(ptrs + inter, acc_up, mask=mask, sem="relaxed")
-        else:
-            tl.store(ptrs + split * stride_out_split, acc_gate, mask=mask)
-            tl.store(ptrs + split * stride_out_split + inter, acc_up, mask=mask)
+        gate_b, up_b = gate_b[None, :], up_b[None, :]
+        act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+        store_mask = n_mask[None, :]
+    gate = (acc_gate + gate_b).to(dot_ty).to(tl.float32)
+    up = (acc_up + up_b).to(dot_ty).to(tl.float32)
+    act = clamped_swiglu(gate, up, alpha, limit)
+    tl.store(act_ptrs, act.to(dot_ty), mask=store_mask)
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr,
                  num_slots, hidden, inter, stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be,
-                 stride_split, stride_slot, stride_act_sum, gate_up_bias_ptr, stride_gate_up_be, alpha, limit,
+                 stride_split, stride_slot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACT_SUMS: tl.constexpr, ACT_DTYPE: tl.constexpr):
-    """Launch 2 (module docstring). ACT_SUMS 0: ``act`` is the activations ``[rows, I]`` by
-    sorted row; else the gate/up launch's ACT_SUMS fp32 partial sums ``[ACT_SUMS, slots, 2I]``
-    by slot, turned into activations of ACT_DTYPE as each K-tile is loaded (`_load_act`, with
-    the gate/up bias, alpha and limit)."""
+                 MXFP4: tl.constexpr, WORD: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Launch 2 (module docstring): ``act`` is the activations ``[rows, I]`` by sorted row;
+    program ``pid`` sums split ``pid % SPLIT_K`` of the K range into ``partial[split, slot]``."""
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -305,14 +208,9 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + offs_m)
     valid = slots < num_slots
-    slots64 = slots.to(tl.int64)
-    if ACT_SUMS == 0:
-        act_base = act_ptr + offs_m.to(tl.int64) * stride_act
-    else:
-        act_base = act_ptr + slots64 * stride_act
+    act_base = act_ptr + offs_m.to(tl.int64) * stride_act
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     w_expert, s_expert = w_ptr + expert * stride_we, scales_ptr + expert * stride_se
-    gate_up_bias = gate_up_bias_ptr + expert * stride_gate_up_be
     offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     rows = offs_n.to(tl.int64)
@@ -324,8 +222,8 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, inter), BLOCK_K):
         acc, _ = _accumulate(act_base, valid, w_expert, s_expert, rows, rows, n_mask, k0, inter, stride_wn, stride_sn,
-                             acc, acc, stride_act_sum, gate_up_bias, alpha, limit, BLOCK_K, MXFP4, WORD, SWAP, False,
-                             ACT_SUMS, ACT_DTYPE)
+                             acc, acc, BLOCK_K, MXFP4, WORD, SWAP, False)
+    slots64 = slots.to(tl.int64)
     if HAS_BIAS:  # split 0 adds it
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         bias = tl.where(split == 0, bias, 0.0)
@@ -366,9 +264,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
-    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked). In
-    batch-invariant mode (`layers.batch_invariant.enabled`) the gate/up projection stays unsplit:
-    the default keeps ``split_k_gate_up`` 1 and a config that splits it is a ValueError."""
+    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked)."""
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -381,7 +277,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     num_slots, num_experts = tokens * top_k, experts.num_experts
     deterministic = batch_invariant.enabled()
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
-    check_config(cfg, experts.mxfp4, deterministic)
+    check_config(cfg, experts.mxfp4)
     out = x.new_empty(tokens, hidden)
     weights = topk_weights.to(torch.float32).contiguous()
     if cfg.gemv:
@@ -406,27 +302,20 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         w13_strides = s13_strides = (w13.stride(0), w13.stride(1))
         w2_strides = s2_strides = (w2.stride(0), w2.stride(1))
     variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap)
-    splits = cfg.split_k_gate_up
-    if splits == 1:  # the activations by sorted row
-        act, act_sums = x.new_empty(blocks.sorted_slots.shape[0], inter), 0
-    else:  # fp32 partial gate/up sums by slot: one zeroed buffer for the atomics, else one per split
-        act_sums = 1 if cfg.gate_up_atomic else splits
-        act = (torch.zeros if cfg.gate_up_atomic else torch.empty)(act_sums, num_slots, 2 * inter,
-                                                                   dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up) * splits,)](
+    act = x.new_empty(blocks.sorted_slots.shape[0], inter)
+    _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
         x, w13, s13, experts.w13_bias, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, experts.alpha, experts.limit, x.stride(0), *w13_strides, *s13_strides,
-        experts.w13_bias.stride(0), act.stride(0) if act_sums else 0, act.stride(-2),
-        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, SPLIT_K=splits,
-        ATOMIC=cfg.gate_up_atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **variant)
+        experts.w13_bias.stride(0), act.stride(0),
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **variant)
     partial = torch.empty(cfg.split_k_down, num_slots, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down) * cfg.split_k_down,)](
         act, w2, s2, experts.w2_bias, partial, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
-        num_slots, hidden, inter, act.stride(-2), *w2_strides, *s2_strides, experts.w2_bias.stride(0),
-        partial.stride(0), partial.stride(1), act.stride(0) if act_sums else 0, experts.w13_bias,
-        experts.w13_bias.stride(0), experts.alpha, experts.limit,
+        num_slots, hidden, inter, act.stride(0), *w2_strides, *s2_strides, experts.w2_bias.stride(0),
+        partial.stride(0), partial.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, SPLIT_K=cfg.split_k_down,
-        HAS_BIAS=experts.tp_rank == 0, ACT_SUMS=act_sums, ACT_DTYPE=TL_DTYPES[x.dtype],
+        HAS_BIAS=experts.tp_rank == 0,
         num_warps=cfg.num_warps_down or cfg.num_warps, num_stages=cfg.num_stages_down or cfg.num_stages, **variant)
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
