@@ -17,7 +17,7 @@ def test_every_config_field_is_reachable_and_labelled():
     assert parse_overrides(text) == changed
     label = describe({"default": False, "changed": changed})
     assert len(label.split()) == len(changed)
-    assert "split13=2" in label and "atomic13=1" in label and "st2=1" in label
+    assert "split=2" in label and "w2=1" in label and "st2=1" in label
 
 
 def test_unknown_field_is_refused():

@@ -17,9 +17,9 @@ error in its row and the run goes on.
 
 ``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
 fields that replace the default's at each token count, e.g. ``swap=1,word_decode=1,block_m=8``
-or ``block_n_down=64,split_k_down=2,num_stages=4`` or ``split_k_gate_up=4,num_stages_down=3`` (booleans
+or ``block_n_down=64,split_k_down=2,num_stages=4`` or ``num_warps_down=8,num_stages_down=3`` (booleans
 as 0 / 1; every field of `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K
-splits of either projection). ``--sweep`` adds this file's candidate list (`sweep_candidates`:
+splits of the down projection). ``--sweep`` adds this file's candidate list (`sweep_candidates`:
 the variants by token count) after them. ``--profile`` prints under each row its launches
 (align, gate/up, down, combine, ...) with their GPU µs per call, from the torch profiler's
 records of the graph's replays.
@@ -165,8 +165,7 @@ def describe(row: dict) -> str:
         return "(the default's fields)"
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
-             "split_k_down": "split", "split_k_gate_up": "split13", "gate_up_atomic": "atomic13",
-             "num_warps_down": "w2", "num_stages_down": "st2", "gemv": "gemv"}
+             "split_k_down": "split", "num_warps_down": "w2", "num_stages_down": "st2", "gemv": "gemv"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
