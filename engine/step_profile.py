@@ -53,15 +53,22 @@ def profile_prefill(runner: Any, batch_size: int, input_len: int, vocab: int, se
     return _kernel_table(prof, batch_size, 1, wall_us, top)
 
 
-def _kernel_table(prof: Any, batch_size: int, steps: int, wall_us: float, top: int) -> dict[str, Any]:
-    """Per-step wall, GPU-busy and idle µs and the ``top`` kernels by time of a profiler trace of
-    ``steps`` steps."""
+def kernel_totals(prof: Any, name_chars: int = 90) -> dict[str, list[float]]:
+    """``{kernel name (its first name_chars characters): [GPU µs, launches]}`` summed over a torch
+    profiler trace's CUDA records (a replayed CUDA graph's kernels one by one)."""
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            entry = per_kernel[event.name[:90]]
+            entry = per_kernel[event.name[:name_chars]]
             entry[0] += event.device_time
             entry[1] += 1
+    return per_kernel
+
+
+def _kernel_table(prof: Any, batch_size: int, steps: int, wall_us: float, top: int) -> dict[str, Any]:
+    """Per-step wall, GPU-busy and idle µs and the ``top`` kernels by time of a profiler trace of
+    ``steps`` steps."""
+    per_kernel = kernel_totals(prof)
     busy = sum(total for total, _ in per_kernel.values()) / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {

@@ -52,7 +52,7 @@ def host_us(fn: Callable[[], torch.Tensor]) -> float:
 def host_overhead() -> list[dict]:
     """`host_us` of ``F.linear`` and of the matmul with and without its launch cache, per
     `HOST_SHAPES` entry at one row; printed and returned."""
-    launchers = (triton_bi_matmul.MATMUL_LAUNCHER,)
+    launcher = triton_bi_matmul.MATMUL_LAUNCHER
     results = []
     print(f"{'N':>6} {'K':>6} {'splits':>6} {'F.linear us':>11} {'cached us':>9} {'uncached us':>11}")
     for n, k in HOST_SHAPES:
@@ -60,11 +60,9 @@ def host_overhead() -> list[dict]:
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         row = {"n": n, "k": k, "m": 1, "splits": choose_config(n, k, 1).splits,
                "linear_us": host_us(lambda: F.linear(x, w)), "cached_us": host_us(lambda: matmul(x, w))}
-        for launcher in launchers:
-            launcher.enabled = False
+        launcher.enabled = False
         row["uncached_us"] = host_us(lambda: matmul(x, w))
-        for launcher in launchers:
-            launcher.enabled = True
+        launcher.enabled = True
         results.append(row)
         print(f"{n:>6} {k:>6} {row['splits']:>6} {row['linear_us']:>11.1f} {row['cached_us']:>9.1f} "
               f"{row['uncached_us']:>11.1f}")

@@ -25,13 +25,12 @@ def kernel_us_per_op(graph: torch.cuda.CUDAGraph, ops_per_replay: int, replays: 
     largest first."""
     from torch.profiler import ProfilerActivity, profile
 
+    from arfusion.engine.step_profile import kernel_totals
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            totals[event.name[:60]] = totals.get(event.name[:60], 0.0) + event.device_time
-    return {name: us / (replays * ops_per_replay) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+    totals = kernel_totals(prof, name_chars=60)
+    return {name: us / (replays * ops_per_replay) for name, (us, _) in sorted(totals.items(), key=lambda kv: -kv[1][0])}

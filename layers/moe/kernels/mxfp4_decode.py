@@ -24,6 +24,7 @@ then cast to the activations' dtype for the dot, exact for every scale byte up t
 so all real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight
 bytes read per expert: half a byte per weight and a byte per 32, about 3.8x fewer than bf16.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -84,3 +85,18 @@ def byte_halves(w_ptr, scales_ptr, rows, row_mask, kb0, k_size, stride_wn, strid
     even = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
     odd = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
     return even.to(tl.float32) * factor, odd.to(tl.float32) * factor
+
+
+def expert_weight_operands(experts, word_reads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w13, s13, w2, s2)`` of a `layers.moe.gpt_oss_moe.GptOssExperts` as the experts kernels
+    take them: MXFP4 blocks and scales (a row's bytes contiguous, rows at ``stride(1)``), or the
+    bf16-form weights twice (no scales). ``word_reads``: the blocks are read as 16-byte vectors of
+    32-bit words (`load_words`), so their start and row strides must be multiples of 16 bytes
+    (ValueError otherwise)."""
+    if not experts.mxfp4:
+        return experts.w13_weight, experts.w13_weight, experts.w2_weight, experts.w2_weight
+    w13, w2 = experts.w13_blocks, experts.w2_blocks
+    if word_reads and any(t.data_ptr() % 16 or t.stride(0) % 16 or t.stride(1) % 16 for t in (w13, w2)):
+        raise ValueError("the experts' MXFP4 blocks are read as 16-byte vectors of 32-bit words: their start and row "
+                         "strides must be multiples of 16 bytes")
+    return w13, experts.w13_scales, w2, experts.w2_scales

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from arfusion.layers.moe.kernels.mxfp4_decode import fp16_half, load_words, word_pairs
+from arfusion.layers.moe.kernels.mxfp4_decode import expert_weight_operands, fp16_half, load_words, word_pairs
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 
@@ -109,14 +109,7 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    if experts.mxfp4:
-        w13, s13, w2, s2 = experts.w13_blocks, experts.w13_scales, experts.w2_blocks, experts.w2_scales
-        if any(t.data_ptr() % 16 or t.stride(0) % 16 or t.stride(1) % 16 for t in (w13, w2)):
-            raise ValueError("the experts' MXFP4 blocks are read as 16-byte vectors of 32-bit words: their start "
-                             "and row strides must be multiples of 16 bytes")
-    else:
-        w13, w2 = experts.w13_weight, experts.w2_weight
-        s13, s2 = w13, w2  # unused
+    w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
     act = x.new_empty(slots, inter)
     _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),

@@ -54,7 +54,8 @@ import triton.language as tl
 
 from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
-from arfusion.layers.moe.kernels.mxfp4_decode import byte_halves, fp16_half, load_words, word_pairs
+from arfusion.layers.moe.kernels.mxfp4_decode import (byte_halves, expert_weight_operands, fp16_half, load_words,
+                                                      word_pairs)
 from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig, check_config, experts_block_config
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
@@ -269,7 +270,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
     variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked)."""
     tokens, top_k = topk_ids.shape
-    hidden, inter = experts.hidden_size, experts.local
+    hidden = experts.hidden_size
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, {hidden}] with a contiguous last dimension, got {tuple(x.shape)}")
     if topk_weights.shape != topk_ids.shape or tokens != x.shape[0]:
@@ -281,29 +282,28 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     deterministic = batch_invariant.enabled()
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
     check_config(cfg, experts.mxfp4)
-    out = x.new_empty(tokens, hidden)
-    weights = topk_weights.to(torch.float32).contiguous()
     if cfg.gemv:
         partial = gemv_partials(x, experts, topk_ids, cfg)
-        _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
-            partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
-            TOPK=top_k, SPLIT_K=1, BLOCK=COMBINE_BLOCK, num_warps=4)
-        return out
+    else:
+        partial = _grouped_partials(x, experts, topk_ids, cfg)
+    out = x.new_empty(tokens, hidden)
+    _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+        partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
+        out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out
+
+
+def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:
+    """Launches 1 and 2 (module docstring) on rows grouped by expert: fp32 ``[S, T * k, H]``, each
+    slot's expert output by K split of the down projection, before the combine."""
+    tokens, top_k = topk_ids.shape
+    hidden, inter = experts.hidden_size, experts.local
+    num_slots, num_experts = tokens * top_k, experts.num_experts
     align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
     blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
-    if experts.mxfp4:
-        w13, s13, w2, s2 = experts.w13_blocks, experts.w13_scales, experts.w2_blocks, experts.w2_scales
-        if cfg.word_decode and any(t.data_ptr() % 16 or t.stride(0) % 16 or t.stride(1) % 16 for t in (w13, w2)):
-            raise ValueError("the word decoder reads the MXFP4 blocks as 16-byte vectors of 32-bit words: their "
-                             "start and row strides must be multiples of 16 bytes")
-        # a row's bytes are contiguous ([..., K/32, 16] flattened): stride over rows, bytes at k / 2
-        w13_strides, s13_strides = (w13.stride(0), w13.stride(1)), (s13.stride(0), s13.stride(1))
-        w2_strides, s2_strides = (w2.stride(0), w2.stride(1)), (s2.stride(0), s2.stride(1))
-    else:
-        w13, w2 = experts.w13_weight, experts.w2_weight
-        s13, s2 = w13, w2  # unused
-        w13_strides = s13_strides = (w13.stride(0), w13.stride(1))
-        w2_strides = s2_strides = (w2.stride(0), w2.stride(1))
+    w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=cfg.word_decode)
+    w13_strides, s13_strides = (w13.stride(0), w13.stride(1)), (s13.stride(0), s13.stride(1))
+    w2_strides, s2_strides = (w2.stride(0), w2.stride(1)), (s2.stride(0), s2.stride(1))
     variant = dict(MXFP4=experts.mxfp4, WORD=cfg.word_decode, SWAP=cfg.swap)
     act = x.new_empty(blocks.sorted_slots.shape[0], inter)
     _gate_up_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
@@ -320,7 +320,4 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, SPLIT_K=cfg.split_k_down,
         HAS_BIAS=experts.tp_rank == 0,
         num_warps=cfg.num_warps_down or cfg.num_warps, num_stages=cfg.num_stages_down or cfg.num_stages, **variant)
-    _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
-        partial, weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
-        TOPK=top_k, SPLIT_K=cfg.split_k_down, BLOCK=COMBINE_BLOCK, num_warps=4)
-    return out
+    return partial
