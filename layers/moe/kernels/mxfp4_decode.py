@@ -30,7 +30,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _scale_factor(scales_ptr, rows, groups, mask):
+def scale_factor(scales_ptr, rows, groups, mask):
     """fp32 ``2^(scale - 127) * 2^14`` of the scale bytes at ``scales_ptr + rows + groups`` (offsets
     broadcast together; masked ones give 2^-113, times a zero weight): bits ``(scale + 14) << 23``."""
     scale = tl.load(scales_ptr + rows + groups, mask=mask, other=0).to(tl.int32)
@@ -50,12 +50,18 @@ def fp16_half(pairs, HIGH: tl.constexpr):
 @triton.jit
 def load_words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn):
     """Word decoder's input: the 32-bit words ``kw`` (1-D, a multiple of 4 first) of ``rows``
-    (``[N, KW]`` uint32, zeros past ``k_words``) and each word's scale factor (`_scale_factor`).
+    (``[N, KW]`` uint32, zeros past ``k_words``) and each word's scale factor (`scale_factor`).
     ``stride_wn`` (bytes) is a multiple of 16, so that rows start on 16 bytes (vector loads)."""
+    words, mask = load_words_only(w_ptr, rows, row_mask, kw, k_words, stride_wn)
+    return words, scale_factor(scales_ptr, rows[:, None] * stride_sn, (kw // 4)[None, :], mask)
+
+
+@triton.jit
+def load_words_only(w_ptr, rows, row_mask, kw, k_words, stride_wn):
+    """`load_words` without the scales: ``(words [N, KW] uint32, their mask)``."""
     mask = row_mask[:, None] & (kw < k_words)[None, :]
     row_words = (rows * (stride_wn // 16))[:, None] * 4
-    words = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + row_words + kw[None, :], mask=mask, other=0)
-    return words, _scale_factor(scales_ptr, rows[:, None] * stride_sn, (kw // 4)[None, :], mask)
+    return tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + row_words + kw[None, :], mask=mask, other=0), mask
 
 
 @triton.jit
@@ -78,7 +84,7 @@ def byte_halves(w_ptr, scales_ptr, rows, row_mask, kb0, k_size, stride_wn, strid
     mask = row_mask[:, None] & (kb < k_size // 2)[None, :]
     byte = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0).to(tl.uint16)
     groups = kb0 // 16 + tl.arange(0, BLOCK_K // 32)
-    factor = _scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
+    factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
                            row_mask[:, None] & (groups < k_size // 32)[None, :])
     factor = tl.reshape(tl.broadcast_to(factor[:, :, None], [rows.shape[0], BLOCK_K // 32, 16]),
                         [rows.shape[0], BLOCK_K // 2])

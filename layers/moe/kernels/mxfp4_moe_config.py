@@ -49,10 +49,11 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
 # top-k): they read an expert's weights once per slot that uses it, so past a few tokens the
 # grouped launches, which read them once per expert, take over. Tiles and bound from the GPU sweep
 # of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section): 8 rows, K steps of
-# 512 columns (64 words), 2 warps were the fastest of 8 tiles at 1, 2, 4 and 8 tokens and beat the
-# grouped launches at each; bf16-form weights stay on the grouped launches, faster there.
+# 1024 columns (128 words), 2 warps: as fast as the best of 5 tiles at 1, 2, 4 and 8 tokens (within
+# 3 %) and faster than the grouped launches at each; bf16-form weights stay on the grouped
+# launches, faster there.
 GEMV_MAX_SLOTS = 32
-GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=512, block_n_down=8, block_k_down=512,
+GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024, block_n_down=8, block_k_down=1024,
                              num_warps=2, gemv=True)
 
 

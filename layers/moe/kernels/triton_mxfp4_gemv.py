@@ -20,8 +20,10 @@ MXFP4 codes, the word decoder of layers/moe/kernels/mxfp4_decode.py) and multipl
 slot's activations. A weight is read once per slot that uses its expert, so the grouped launches
 take over when slots outnumber what this path serves (`mxfp4_moe_config.GEMV_MAX_SLOTS`).
 
-MXFP4: each word's eight products ``code * 2^-14 * x[k]`` are summed in fp32, then scaled by the
-word's ``2^(scale - 127) * 2^14`` (a power of two: exact) and added to the word's accumulator.
+MXFP4: the products ``code * 2^-14 * x[k]`` of a scale group's 32 columns are summed in fp32
+(each word's eight, then the group's four words), then scaled by the group's
+``2^(scale - 127) * 2^14`` (a power of two: exact) and added to the group's accumulator: one
+scale load and multiply per 32 weights.
 
 Deterministic run to run (each output one program, fixed order); a slot's result depends on its
 own token and routing only. Launch sizes depend on shapes only (CUDA-graph capturable).
@@ -32,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from arfusion.layers.moe.kernels.mxfp4_decode import expert_weight_operands, fp16_half, load_words, word_pairs
+from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_half, load_words_only, scale_factor,
+                                                      word_pairs)
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 
@@ -40,19 +43,22 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
           BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
-    ``acc [N, BLOCK_K / 8]`` by word (module docstring), bf16 form ``acc [N, BLOCK_K]`` by column;
-    fp32, masked rows and columns past ``k_size`` add zeros."""
+    ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N, BLOCK_K]`` by
+    column; fp32, masked rows and columns past ``k_size`` add zeros."""
     if MXFP4:
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        words, factor = load_words(w_ptr, scales_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn, stride_sn)
-        part = tl.zeros(acc.shape, dtype=tl.float32)
+        words, _ = load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)
+        part = tl.zeros([rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
         for q in tl.static_range(4):
             pairs = word_pairs(words, q)
             for high in tl.static_range(2):
                 k = 8 * kw + q + 4 * high
                 xk = tl.load(x_row + k, mask=k < k_size, other=0.0).to(tl.float32)
                 part += fp16_half(pairs, high) * xk[None, :]
-        acc += part * factor
+        groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
+                              row_mask[:, None] & (groups < k_size // 32)[None, :])
+        acc += tl.sum(tl.reshape(part, [rows.shape[0], BLOCK_K // 32, 4]), axis=2) * factor
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_size
@@ -77,7 +83,7 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
     rows = offs_n.to(tl.int64)
-    width: tl.constexpr = BLOCK_K // 8 if MXFP4 else BLOCK_K
+    width: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K
     acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     for k0 in range(0, k_size, BLOCK_K):
