@@ -14,7 +14,9 @@
 Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it checks the full
 (unsharded) checkpoint tensor's shape, takes this rank's shard and copies it into ``param``
 (casting to the parameter's dtype). A shape mismatch raises ValueError with both shapes.
-The matmuls are `layers.batch_invariant.linear` (``F.linear`` unless batch-invariant mode is on).
+The matmuls are `layers.batch_invariant.linear` (``F.linear`` unless batch-invariant mode is on),
+except a row-parallel layer's decode-sized ones that `layers.kernels.triton_skinny_matmul.serves`
+(`row_parallel_matmul`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from arfusion.layers import batch_invariant
+from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.parallel_state import get_tp_group
 
 ShardId = Optional[Union[int, str]]
@@ -107,6 +110,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
+def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ weight^T (+ bias)``, a new tensor: the skinny Triton launch for the decode-sized
+    matmuls it serves (outputs no wider than the input, at most 32 rows, CUDA fp16 / bf16) outside
+    batch-invariant mode, else `batch_invariant.linear`."""
+    if x.is_cuda and not batch_invariant.enabled() and triton_available():
+        from arfusion.layers.kernels.triton_skinny_matmul import serves, skinny_linear
+
+        if serves(x, weight):
+            flat = x.reshape(-1, x.shape[-1])
+            return skinny_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return batch_invariant.linear(x, weight, bias)
+
+
 def kv_head_range(total_num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """``(first KV head, count)`` held by ``tp_rank``. With ``tp_size >= total`` each rank holds
     one head, ``tp_rank * total // tp_size`` (replicated on ``tp_size / total`` ranks, which then
@@ -186,7 +202,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = batch_invariant.linear(x, self.weight, bias)
+        out = row_parallel_matmul(x, self.weight, bias)
         if self.reduce_results:
             get_tp_group().all_reduce(out)
         return out
