@@ -76,11 +76,14 @@ class MoEExperts(nn.Module):
 
     def block_m(self, tokens: int, top_k: int) -> Optional[int]:
         """The rows per block that the fused MoE groups ``tokens * top_k`` slots into (for a
-        routing that groups them itself), or None where the torch reference runs."""
+        routing that groups them itself), or None where the torch reference runs or the slots
+        take the matrix-vector launches, which need no grouping (`triton_fused_moe.uses_gemv`)."""
         if not (self.w13_weight.is_cuda and triton_available()):
             return None
-        from arfusion.layers.moe.kernels.triton_fused_moe import block_config
+        from arfusion.layers.moe.kernels.triton_fused_moe import block_config, uses_gemv
 
+        if uses_gemv(tokens * top_k, self.combine):
+            return None
         return block_config(tokens * top_k, self.num_experts).block_m
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -82,6 +82,8 @@ from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert, max_padded_rows
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
+from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
+from arfusion.layers.moe.kernels.triton_moe_gemv import serves as gemv_serves
 from arfusion.layers.moe.torch_experts import combine_topk
 
 COMBINES = ("folded", "unfused")
@@ -116,6 +118,14 @@ def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
 
 # The K steps of batch-invariant mode (gate/up, down), fixed by the weight's shape (module docstring).
 BATCH_INVARIANT_BLOCK_K = (128, 64)
+
+
+def uses_gemv(num_slots: int, combine: str = "folded") -> bool:
+    """Whether `fused_moe` (without a config or blocks) runs ``num_slots`` slots as the
+    matrix-vector launches of layers/moe/kernels/triton_moe_gemv.py: up to its GEMV_MAX_SLOTS
+    slots, with the folded combine, outside batch-invariant mode (there a token's bits must not
+    depend on how many slots share its call)."""
+    return combine == "folded" and gemv_serves(num_slots) and not batch_invariant.enabled()
 
 
 def block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
@@ -260,7 +270,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     launch 2's epilogue) or "unfused" (the torch combine after it). ``config``: tile sizes,
     `block_config` by default (a config given in batch-invariant mode is the caller's choice). ``blocks``: the slots of ``topk_ids`` already grouped by
     expert in blocks of the config's ``block_m`` (the routing kernel's, layers/moe/kernels/triton_router.py);
-    grouped here when None. Nothing is written in place; no host synchronisation."""
+    grouped here when None. With neither a config nor blocks, a call that `uses_gemv` runs the
+    matrix-vector launches instead (layers/moe/kernels/triton_moe_gemv.py: the same math, other
+    sums). Nothing is written in place; no host synchronisation."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -270,6 +282,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
+    if config is None and blocks is None and uses_gemv(num_slots, combine):
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids)
     cfg = config or block_config(num_slots, num_experts)
     if blocks is None:
         align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert

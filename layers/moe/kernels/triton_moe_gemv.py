@@ -1,0 +1,150 @@
+"""The SwiGLU experts of a MoE layer for a few tokens as matrix-vector products: two Triton
+launches, products on CUDA cores in fp32, no tensor cores, no grouping of the slots by expert.
+The math and its roundings are the grouped launches' (layers/moe/kernels/triton_fused_moe.py,
+combine "folded"):
+
+    launch 1  program (slot s = t * k + j, BLOCK_N columns n), e = ids[t, j]:
+              gate = round(sum_c W13[e, n, c] * x[t, c]),  up = round(sum_c W13[e, I + n, c] * x[t, c])
+              act[s, n] = round(round(silu(gate)) * up)
+    launch 2  program (token t, BLOCK_N columns n):
+              out[t, n] = round(sum_j w[t, j] * (sum_c W2[e_j, n, c] * act[t * k + j, c]))
+
+(round: to x's dtype; every product and sum in fp32). The sums over c run per K step: each
+step's BLOCK_K products are added elementwise into an fp32 accumulator of the step's shape, and
+the accumulator is summed once at the end (``tl.sum`` over its columns); launch 2 then adds the
+k weighted expert rows of its token (``tl.sum`` over the slots). Each output is one program's, in
+a fixed order: deterministic run to run, and a token's result depends on its own row and routing
+only (but not the grouped launches' bits: other sums, other order).
+
+Why a separate path: at decode sizes the grouped launches give each expert a 16-row block of
+which one row is real (a tensor-core dot needs 16 rows), and move every weight tile into the
+MMA's operand layout through shared memory; here each weight is loaded in 16-byte vectors
+straight into registers and used where it lands, and launch 2 sums its token's k expert rows
+itself (no scratch rows, no arrival counters, no grouping pass before launch 1). A weight is
+read once per slot that uses its expert, so the grouped launches take over when the slots
+outnumber what this path serves (`GEMV_MAX_SLOTS`). Launch sizes depend on shapes only: a call
+can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches above)
+
+
+@dataclass(frozen=True)
+class MoEGemvConfig:
+    """Tiles of the two launches: output columns per program and columns per K step (the
+    defaults: the fastest of a sweep at Qwen3-30B-A3B's expert shapes, 1 to 4 tokens; the
+    numbers are in docs/results.md)."""
+
+    block_n_gate_up: int = 8
+    block_k_gate_up: int = 512
+    block_n_down: int = 8
+    block_k_down: int = 256
+    num_warps: int = 4
+
+
+DEFAULT_GEMV_CONFIG = MoEGemvConfig()
+
+
+@triton.jit
+def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, stride_x, stride_we, stride_wn,
+                              stride_act, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              LIBDEVICE_EXP: tl.constexpr):
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_x
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < hidden
+        xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc_gate += tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+        acc_up += tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+    out_ty = act_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(out_ty).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    silu = tl.div_rn(gate, 1.0 + e).to(out_ty).to(tl.float32)
+    tl.store(act_ptr + slot.to(tl.int64) * stride_act + offs_n, (silu * up).to(out_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
+                              stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_j = tl.arange(0, TOPK_POW2)
+    j_mask = offs_j < TOPK
+    slots = token * TOPK + offs_j
+    experts = tl.load(ids_ptr + slots, mask=j_mask, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = (w2_ptr + experts[:, None, None] * stride_we
+              + offs_n[None, :, None].to(tl.int64) * stride_wn)  # [J, N, 1]
+    act_rows = act_ptr + slots[:, None] * stride_act  # [J, 1]
+    acc = tl.zeros([TOPK_POW2, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < inter
+        a = tl.load(act_rows + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_rows + k[None, None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    routing = tl.load(topk_weights_ptr + slots, mask=j_mask, other=0.0)
+    total = tl.sum(acc * routing[:, None], axis=0)
+    tl.store(out_ptr + token * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def serves(num_slots: int) -> bool:
+    """Whether ``num_slots`` (tokens x top-k) slots take this path (1 to `GEMV_MAX_SLOTS`)."""
+    return 0 < num_slots <= GEMV_MAX_SLOTS
+
+
+def _check_config(config: MoEGemvConfig) -> None:
+    for name in ("block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down", "num_warps"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 1 (tl.arange), got {value}")
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, config: MoEGemvConfig = DEFAULT_GEMV_CONFIG) -> torch.Tensor:
+    """``x [T, H]``, this rank's shards ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (x's dtype), routing
+    ``topk_weights`` (float) / ``topk_ids`` (int) ``[T, k]`` -> a new ``[T, H]`` of x's dtype: the
+    module docstring's two launches (the caller has checked the shapes, dtypes and layouts as
+    `fused_moe` does). Nothing is written in place; no host synchronisation."""
+    _check_config(config)
+    tokens, top_k = topk_ids.shape
+    _, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
+    act = x.new_empty(tokens * top_k, inter)
+    _gate_up_silu_gemv_kernel[(tokens * top_k, triton.cdiv(inter, config.block_n_gate_up))](
+        x, ids, w13, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=config.num_warps)
+    out = x.new_empty(tokens, hidden)
+    _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
+        act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
+        BLOCK_K=config.block_k_down, num_warps=config.num_warps)
+    return out
