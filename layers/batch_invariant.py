@@ -24,7 +24,9 @@ The plain norm layers off flashinfer's path follow the fusion op's canonical add
 row-invariant (one CTA per row, launched from the hidden size only).
 
 Attention keeps its split sizes fixed in this mode (layers/attention.py), rotary embedding and
-the activations are elementwise, and greedy sampling is an exact argmax.
+the activations are elementwise, the per-head q/k norms that the GPU's rotary kernel fuses
+(layers/kernels/triton_rotary.py) reduce one head of one token per program in an order fixed by
+head_dim, and greedy sampling is an exact argmax.
 """
 from __future__ import annotations
 

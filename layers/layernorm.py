@@ -4,6 +4,10 @@
     forward(x, residual)  -> (rms_norm(x + residual), x + residual)
     RMS(v) = sqrt(mean(v**2) + eps), computed in fp32.
 
+`rms_norm` is the first form on a plain tensor, as a function; `rms_norm_heads` applies it to
+every head of a ``[T, heads * head_dim]`` tensor (the torch path of Qwen3's q/k norms,
+layers/head_norm.py).
+
 ``x`` may be a `fusion.PartialSum` (a row-parallel output not yet summed over the TP ranks):
 then ``x`` above is its sum over the ranks, and the norm is one call of the partial's op,
 ``op.reduce_add_rms_norm(x, residual, weight, eps)``, which all-reduces it fused into this norm
@@ -45,9 +49,23 @@ class RMSNorm(nn.Module):
             # the weight read from the parameter table: nn.Module's attribute lookup is slow
             normed, summed = x.op.reduce_add_rms_norm(x, residual, self._parameters["weight"], self.eps)
             return normed if residual is None else (normed, summed)
-        if batch_invariant.enabled() and not norm.uses_flashinfer(x):
-            normed, summed = reference.canonical_add_rms_norm(x, residual, self.weight, self.eps)
-            return normed if residual is None else (normed, summed)
         if residual is None:
-            return norm.rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
+        if batch_invariant.enabled() and not norm.uses_flashinfer(x):
+            return reference.canonical_add_rms_norm(x, residual, self.weight, self.eps)
         return norm.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / RMS(x) * weight`` over the last dimension of a plain tensor, as a new tensor: what
+    `RMSNorm` computes without a residual (flashinfer's kernel, the canonical recipe in
+    batch-invariant mode, else `fusion.reference.rms_norm`)."""
+    if batch_invariant.enabled() and not norm.uses_flashinfer(x):
+        return reference.canonical_add_rms_norm(x, None, weight, eps)[0]
+    return norm.rms_norm(x, weight, eps)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of every head of ``x [T, heads * d]`` (rows at any stride) by ``weight [d]``:
+    a new ``[T, heads * d]`` tensor; ``x`` is not written."""
+    return rms_norm(x.reshape(-1, weight.shape[0]), weight, eps).view(x.shape)

@@ -41,7 +41,9 @@ import torch
 from torch import nn
 
 from arfusion.layers.attention import store_kv
+from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.kernels.triton_support import triton_available
+from arfusion.layers.layernorm import rms_norm_heads
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -136,16 +138,24 @@ class RotaryEmbedding(nn.Module):
         return self.forward_torch(positions, q, k)
 
     def forward_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                         slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         head_norm: Optional[HeadNorm] = None) -> torch.Tensor:
         """`forward`, then the new tokens into the KV cache: returns the rotated q (a new tensor)
         and writes, in place, ``k_cache[slot_mapping[t]] = rotated k[t]`` and
-        ``v_cache[slot_mapping[t]] = v[t]`` (caches ``[num_slots, kv_heads, head_dim]``). On GPU:
-        one Triton kernel for all of it (layers/kernels/triton_rotary.py, the same roundings); elsewhere
-        `forward` then `layers.attention.store_kv` (the reference)."""
+        ``v_cache[slot_mapping[t]] = v[t]`` (caches ``[num_slots, kv_heads, head_dim]``). With
+        ``head_norm`` every head of q and k (not v) is RMS-normalized first (`layers.head_norm`:
+        Qwen3's q_norm/k_norm). On GPU: one Triton kernel for all of it
+        (layers/kernels/triton_rotary.py, the same rounding chain); elsewhere
+        `layers.layernorm.rms_norm_heads`, `forward`, then `layers.attention.store_kv` (the
+        reference)."""
         if q.is_cuda and triton_available():
             from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
 
-            return rotary_embedding_store_kv(positions, q, k, v, self.inv_freq, slot_mapping, k_cache, v_cache)
+            return rotary_embedding_store_kv(positions, q, k, v, self.inv_freq, slot_mapping, k_cache, v_cache,
+                                             head_norm=head_norm)
+        if head_norm is not None:
+            q = rms_norm_heads(q, head_norm.q_weight, head_norm.eps)
+            k = rms_norm_heads(k, head_norm.k_weight, head_norm.eps)
         q, k = self.forward(positions, q, k)
         store_kv(k, v, k_cache, v_cache, slot_mapping)
         return q

@@ -6,6 +6,11 @@ projection and before the rotary embedding:
 
     q_h = rms_norm(q_h) * q_norm,  k_h = rms_norm(k_h) * k_norm     per head h, fp32 statistics
 
+The norms run inside the rotary embedding's call that writes the KV cache
+(`RotaryEmbedding.forward_store_kv` with a `layers.head_norm.HeadNorm`: on GPU one Triton launch
+norms, rotates and stores). ``q_norm``/``k_norm`` are `RMSNorm` modules for their weights (and
+checkpoint names) only.
+
 Qwen3-MoE replaces every layer's MLP by a `SparseMoeBlock`: ``num_experts`` experts, top
 ``num_experts_per_tok``, the routing weights renormalized when ``norm_topk_prob``.
 """
@@ -21,27 +26,23 @@ from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
 from arfusion.engine.models.hf_layouts import block_decoder_weight_shapes
 from arfusion.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.layernorm import RMSNorm
 
 
 class Qwen3Attention(LlamaAttention):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: Optional[torch.device]) -> None:
         super().__init__(config, layer_id, dtype, device)
-        self.head_dim = config.head_dim
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
-
-    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """``[T, heads * head_dim]`` -> a new tensor of the same shape, each head normed."""
-        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
-        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
+        head_norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache, head_norm)
         return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 

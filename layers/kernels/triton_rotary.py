@@ -29,23 +29,44 @@ layer does next): the rotated k of token t goes to ``k_cache[slot_mapping[t]]`` 
 unrotated, to ``v_cache[slot_mapping[t]]``, so one launch replaces the rotary kernel and the two
 ``index_copy_`` kernels of the torch path; a program that rotates k heads also copies the same
 v heads. The roundings are those above (v is copied bit for bit).
+
+With a `layers.head_norm.HeadNorm` (Qwen3's q_norm/k_norm), `rotary_embedding_store_kv` also
+RMS-normalizes every q and k head x (not v) before rotating it, as `layers.layernorm.rms_norm_heads`
+followed by the rotation does, so one launch replaces the two norm kernels too:
+
+    ssq     = sum(x**2)                     over the head's whole d (both halves), in fp32
+    inv_rms = rsqrt(ssq * (1/d) + eps)      fp32 (ssq * (1/d) is the mean exactly when d is a power of two)
+    n       = round((x * inv_rms) * w)      w = q_weight or k_weight ([d], shared by all heads);
+                                            each product rounded to fp32, then once to the input dtype
+    out     = the rotation above of n       fp32, rounded once to the input dtype
+
+which is the torch path's rounding chain (a normed tensor in the dtype, then rotated in fp32).
+The sum of squares is one program's reduction over one head, in an order fixed by d alone, so a
+row's bits do not depend on T (batch-invariant); it is not torch's order, and tl.rsqrt is not
+torch's rsqrt, so inv_rms can differ from the torch path's by a few fp32 ulps and n by one ulp
+of the dtype where x * inv_rms * w lies that close to a rounding boundary. Without a HeadNorm
+(the HAS_HEAD_NORM constexpr off) the kernel compiles to the rotation alone, as before.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.head_norm import HeadNorm
+
 HEADS_PER_PROGRAM = 4
 NUM_WARPS = 1  # one warp per [4, 64] tile pair at d=128: 8 contiguous elements (16 B of bf16) per thread
 
 
 @triton.jit
-def _rotate_heads(src_row, dst_row, first_head, cos, sin, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotates heads [first_head, first_head + BLOCK_H) (those < NUM_HEADS) of one token row."""
+def _rotate_heads(src_row, dst_row, first_head, cos, sin, norm_weight_ptr, eps, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_HEAD_NORM: tl.constexpr):
+    """Rotates heads [first_head, first_head + BLOCK_H) (those < NUM_HEADS) of one token row; with
+    HAS_HEAD_NORM, RMS-normalizes each by the ``[HEAD_DIM]`` weight at norm_weight_ptr first."""
     half: tl.constexpr = HEAD_DIM // 2
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF_PAD)
@@ -53,6 +74,13 @@ def _rotate_heads(src_row, dst_row, first_head, cos, sin, NUM_HEADS: tl.constexp
     mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < half)
     x1 = tl.load(src_row + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_row + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if HAS_HEAD_NORM:  # masked lanes hold 0: they add nothing to the sum of squares
+        inv_rms = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) * (1.0 / HEAD_DIM) + eps)[:, None]
+        w1 = tl.load(norm_weight_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_weight_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        in_ty = src_row.dtype.element_ty
+        x1 = (x1 * inv_rms * w1).to(in_ty).to(tl.float32)
+        x2 = (x2 * inv_rms * w2).to(in_ty).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     out_ty = dst_row.dtype.element_ty
@@ -76,11 +104,15 @@ def _copy_heads(src_row, dst_row, first_head, NUM_HEADS: tl.constexpr, HEAD_DIM:
 
 @triton.jit
 def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+                   q_norm_ptr, k_norm_ptr, eps,
                    q_row_stride, k_row_stride, v_row_stride, q_out_row_stride, k_out_row_stride, v_out_row_stride,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr):
+                   HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr,
+                   HAS_HEAD_NORM: tl.constexpr):
     """Without STORE_KV, k's rotation goes to k_out's row t (slots_ptr, v_ptr and v_out_ptr are
-    unused); with it, to k_out's row slots[t], and v's row t is copied to v_out's row slots[t]."""
+    unused); with it, to k_out's row slots[t], and v's row t is copied to v_out's row slots[t].
+    With HAS_HEAD_NORM, q's heads are normed by q_norm and k's by k_norm (with eps) before they
+    are rotated; without it q_norm_ptr, k_norm_ptr and eps are unused."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -91,7 +123,7 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, 
     sin = tl.sin(angle)
     if block < q_blocks:
         _rotate_heads(q_ptr + token * q_row_stride, q_out_ptr + token * q_out_row_stride, block * BLOCK_H,
-                      cos, sin, NUM_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
+                      cos, sin, q_norm_ptr, eps, NUM_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H, HAS_HEAD_NORM)
     else:
         first_head = (block - q_blocks) * BLOCK_H
         if STORE_KV:
@@ -99,7 +131,7 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, 
         else:
             out_row = token
         _rotate_heads(k_ptr + token * k_row_stride, k_out_ptr + out_row * k_out_row_stride, first_head,
-                      cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
+                      cos, sin, k_norm_ptr, eps, NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H, HAS_HEAD_NORM)
         if STORE_KV:
             _copy_heads(v_ptr + token * v_row_stride, v_out_ptr + out_row * v_out_row_stride, first_head,
                         NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
@@ -158,16 +190,33 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, d
                          f"got strides {cache.stride()}")
 
 
+def _check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None:
+    """Validates the norm weights (``[head_dim]`` of q's dtype or fp32, contiguous, on q's device)
+    and eps (finite, >= 0)."""
+    for name, weight in (("head_norm.q_weight", head_norm.q_weight), ("head_norm.k_weight", head_norm.k_weight)):
+        if weight.shape != (head_dim,) or weight.dtype not in (q.dtype, torch.float32):
+            raise ValueError(f"{name} must be [{head_dim}] of q's dtype {q.dtype} or torch.float32, "
+                             f"got {tuple(weight.shape)} {weight.dtype}")
+        if not weight.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {weight.stride()}")
+        if weight.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {weight.device}")
+    if not (math.isfinite(head_norm.eps) and head_norm.eps >= 0):
+        raise ValueError(f"head_norm.eps must be finite and >= 0, got {head_norm.eps}")
+
+
 def _launch(positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor, heads: int, kv_heads: int,
-            head_dim: int, store_kv: bool) -> None:
-    """One `_rotary_kernel` launch over the T = len(positions) tokens (see its docstring)."""
+            head_dim: int, store_kv: bool, head_norm: Optional[HeadNorm] = None) -> None:
+    """One `_rotary_kernel` launch over the T = len(positions) tokens (see its docstring); the
+    norm pointers and eps are inv_freq and 0 (unused) without a head_norm."""
     grid = (positions.shape[0], triton.cdiv(heads, HEADS_PER_PROGRAM) + triton.cdiv(kv_heads, HEADS_PER_PROGRAM))
-    _rotary_kernel[grid](positions, inv_freq, slots, q, k, v, q_out, k_out, v_out,
+    q_norm, k_norm, eps = head_norm if head_norm is not None else (inv_freq, inv_freq, 0.0)
+    _rotary_kernel[grid](positions, inv_freq, slots, q, k, v, q_out, k_out, v_out, q_norm, k_norm, float(eps),
                          q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
                          NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                          HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=HEADS_PER_PROGRAM, STORE_KV=store_kv,
-                         num_warps=NUM_WARPS, enable_fp_fusion=False)
+                         HAS_HEAD_NORM=head_norm is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
@@ -187,11 +236,16 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               inv_freq: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                              v_cache: torch.Tensor, q_out: Optional[torch.Tensor] = None,
+                              head_norm: Optional[HeadNorm] = None) -> torch.Tensor:
     """Rotates q and k as `rotary_embedding` (same operands; ``v [T, KVH*d]`` like k) and writes
     the KV cache instead of returning k: in place, for every token t,
 
         k_cache[slot_mapping[t]] = rotary(k[t]),   v_cache[slot_mapping[t]] = v[t]
+
+    With ``head_norm`` (weights ``[d]`` of q's dtype or fp32, contiguous, on q's device; eps >= 0)
+    every head of q and k is RMS-normalized before its rotation (the module docstring): q_out gets
+    rotary(norm(q[t])) and the cache rotary(norm(k[t])); v is not normed.
 
     (``k_cache``/``v_cache [num_slots, KVH, d]`` of q's dtype, each slot's heads contiguous;
     ``slot_mapping [T]`` int32/int64, contiguous; other slots are not touched, and a slot named
@@ -205,8 +259,10 @@ def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     _check_index("slot_mapping", slot_mapping, tokens)
     _check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
     _check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
+    if head_norm is not None:
+        _check_head_norm(head_norm, q, head_dim)
     q_out = _output("q_out", q_out, q, head_dim)
     if tokens:
         _launch(positions, inv_freq, slot_mapping, q, k, v, q_out, k_cache, v_cache, heads, kv_heads, head_dim,
-                store_kv=True)
+                store_kv=True, head_norm=head_norm)
     return q_out

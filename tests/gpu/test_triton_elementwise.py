@@ -10,6 +10,11 @@ it), silu_and_mul within two ulps.
 The rotary kernel that writes the KV cache must equal the torch path (``forward_torch`` +
 ``store_kv``) bit for bit: q, and both whole caches (v copied, untouched slots untouched); it
 agreed on 100% of the rotary kernel's outputs (docs/results/engine_gpu_tests.log).
+With a `HeadNorm` (Qwen3's per-head q/k RMSNorm, fused into that kernel) against the torch path
+with `fusion.reference.rms_norm` per head: the sum of squares runs in another order, so q and k
+within the bound of tests/test_qk_norm_rotary.py ((2 eps + 16 u) (|n1| + |n2|) of the normed
+pair) and at least 99% bit-equal, v and the untouched slots bit for bit; a token's bits the same
+at every T (batch-invariant).
 Then the ops through the layers' dispatch, captured in one CUDA graph and replayed with new
 inputs; then a µs-per-call table against the torch path.
 """
@@ -18,6 +23,7 @@ from typing import Callable
 import pytest
 import torch
 
+from arfusion.fusion.reference import rms_norm
 from arfusion.fusion.tuning.timing import capture_cuda_graph, median_us_per_call
 
 pytest.importorskip("triton")
@@ -25,9 +31,11 @@ pytest.importorskip("triton")
 from arfusion import layers  # noqa: E402  (the modules imported below, patched through it by name)
 from arfusion.layers.activation import SiluAndMul  # noqa: E402
 from arfusion.layers.attention import store_kv  # noqa: E402
+from arfusion.layers.head_norm import HeadNorm  # noqa: E402
 from arfusion.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from arfusion.layers.kernels.triton_activation import silu_and_mul  # noqa: E402
 from arfusion.layers.kernels.triton_rotary import rotary_embedding, rotary_embedding_store_kv  # noqa: E402
+from tests.test_qk_norm_rotary import assert_within_tolerance  # noqa: E402
 from tests.test_triton_elementwise import LLAMA3, eps, pair_magnitude, ulp_distance  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -77,6 +85,26 @@ def _rotary_store_kv_torch(rope: RotaryEmbedding, positions, q, k, v, slots, k_c
     q_ref, k_ref = rope.forward_torch(positions, q, k)
     store_kv(k_ref, v, k_cache, v_cache, slots)
     return q_ref
+
+
+def _head_norm(dtype: torch.dtype, seed: int) -> HeadNorm:
+    """q and k norm weights N(1, 0.1) in ``dtype``, eps 1e-6 (Qwen3's)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    weights = 1 + 0.1 * torch.randn(2, HEAD_DIM, generator=gen, device=DEVICE)
+    return HeadNorm(weights[0].to(dtype), weights[1].to(dtype), 1e-6)
+
+
+def _norm_torch(x: torch.Tensor, weight: torch.Tensor, eps_: float) -> torch.Tensor:
+    """`fusion.reference.rms_norm` of every head of ``x [T, heads * HEAD_DIM]``: a new tensor."""
+    return rms_norm(x.reshape(-1, HEAD_DIM), weight, eps_).view(x.shape)
+
+
+def _norm_rotary_store_kv_torch(rope: RotaryEmbedding, positions, q, k, v, slots, k_cache, v_cache,
+                                head_norm: HeadNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path with the head norms: ``(rotated q, normed q, normed k)``; writes the rotated
+    normed k and v into the caches."""
+    q_normed, k_normed = _norm_torch(q, head_norm.q_weight, head_norm.eps), _norm_torch(k, head_norm.k_weight, head_norm.eps)
+    return _rotary_store_kv_torch(rope, positions, q_normed, k_normed, v, slots, k_cache, v_cache), q_normed, k_normed
 
 
 def _assert_bit_equal(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -153,6 +181,34 @@ def test_rotary_store_kv_matches_torch_path_bit_for_bit(tokens, dtype):
     _assert_bit_equal("v_cache", v_cache, v_ref)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_store_kv_head_norm_matches_torch_path(tokens, dtype):
+    rope, head_norm = _rope(), _head_norm(dtype, seed=tokens)
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=tokens + 2)
+    q, k, v = _split(qkv)
+    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=tokens + 1)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv_before, k_before = qkv.clone(), k_cache.clone()
+    q_ref, q_normed, k_normed = _norm_rotary_store_kv_torch(rope, positions, q, k, v, slots, k_ref, v_ref, head_norm)
+    q_out = rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots, k_cache, v_cache, head_norm=head_norm)
+    assert torch.equal(qkv, qkv_before), "inputs were written"
+    _assert_bit_equal("v_cache", v_cache, v_ref)
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], k_before[untouched]), "a slot not in slot_mapping was written"
+    assert_within_tolerance("q", q_out, q_ref, q_normed, HEAD_DIM)
+    assert_within_tolerance("k", k_cache[slots].view(tokens, -1), k_ref[slots].view(tokens, -1), k_normed, HEAD_DIM)
+    # batch invariance: the first token alone gets the same bits, into a cache slot of its own
+    k_one, v_one = k_before.clone(), v_cache.clone()
+    q_one = rotary_embedding_store_kv(positions[:1], q[:1], k[:1], v[:1], rope.inv_freq, slots[:1], k_one, v_one,
+                                      head_norm=head_norm)
+    assert torch.equal(q_one, q_out[:1]) and torch.equal(k_one[slots[:1]], k_cache[slots[:1]]), "T=1 differs"
+
+
 def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     calls = []
 
@@ -166,17 +222,19 @@ def test_layers_dispatch_to_the_kernels_on_cuda(monkeypatch):
     monkeypatch.setattr(layers.kernels.triton_activation, "silu_and_mul", counted(silu_and_mul))
     monkeypatch.setattr(layers.kernels.triton_rotary, "rotary_embedding_store_kv", counted(rotary_embedding_store_kv))
 
-    def no_index_copy(*args):
-        raise AssertionError("the torch cache write ran on CUDA")
+    def no_torch_path(*args):
+        raise AssertionError("the torch cache write or head norm ran on CUDA")
 
-    monkeypatch.setattr(layers.rotary_embedding, "store_kv", no_index_copy)
+    monkeypatch.setattr(layers.rotary_embedding, "store_kv", no_torch_path)
+    monkeypatch.setattr(layers.rotary_embedding, "rms_norm_heads", no_torch_path)
     positions = torch.arange(3, device=DEVICE)
     q, k, v = _split(torch.randn(3, QKV_WIDTH, device=DEVICE, dtype=torch.bfloat16))
     _rope()(positions, q, k)
     SiluAndMul()(torch.randn(3, 2 * INTERMEDIATE, device=DEVICE, dtype=torch.bfloat16))
     k_cache, v_cache, slots = _kv_case(3, torch.bfloat16, seed=0)
     _rope().forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
-    assert calls == ["rotary_embedding", "silu_and_mul", "rotary_embedding_store_kv"]
+    _rope().forward_store_kv(positions, q, k, v, slots, k_cache, v_cache, _head_norm(torch.bfloat16, seed=0))
+    assert calls == ["rotary_embedding", "silu_and_mul", "rotary_embedding_store_kv", "rotary_embedding_store_kv"]
 
 
 @pytest.mark.timeout(300)
@@ -239,6 +297,38 @@ def test_rotary_store_kv_cuda_graph_replay(tokens):
         _assert_bit_equal("v_cache", v_cache, v_ref)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_rotary_store_kv_head_norm_cuda_graph_replay(tokens):
+    """`forward_store_kv` with a HeadNorm (fp32 weights) captured once; each replay with new
+    positions, qkv, caches, slots and norm weights writes what the eager kernel writes, bit for bit."""
+    dtype = torch.bfloat16
+    rope, head_norm = _rope(), _head_norm(torch.float32, seed=0)
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=0)
+    q, k, v = _split(qkv)
+    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=0)
+
+    def step() -> torch.Tensor:
+        return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache, head_norm)
+
+    graph, q_out = capture_cuda_graph(step)
+    for seed in (1, 2, 3):
+        _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
+        _fill_kv(k_cache, v_cache, slots, seed)
+        for weight, new in zip(head_norm[:2], _head_norm(torch.float32, seed)[:2]):
+            weight.copy_(new)
+        k_eager, v_eager = k_cache.clone(), v_cache.clone()
+        q_eager = rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots, k_eager, v_eager,
+                                            head_norm=head_norm)
+        q_out.fill_(float("nan"))  # every element must be written by the replay
+        graph.replay()
+        _assert_bit_equal("q", q_out, q_eager)
+        _assert_bit_equal("k_cache", k_cache, k_eager)
+        _assert_bit_equal("v_cache", v_cache, v_eager)
+
+
 def _us_per_call(make_inputs: Callable[[], tuple], fn: Callable, input_bytes: int, calls_per_graph: int = 32,
                  repeats: int = 10) -> float:
     """Microseconds per ``fn(*inputs)``: one CUDA graph of ``calls_per_graph`` calls, cycling over
@@ -285,6 +375,14 @@ def test_print_timing_table():
     def torch_store_kv(positions, q, k, v, slots, k_cache, v_cache) -> None:
         _rotary_store_kv_torch(rope, positions, q, k, v, slots, k_cache, v_cache)
 
+    head_norm = _head_norm(dtype, seed=0)
+
+    def fused_norm_store_kv(positions, q, k, v, slots, k_cache, v_cache) -> None:
+        rotary_embedding_store_kv(positions, q, k, v, rope.inv_freq, slots, k_cache, v_cache, head_norm=head_norm)
+
+    def torch_norm_store_kv(positions, q, k, v, slots, k_cache, v_cache) -> None:
+        _norm_rotary_store_kv_torch(rope, positions, q, k, v, slots, k_cache, v_cache, head_norm)
+
     lines = [f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} intermediate={INTERMEDIATE} bf16, {torch.cuda.get_device_name(0)}",
              f"{'op':>15} {'T':>5} {'triton us':>10} {'GB/s':>6} {'torch us':>9} {'speedup':>7}"]
     slower = []
@@ -299,6 +397,8 @@ def test_print_timing_table():
              torch_store_kv, tokens * (QKV_WIDTH + 4 * KV_HEADS * HEAD_DIM) * 2,
              2 * tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2),
             ("rotary,2 copies", store_kv_inputs(tokens), unfused_store_kv, torch_store_kv,
+             tokens * (QKV_WIDTH + 4 * KV_HEADS * HEAD_DIM) * 2, 2 * tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2),
+            ("norm+rotary+kv", store_kv_inputs(tokens), fused_norm_store_kv, torch_norm_store_kv,
              tokens * (QKV_WIDTH + 4 * KV_HEADS * HEAD_DIM) * 2, 2 * tokens * (HEADS + 2 * KV_HEADS) * HEAD_DIM * 2),
         ]
         for name, make, kernel, reference, input_bytes, moved in rows:
