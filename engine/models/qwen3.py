@@ -42,7 +42,7 @@ class Qwen3Attention(LlamaAttention):
         q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
-        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
+        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch, kv_cache.decode_counter))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
