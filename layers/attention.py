@@ -13,13 +13,11 @@ has already written them (the fused rotary kernel does) calls `attend` alone.
 
 On GPU (fp16/bf16, power-of-two head dim, triton) both modes run Triton kernels: split-K decode
 (layers/kernels/triton_decode_attention.py) and one flash-attention launch for a whole extend batch
-(layers/kernels/triton_extend_attention.py); the decode kernel combines its key splits in its
-own launch when the caller passes the arrival counters that cover the batch (the models pass
-their KV cache's, engine/models/forward_batch.py's ``KVCache.decode_counter``). The torch paths,
-the references: decode batched with static shapes (the sequences' keys gathered to
-``[B, max_context, ...]`` and masked by ``seq_lens``), extend looping over the sequences, each
-with a bottom-right-aligned causal mask; both in pieces of bounded size (`MAX_SCORES`), so a
-long prompt's attention takes bounded memory on a CPU as the Triton kernels do on a GPU.
+(layers/kernels/triton_extend_attention.py). The torch paths, the references: decode batched with
+static shapes (the sequences' keys gathered to ``[B, max_context, ...]`` and masked by
+``seq_lens``), extend looping over the sequences, each with a bottom-right-aligned causal mask;
+both in pieces of bounded size (`MAX_SCORES`), so a long prompt's attention takes bounded memory
+on a CPU as the Triton kernels do on a GPU.
 
 Batch-invariant mode (`layers.batch_invariant`): on GPU, decode splits each sequence's keys into
 chunks of a fixed size (`DETERMINISTIC_KEYS_PER_SPLIT`: a sequence's split count depends on its
@@ -143,51 +141,44 @@ class Attention(nn.Module):
                       if sinks else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: AttentionBatch,
-                decode_counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+                v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """``q [T, num_heads*head_dim]``, ``k, v [T, num_kv_heads*head_dim]`` -> ``[T, num_heads*head_dim]``.
         Writes k and v into ``k_cache``/``v_cache`` ``[num_slots, num_kv_heads, head_dim]`` at
         ``batch.slot_mapping`` (`store_kv`), then `attend`."""
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        return self.attend(q, k_cache, v_cache, batch, decode_counter)
+        return self.attend(q, k_cache, v_cache, batch)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-               decode_counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               batch: AttentionBatch) -> torch.Tensor:
         """``q [T, num_heads*head_dim]`` -> ``[T, num_heads*head_dim]`` over the cache, whose slots
         must already hold the new tokens' keys and values. Reads the cache only. In
         batch-invariant mode an extend batch with ``num_decodes`` runs as a decode call on its
-        first rows and an extend call on the rest (`split_decodes`). ``decode_counter``: the
-        decode kernel's arrival counters (the KV cache's ``decode_counter``: int32, zero between
-        launches; the launch sets back what it counts), used by a Triton decode call of at most
-        ``decode_counter.numel() / num_kv_heads`` sequences (one launch instead of two, the same
-        bits); a larger batch takes the two launches."""
+        first rows and an extend call on the rest (`split_decodes`)."""
         tokens = q.shape[0]
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         if batch.is_decode:
-            out = self._decode(q, k_cache, v_cache, batch, decode_counter)
+            out = self._decode(q, k_cache, v_cache, batch)
         elif batch_invariant.enabled() and batch.num_decodes:
             decodes, prompts = split_decodes(batch)
             d = batch.num_decodes
             out = torch.empty_like(q)
-            out[:d] = self._decode(q[:d], k_cache, v_cache, decodes, decode_counter)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, decodes)
             out[d:] = self._extend(q[d:], k_cache, v_cache, prompts)
         else:
             out = self._extend(q, k_cache, v_cache, batch)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                decode_counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
-        kernel, which reads only each sequence's own keys, in one launch when ``decode_counter``
-        covers the batch (`attend`); elsewhere `_decode_torch`."""
+        kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
         if self._uses_triton(q):
             from arfusion.layers.kernels.triton_decode_attention import decode_attention
 
             keys_per_split = DETERMINISTIC_KEYS_PER_SPLIT if batch_invariant.enabled() else None
-            fits = decode_counter is not None and decode_counter.numel() >= q.shape[0] * self.num_kv_heads
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, self.scale,
                                     row_ids=batch.row_ids, keys_per_split=keys_per_split, sinks=self.sinks,
-                                    window=self.sliding_window, counter=decode_counter if fits else None)
+                                    window=self.sliding_window)
         if batch_invariant.enabled() or self._sink_or_window:
             return self._attend_per_sequence(q, k_cache, v_cache, batch)
         return self._decode_torch(q, k_cache, v_cache, batch)

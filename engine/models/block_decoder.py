@@ -116,11 +116,10 @@ class BlockDecoderForCausalLM(nn.Module):
     def num_kv_heads_local(self) -> int:
         return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
 
-    def allocate_kv_cache(self, num_slots: int, max_decode_batch: int = 0) -> KVCache:
-        """A KV cache of ``num_slots`` token slots for this rank's KV heads, with the decode
-        attention's counter for batches of up to ``max_decode_batch`` sequences (0: none)."""
+    def allocate_kv_cache(self, num_slots: int) -> KVCache:
+        """A KV cache of ``num_slots`` token slots for this rank's KV heads."""
         return KVCache.allocate(num_slots, self.config.num_hidden_layers, self.num_kv_heads_local,
-                                self.config.head_dim, self.dtype, self.device, max_decode_batch)
+                                self.config.head_dim, self.dtype, self.device)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> ShardedLogits:

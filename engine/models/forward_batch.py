@@ -107,38 +107,24 @@ class ForwardBatch:
 
 class KVCache:
     """Per layer, a K and a V tensor ``[num_slots, num_kv_heads, head_dim]`` (this rank's KV
-    heads). Slots are handed out by the caller; this class only owns the memory.
+    heads). Slots are handed out by the caller; this class only owns the memory."""
 
-    ``decode_counter``: None, or the decode attention launch's arrival counters (int32
-    ``[max_decode_batch * num_kv_heads]``, zero between launches: each launch sets back what it
-    counts), shared by every layer: the layers' launches run one after another on one stream. A
-    decode batch of up to ``max_decode_batch`` sequences then combines its key splits in the
-    split launch itself (layers/kernels/triton_decode_attention.py's one-launch path; a larger
-    batch, or none, takes two launches)."""
-
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor],
-                 decode_counter: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         if len(k) != len(v) or not k:
             raise ValueError(f"need one K and one V tensor per layer, got {len(k)} and {len(v)}")
         self.k = k
         self.v = v
-        self.decode_counter = decode_counter
 
     @classmethod
     def allocate(cls, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: Optional[torch.device] = None, max_decode_batch: int = 0) -> "KVCache":
-        """Zero-filled K and V tensors for every layer and, when ``max_decode_batch`` > 0, a
-        zeroed ``decode_counter`` for decode batches of up to that many sequences."""
+                 dtype: torch.dtype, device: Optional[torch.device] = None) -> "KVCache":
+        """Zero-filled K and V tensors for every layer."""
         if num_slots < 1:
             raise ValueError(f"a KV cache needs at least one slot, got {num_slots}")
-        if max_decode_batch < 0:
-            raise ValueError(f"max_decode_batch must be >= 0 (0: no decode counter), got {max_decode_batch}")
         shape = (num_slots, num_kv_heads, head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        counter = (torch.zeros(max_decode_batch * num_kv_heads, dtype=torch.int32, device=device)
-                   if max_decode_batch else None)
-        return cls(k, v, counter)
+        return cls(k, v)
 
     @property
     def num_slots(self) -> int:

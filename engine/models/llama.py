@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
-        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch, kv_cache.decode_counter))
+        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 
 class LlamaMLP(nn.Module):

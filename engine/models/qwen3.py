@@ -43,7 +43,7 @@ class Qwen3Attention(LlamaAttention):
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         head_norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache, head_norm)
-        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch, kv_cache.decode_counter))
+        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -12,9 +12,7 @@ exactly what was built, in reverse:
                      with its weights; then the op's ``setup()`` (workspace and buffers: a
                      collective, before any graph capture). The model's tensors go with it
     enter_kv_cache   the KV cache sized from the memory left, agreed by all ranks (`kv_slots`),
-                     with the decode attention's counter for ``max_running_requests``
-                     sequences (`KVCache.decode_counter`), and the request table; their tensors
-                     go with them
+                     and the request table; their tensors go with them
     enter_graphs     the decode CUDA graphs (on a GPU, unless disabled), with the capturable
                      collectives' stand-in of ranks sharing a GPU; teardown: the graphs (the
                      stand-in goes with the group, after ``peers_done()``)
@@ -129,14 +127,12 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
 def enter_kv_cache(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup, loaded: LoadedModel,
                    startup: Optional[StartupContext] = None) -> KVPart:
     """Collective: the KV cache of `kv_slots` slots and the request table of
-    ``settings.max_running_requests`` rows; the cache's decode counter covers that many sequences,
-    every decode batch the runner can run (the graphs' padded sizes are capped by it). Nothing to
-    tear down but its tensors, which go with it."""
+    ``settings.max_running_requests`` rows. Nothing to tear down but its tensors, which go with it."""
     startup = startup or StartupContext()
     with startup.stages.stage("KV cache", _synchronizer(group.device)):
         max_rows = settings.max_running_requests
         slots, context_len = kv_slots(settings, group, loaded, max_rows)
-        kv_cache = loaded.model.allocate_kv_cache(slots, max_decode_batch=max_rows)
+        kv_cache = loaded.model.allocate_kv_cache(slots)
         return KVPart(kv_cache, RequestTable(max_rows, context_len, group.device), max_rows, context_len)
 
 

@@ -31,21 +31,6 @@ Combine kernel, grid (B, H), over the ceil(n_b / chunk_b) <= NUM_SPLITS splits t
 
 (every w_s lies in (0, 1] and one is 1: no overflow, no 0/0).
 
-One launch (``counter`` given, several splits): no combine kernel; the last split program of
-each (b, kv head) to finish combines that row's G heads. A program that ran stores its partials,
-passes a CTA barrier (every thread's stores come before what follows) and adds 1 to
-counter[b * KVH + kh] by an atomic with acq_rel semantics at GPU scope; its release half
-publishes the program's partials. The ran_b = ceil((n_b - lo_b) / chunk_b) programs whose chunk
-starts before n_b (lo_b: the window's first key, else 0) are the ones that arrive (the others
-exit first), so the program whose add returns ran_b - 1 is the row's last. The adds on one
-counter follow one another, each reading the value the previous one wrote, so that program's
-acquire half sees every peer's release: their partials are visible to it; a second barrier
-extends that to all its threads. It then runs the combine above for heads kh*G .. kh*G + G - 1,
-one head at a time, with the combine kernel's own code (`_combine_head`, partials read from L2),
-so both paths give the same bits, and stores 0 to the counter: every program of the row has
-arrived, and the launch's end orders that store before the next launch on the stream. Which
-program arrives last varies from run to run; what it computes does not.
-
 Batch-invariant mode passes ``keys_per_split``: chunk_b is that fixed size, so row b takes
 ceil(n_b / keys_per_split) splits (fewer for short rows, more for long ones; never a function
 of the batch), the grid is ceil(C / keys_per_split) splits, and the combine adds splits 0, 1,
@@ -65,10 +50,7 @@ of [0, n_b).
 
 Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
 dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
-[B, H, NUM_SPLITS]); the one-launch path also counts in counter[0 : B * KVH], which must be
-zero on entry and is zero again when the launch ends (the caller owns the counter and never
-lets two launches that may overlap, e.g. on two streams, share it); nothing else is written.
-Launch and buffers depend on shapes only (and on whether a counter is given), never on
+[B, H, NUM_SPLITS]); nothing else is written. Launch and buffers depend on shapes only, never on
 seq_lens, so a call is CUDA-graph capturable and a replay with other seq_lens re-splits each row
 on the device. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
 sync); seq_lens above C are clamped to C.
@@ -97,11 +79,16 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _row_range(SeqLens, b, context, window, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               FIXED_CHUNK: tl.constexpr):
-    """``(n_b, lo, chunk_b)`` of row b: its length clamped to the width, the first key its
-    window keeps (0 without one) and the keys per split (FIXED_CHUNK, or the module docstring's
-    chunk_b); split s takes keys ``[lo + s * chunk_b, min(lo + (s + 1) * chunk_b, n_b))``."""
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, qk_scale_log2,
+                  stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
+                  context, window,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  FIXED_CHUNK: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
     lo = 0
     if HAS_WINDOW:
@@ -110,55 +97,6 @@ def _row_range(SeqLens, b, context, window, NUM_SPLITS: tl.constexpr, BLOCK: tl.
         chunk = FIXED_CHUNK
     else:
         chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
-    return seq_len, lo, chunk
-
-
-@triton.jit
-def _combine_head(PartOut, PartLse, Out, b, h, ran, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, IN_ORDER: tl.constexpr):
-    """``Out[b, h] = sum_s w_s o_s / sum_s w_s`` over the ``ran`` splits that ran (module
-    docstring), from PartOut / PartLse ``[B, H, NUM_SPLITS(, D)]`` read from L2 (``.cg``: they
-    may have been written by other programs of this launch). IN_ORDER (batch-invariant mode):
-    splits 0, 1, ..., ran - 1 added in that order, a loop (the grid's size changes no bit); else
-    one reduction over a ``[SPLITS_PAD, HEAD_DIM]`` tile, the splits that did not run weighing 0.
-    Both kernels call this, so both paths give the same bits."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    first = (b * NUM_HEADS + h) * NUM_SPLITS
-    if IN_ORDER:
-        top = tl.load(PartLse + first, cache_modifier=".cg")
-        for s in range(1, ran):
-            top = tl.maximum(top, tl.load(PartLse + first + s, cache_modifier=".cg"))
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        den = tl.zeros([HEAD_DIM], tl.float32)
-        for s in range(0, ran):
-            w = tl.exp2(tl.load(PartLse + first + s, cache_modifier=".cg") - top)
-            acc += w * tl.load(PartOut + (first + s) * HEAD_DIM + offs_d, cache_modifier=".cg")
-            den += w
-        out = acc / den
-    else:
-        offs_s = tl.arange(0, SPLITS_PAD)
-        s_mask = offs_s < ran
-        row = first + offs_s
-        lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
-        o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
-
-
-@triton.jit
-def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, Counter, qk_scale_log2,
-                  stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
-                  context, window,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  FIXED_CHUNK: tl.constexpr, ONE_LAUNCH: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, lo, chunk = _row_range(SeqLens, b, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, FIXED_CHUNK)
     start = lo + split * chunk
     if start < seq_len:
         end = tl.minimum(start + chunk, seq_len)
@@ -197,17 +135,6 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
             row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
             tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
             tl.store(PartLse + row, m + tl.log2(l), mask=g_mask)
-            if ONE_LAUNCH:  # the row's last split to arrive combines its G heads (module docstring)
-                tl.debug_barrier()  # every thread's partials are stored before the counter announces them
-                arrival = Counter + b * tl.num_programs(1) + kvh
-                arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
-                ran = tl.cdiv(seq_len - lo, chunk)  # the splits whose chunk starts before seq_len: all arrive
-                if arrived == ran - 1:
-                    tl.debug_barrier()  # the acquire above orders the peers' partials before this CTA's reads
-                    for g in range(GROUP):
-                        _combine_head(PartOut, PartLse, Out, b, kvh * GROUP + g, ran, stride_ob, stride_oh, HEAD_DIM,
-                                      NUM_HEADS, NUM_SPLITS, SPLITS_PAD, FIXED_CHUNK > 0)
-                    tl.store(arrival, 0)  # every split of the row has arrived: zero for the next launch
 
 
 @triton.jit
@@ -217,10 +144,35 @@ def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, contex
                     FIXED_CHUNK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len, lo, chunk = _row_range(SeqLens, b, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, FIXED_CHUNK)
-    ran = tl.cdiv(seq_len - lo, chunk)  # splits whose chunk started before seq_len
-    _combine_head(PartOut, PartLse, Out, b, h, ran, stride_ob, stride_oh, HEAD_DIM, NUM_HEADS, NUM_SPLITS, SPLITS_PAD,
-                  FIXED_CHUNK > 0)
+    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if FIXED_CHUNK > 0:  # splits 0, 1, ..., ran - 1 added in that order: the grid's size changes no bit
+        ran = tl.cdiv(seq_len - lo, FIXED_CHUNK)
+        first = (b * NUM_HEADS + h) * NUM_SPLITS
+        top = tl.load(PartLse + first)
+        for s in range(1, ran):
+            top = tl.maximum(top, tl.load(PartLse + first + s))
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        den = tl.zeros([HEAD_DIM], tl.float32)
+        for s in range(0, ran):
+            w = tl.exp2(tl.load(PartLse + first + s) - top)
+            acc += w * tl.load(PartOut + (first + s) * HEAD_DIM + offs_d)
+            den += w
+        out = acc / den
+    else:
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+        ran = tl.cdiv(seq_len - lo, chunk)  # splits whose chunk started before seq_len
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < ran
+        row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+        lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
+        o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,22 +237,11 @@ def check_sinks(sinks: Optional[torch.Tensor], heads: int, device: torch.device,
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
 
 
-def check_counter(counter: torch.Tensor, rows: int, device: torch.device) -> None:
-    """``counter``: a contiguous int32 tensor on ``device`` of at least ``rows`` entries."""
-    problems = [(counter.dtype != torch.int32, f"be int32, not {counter.dtype}"),
-                (counter.device != device, f"be on {device}, not {counter.device}"),
-                (not counter.is_contiguous(), "be contiguous"),
-                (counter.numel() < rows, f"hold at least B * KVH = {rows} entries, not {counter.numel()}")]
-    for failed, need in problems:
-        if failed:
-            raise ValueError(f"the decode attention counter must {need}")
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                      row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None,
                      keys_per_split: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-                     window: int = 0, counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     window: int = 0) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
@@ -312,18 +253,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combine adds the splits one by one in order. ``sinks [H]`` (fp32 logits) join every head's
     softmax denominator as a key of value 0 (split 0 starts its sums with it); ``window`` W > 0
     keeps the last W keys only (the splits cut ``[max(n_b - W, 0), n_b)``):
-    layers/sink_attention.py's math. ``counter`` (int32, contiguous, at least B * KVH entries on
-    q's device, all zero; the caller owns it, one launch at a time per counter): with several
-    splits the last split of each (sequence, kv head) to finish combines its heads, one launch
-    instead of two, the same bits; the launch leaves it zero again. Requires 1 <= seq_lens[b]
-    and 0 <= row_ids[b] < R (not checked: that would sync); values of seq_lens above C are
-    clamped to C."""
+    layers/sink_attention.py's math. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not
+    checked: that would sync); values of seq_lens above C are clamped to C."""
     _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    if counter is not None:
-        check_counter(counter, batch * kv_heads, q.device)
     group = heads // kv_heads
     context = req_to_token.shape[1]
     if keys_per_split is not None:
@@ -338,7 +273,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if keys_per_split is not None and (keys_per_split < block or keys_per_split % block):
         raise ValueError(f"keys_per_split must be a positive multiple of the block ({block}), got {keys_per_split}")
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    one_launch = splits > 1 and counter is not None
     if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
         part_out = part_lse = out
     else:
@@ -346,16 +280,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
-        out, seq_lens if sinks is None else sinks, counter if one_launch else seq_lens, scale * math.log2(math.e),
+        out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), context, window,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
-        FIXED_CHUNK=keys_per_split or 0, ONE_LAUNCH=one_launch, SPLITS_PAD=triton.next_power_of_2(splits),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FIXED_CHUNK=keys_per_split or 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if splits > 1 and not one_launch:
+    if splits > 1:
         _combine_kernel[(batch, heads)](
             part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
             HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),

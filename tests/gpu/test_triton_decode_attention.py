@@ -1,9 +1,7 @@
 """The Triton decode attention on one GPU, bf16, llama3-8b TP2 shapes (16 query heads, 4 KV heads,
 head_dim 128): captured once in a CUDA graph and replayed with new inputs and new seq_lens,
 against the fp32 torch reference (also reading its rows through row ids, as the CUDA-graph
-runner does); a graph of several calls replayed many times; the one-launch path (a counter
-given) against the two-launch path, bit for bit, over many calls; then a timing table against
-the layer's torch decode path (run with ``-s`` to see it)."""
+runner does); a graph of several calls replayed many times; then a timing table against the layer's torch decode path (run with ``-s`` to see it)."""
 from types import SimpleNamespace
 
 import pytest
@@ -160,69 +158,6 @@ def test_repeated_replays_of_several_calls(batch, context, num_splits):
         for (q, k_cache, v_cache), out in zip(layers, first):
             expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
             torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
-
-
-ONE_LAUNCH_REPEATS = 50  # one-launch calls per input, each against the two-launch call
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("batch,context,options", [
-    (1, 8192, {}),  # 64 splits of 128 keys: many programs race for each counter
-    (3, 300, {}),
-    (4, 1000, {"num_splits": 64}),  # most splits of every row empty: they must not arrive
-    (32, 4096, {}),
-    (64, 2048, {}),  # mid-size: 128-key blocks
-    (16, 4096, {"keys_per_split": 256}),  # batch-invariant mode: the in-order combine
-    (8, 2048, {"sinks": True, "window": 700}),
-], ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={x}" for k, x in v.items()) or "chosen")
-def test_one_launch_equals_two_launches(batch, context, options):
-    """With a counter the last split of each (sequence, kv head) to arrive combines its heads in
-    the split launch: over many calls (eager, then LAYERS calls sharing one counter in a CUDA
-    graph, replayed, as a model's layers share the KV cache's) every output equals the
-    two-launch call's bit for bit (the same combine code on the same partials: a partial read
-    before its program released it, or a wrong last program, would show), and the counter is
-    all zero after every call."""
-    dev = torch.device("cuda", 0)
-    options = dict(options)
-    sinks = torch.randn(HEADS, device=dev) * 2 if options.pop("sinks", False) else None
-    counter = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=dev)
-    req_to_token = torch.empty(batch, context, dtype=torch.int64, device=dev)
-    seq_lens = torch.empty(batch, dtype=torch.int64, device=dev)
-    layers = [(torch.empty(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=dev),
-               torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev),
-               torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev))
-              for _ in range(LAYERS)]
-
-    def refill(seed: int) -> None:  # the table and lengths of the last layer's refill stay
-        for i, (q, k_cache, v_cache) in enumerate(layers):
-            _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed * LAYERS + i)
-
-    def step(with_counter: bool) -> list[torch.Tensor]:
-        return [decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, SCALE, sinks=sinks,
-                                 counter=counter if with_counter else None, **options)
-                for q, k_cache, v_cache in layers]
-
-    refill(seed=0)
-    graph, outs = capture_cuda_graph(lambda: step(True))
-    for seed in (1, 2, 3):
-        refill(seed)
-        expected = step(False)
-        for _ in range(ONE_LAUNCH_REPEATS):
-            for out, want in zip(step(True), expected):
-                torch.testing.assert_close(out, want, rtol=0, atol=0)
-        for _ in range(ONE_LAUNCH_REPEATS):
-            for out in outs:
-                out.fill_(float("nan"))
-            graph.replay()
-            for out, want in zip(outs, expected):
-                torch.testing.assert_close(out, want, rtol=0, atol=0)
-        torch.cuda.synchronize()
-        assert not counter.any(), f"counter left at {counter.tolist()}"
-    if sinks is None and "window" not in options:
-        rtol, atol = TOLERANCES[DTYPE]
-        for (q, k_cache, v_cache), out in zip(layers, outs):
-            torch.testing.assert_close(out.float(), decode_attention_reference(q, k_cache, v_cache, req_to_token,
-                                                                               seq_lens, SCALE), rtol=rtol, atol=atol)
 
 
 def _torch_decode(q, k_cache, v_cache, req_to_token, seq_lens, scale):
