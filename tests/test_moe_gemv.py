@@ -25,7 +25,7 @@ EXPERTS, HIDDEN, INTER = 8, 80, 48
 CASES = {"1 token top-2": (1, 2, None), "1 token top-8": (1, 8, None), "3 tokens top-3": (3, 3, None),
          "4 tokens top-8": (4, 8, None), "one expert": (4, 1, 5)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-TILES = {"default": None, "small": (4, 32, 8, 16, 2)}  # block_n_gate_up, block_k_gate_up, block_n_down, block_k_down, warps
+TILES = {"default": None, "small": (4, 32, 8, 16, 1, 2)}  # MoEGemvConfig's fields in order
 
 
 def case_inputs(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

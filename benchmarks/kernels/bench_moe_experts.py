@@ -10,9 +10,10 @@ reaching them in that time takes, and the speed-up over the grouped launches; th
 difference from the grouped launches' output; with ``--profile`` each launch's GPU µs per call.
 
     python -m arfusion.benchmarks.kernels.bench_moe_experts --model qwen3-30b-a3b --tokens 1 2 4 8 16 \\
-        --configs 8,512,8,128,4 16,256,8,128,4 --out out/bench_moe_experts.json
+        --configs 8,512,8,128,4,4 16,256,8,128,2,4 --out out/bench_moe_experts.json
 
-``--configs``: matrix-vector tiles, each ``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps``.
+``--configs``: matrix-vector tiles, each
+``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``.
 Slot counts above the matrix-vector path's GEMV_MAX_SLOTS are timed too (to show where the
 grouped launches take over).
 """
@@ -39,8 +40,8 @@ def parse_config(text: str):
     from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig
 
     fields = [int(v) for v in text.split(",")]
-    if len(fields) != 5:
-        raise argparse.ArgumentTypeError(f"a config is 5 comma-separated integers, got {text!r}")
+    if len(fields) != 6:
+        raise argparse.ArgumentTypeError(f"a config is 6 comma-separated integers, got {text!r}")
     return MoEGemvConfig(*fields)
 
 
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
                         help="more matrix-vector tiles: block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,"
-                             "num_warps")
+                             "num_warps_gate_up,num_warps_down")
     parser.add_argument("--profile", action="store_true", help="also print each launch's GPU µs per call")
     parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()

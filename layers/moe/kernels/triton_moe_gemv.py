@@ -47,7 +47,8 @@ class MoEGemvConfig:
     block_k_gate_up: int = 512
     block_n_down: int = 8
     block_k_down: int = 256
-    num_warps: int = 4
+    num_warps_gate_up: int = 2
+    num_warps_down: int = 4
 
 
 DEFAULT_GEMV_CONFIG = MoEGemvConfig()
@@ -119,7 +120,8 @@ def serves(num_slots: int) -> bool:
 
 
 def _check_config(config: MoEGemvConfig) -> None:
-    for name in ("block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down", "num_warps"):
+    for name in ("block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down", "num_warps_gate_up",
+                 "num_warps_down"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 1 (tl.arange), got {value}")
@@ -141,10 +143,10 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     _gate_up_silu_gemv_kernel[(tokens * top_k, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
-        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=config.num_warps)
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=config.num_warps_gate_up)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, num_warps=config.num_warps)
+        BLOCK_K=config.block_k_down, num_warps=config.num_warps_down)
     return out
