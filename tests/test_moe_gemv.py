@@ -11,9 +11,9 @@ the reference's rounding of each expert row before the combine: TOLERANCES (test
 bf16 on the GPU: tests/gpu/test_moe_gemv_gpu.py.
 
 The dispatch: `fused_moe` without a config or blocks runs this path (the same bits as
-`moe_gemv`) up to GEMV_MAX_SLOTS slots with the folded combine, the grouped launches above it,
-with the unfused combine, and in batch-invariant mode; `MoEExperts.block_m` then asks the routing
-for no grouping."""
+`moe_gemv`) up to GEMV_MAX_SLOTS slots and a quarter as many slots as experts, with the folded
+combine; the grouped launches above, with the unfused combine, and in batch-invariant mode;
+`MoEExperts.block_m` then asks the routing for no grouping."""
 import pytest
 import torch
 
@@ -55,11 +55,14 @@ def _interpreted(rank: int, world: int) -> dict:
             for tile, fields in TILES.items():
                 config = MoEGemvConfig(*fields) if fields else MoEGemvConfig()
                 results[name, dtype_name, tile] = moe_gemv(*inputs, config=config)
-    inputs = case_inputs("3 tokens top-3", torch.float32)
+    inputs = case_inputs("1 token top-2", torch.float32)  # 2 slots: a quarter of the 8 experts
     results["dispatch", "default"] = fused_moe(*inputs)
-    results["dispatch", "grouped"] = fused_moe(*inputs, config=block_config(9, EXPERTS))
+    results["dispatch", "grouped"] = fused_moe(*inputs, config=block_config(2, EXPERTS))
     with batch_invariant.batch_invariant_mode(True):
         results["dispatch", "batch-invariant"] = fused_moe(*inputs)
+    inputs = case_inputs("3 tokens top-3", torch.float32)  # 9 slots: more than a quarter
+    results["dispatch", "many slots"] = fused_moe(*inputs)
+    results["dispatch", "many slots grouped"] = fused_moe(*inputs, config=block_config(9, EXPERTS))
     return results
 
 
@@ -84,8 +87,10 @@ def test_matches_torch_reference(interpreted, name, dtype_name, tile):
 
 @pytest.mark.timeout(500)
 def test_fused_moe_takes_this_path_only_where_it_serves(interpreted):
-    assert torch.equal(interpreted["dispatch", "default"], interpreted["3 tokens top-3", "fp32", "default"])
+    assert torch.equal(interpreted["dispatch", "default"], interpreted["1 token top-2", "fp32", "default"])
+    assert not torch.equal(interpreted["dispatch", "default"], interpreted["dispatch", "grouped"])  # other sums
     assert torch.equal(interpreted["dispatch", "batch-invariant"], interpreted["dispatch", "grouped"])
+    assert torch.equal(interpreted["dispatch", "many slots"], interpreted["dispatch", "many slots grouped"])
 
 
 def test_uses_gemv_by_slots_combine_and_mode():
@@ -94,10 +99,11 @@ def test_uses_gemv_by_slots_combine_and_mode():
     from arfusion.layers.moe.kernels.triton_fused_moe import uses_gemv
     from arfusion.layers.moe.kernels.triton_moe_gemv import GEMV_MAX_SLOTS
 
-    assert uses_gemv(1) and uses_gemv(GEMV_MAX_SLOTS) and not uses_gemv(GEMV_MAX_SLOTS + 1)
-    assert not uses_gemv(8, "unfused")
+    assert uses_gemv(1, 128) and uses_gemv(GEMV_MAX_SLOTS, 128) and not uses_gemv(GEMV_MAX_SLOTS + 1, 256)
+    assert uses_gemv(2, 8) and not uses_gemv(3, 8) and not uses_gemv(1, 3)  # at most a quarter of the experts
+    assert not uses_gemv(8, 128, "unfused")
     with batch_invariant.batch_invariant_mode(True):
-        assert not uses_gemv(8)
+        assert not uses_gemv(8, 128)
 
 
 def test_bad_tiles_are_refused_by_name():

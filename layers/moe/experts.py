@@ -82,7 +82,7 @@ class MoEExperts(nn.Module):
             return None
         from arfusion.layers.moe.kernels.triton_fused_moe import block_config, uses_gemv
 
-        if uses_gemv(tokens * top_k, self.combine):
+        if uses_gemv(tokens * top_k, self.num_experts, self.combine):
             return None
         return block_config(tokens * top_k, self.num_experts).block_m
 

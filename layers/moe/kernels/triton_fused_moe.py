@@ -120,12 +120,12 @@ def default_block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
 BATCH_INVARIANT_BLOCK_K = (128, 64)
 
 
-def uses_gemv(num_slots: int, combine: str = "folded") -> bool:
-    """Whether `fused_moe` (without a config or blocks) runs ``num_slots`` slots as the
-    matrix-vector launches of layers/moe/kernels/triton_moe_gemv.py: up to its GEMV_MAX_SLOTS
-    slots, with the folded combine, outside batch-invariant mode (there a token's bits must not
-    depend on how many slots share its call)."""
-    return combine == "folded" and gemv_serves(num_slots) and not batch_invariant.enabled()
+def uses_gemv(num_slots: int, num_experts: int, combine: str = "folded") -> bool:
+    """Whether `fused_moe` (without a config or blocks) runs ``num_slots`` slots over
+    ``num_experts`` experts as the matrix-vector launches of layers/moe/kernels/triton_moe_gemv.py:
+    where its `serves` holds, with the folded combine, outside batch-invariant mode (there a
+    token's bits must not depend on how many slots share its call)."""
+    return combine == "folded" and gemv_serves(num_slots, num_experts) and not batch_invariant.enabled()
 
 
 def block_config(num_slots: int, num_experts: int) -> MoEBlockConfig:
@@ -282,7 +282,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if tokens == 0:
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
-    if config is None and blocks is None and uses_gemv(num_slots, combine):
+    if config is None and blocks is None and uses_gemv(num_slots, num_experts, combine):
         return moe_gemv(x, w13, w2, topk_weights, topk_ids)
     cfg = config or block_config(num_slots, num_experts)
     if blocks is None:

@@ -22,7 +22,7 @@ MMA's operand layout through shared memory; here each weight is loaded in 16-byt
 straight into registers and used where it lands, and launch 2 sums its token's k expert rows
 itself (no scratch rows, no arrival counters, no grouping pass before launch 1). A weight is
 read once per slot that uses its expert, so the grouped launches take over when the slots
-outnumber what this path serves (`GEMV_MAX_SLOTS`). Launch sizes depend on shapes only: a call
+outnumber what this path serves (`serves`). Launch sizes depend on shapes only: a call
 can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -114,9 +114,13 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
     tl.store(out_ptr + token * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def serves(num_slots: int) -> bool:
-    """Whether ``num_slots`` (tokens x top-k) slots take this path (1 to `GEMV_MAX_SLOTS`)."""
-    return 0 < num_slots <= GEMV_MAX_SLOTS
+def serves(num_slots: int, num_experts: int) -> bool:
+    """Whether ``num_slots`` (tokens x top-k) slots over ``num_experts`` experts take this path:
+    1 to `GEMV_MAX_SLOTS` slots, and at most a quarter as many as the experts. A weight is read
+    once per slot that uses its expert; s slots spread over E experts repeat an expert about
+    s^2 / (2E) times, an eighth of the slots at s = E/4, beyond which the grouped launches (an
+    expert read once for all its rows) read fewer bytes."""
+    return 0 < num_slots <= min(GEMV_MAX_SLOTS, num_experts // 4)
 
 
 def _check_config(config: MoEGemvConfig) -> None:
