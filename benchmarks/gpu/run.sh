@@ -32,7 +32,11 @@
 #                  fusion/dispatch/tables/strategy_table.json) and merges into it.
 #   engine         engine.bench_one_batch on MODEL (default llama3-8b, dummy weights) at BATCH
 #                  (default 1 32 128), FUSION (default off on), input 128 / output 64;
-#                  PROFILE=1 adds --profile.
+#                  PROFILE=1 adds --profile. BASE=FOLDER (an older checkout of the project, one
+#                  package `arfusion` as now): this checkout against BASE's in ROUNDS (default 2)
+#                  interleaved rounds, each running both in turn (the order swapped every round),
+#                  into $OUT/bench_one_batch_{this,base}_ROUND.jsonl, then a table of every
+#                  setting's TPOT per round and the ratio of the medians (this / base).
 #   serving        the server with fusion off and on (COMPARE=deterministic: in the default mode
 #                  and with --deterministic, fusion FUSION, default off), interleaved, REPEATS
 #                  (default 3) times each; bench_serving at CONCURRENCY (default 1 32), input
@@ -217,14 +221,57 @@ part_table() {
 }
 
 part_engine() {
-  local batch fusion args
+  local batch fusion args round label root rc=0
   read -ra batch <<< "${BATCH:-1 32 128}"
   read -ra fusion <<< "${FUSION:-off on}"
   share_gpus_if_needed "$TP"
   args=(--model-path "${MODEL:-llama3-8b}" --tp-size "$TP" --batch-size "${batch[@]}" --fusion "${fusion[@]}"
-        --input-len 128 --output-len 64 --json-file "$OUT/bench_one_batch.jsonl")
+        --input-len 128 --output-len 64)
   [ "${PROFILE:-0}" = 1 ] && args+=(--profile)
-  run_timed 560 python -m arfusion.engine.bench_one_batch "${args[@]}" "${EXTRA[@]}"
+  if [ -z "${BASE:-}" ]; then
+    run_timed 560 python -m arfusion.engine.bench_one_batch "${args[@]}" --json-file "$OUT/bench_one_batch.jsonl" \
+      "${EXTRA[@]}"
+    return
+  fi
+  [ -d "$BASE" ] || { echo "!! BASE must name a folder with the older checkout"; return 2; }
+  for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
+    for label in $( ((round % 2)) && echo this base || echo base this); do
+      root=$PWD
+      [ "$label" = base ] && root=$(cd "$BASE" && pwd)
+      echo "== round $round: $label ($root)"
+      bench_one_batch_of "$root" "${args[@]}" --json-file "$OUT/bench_one_batch_${label}_$round.jsonl" \
+        "${EXTRA[@]}" || rc=1
+    done
+  done
+  python - "$OUT" << 'PY' || rc=1
+import glob, json, statistics, sys
+tpot = {}  # (label, setting) -> TPOT of each round
+for path in sorted(glob.glob(f"{sys.argv[1]}/bench_one_batch_*_*.jsonl")):
+    label = path.rsplit("/", 1)[1].split("_")[3]
+    for line in open(path):
+        for r in json.loads(line)["results"]:
+            setting = (r["batch_size"], r["fusion"], r["deterministic"])
+            tpot.setdefault((label, setting), []).append(r["tpot_ms"])
+settings = sorted({s for _, s in tpot})
+print(f"{'batch':>5} {'fusion':>7} {'det':>5}  {'base TPOT ms (rounds)':>28}  {'this TPOT ms (rounds)':>28}  this/base")
+for s in settings:
+    base, this = tpot.get(("base", s), []), tpot.get(("this", s), [])
+    ratio = statistics.median(this) / statistics.median(base) if base and this else float("nan")
+    print(f"{s[0]:>5} {s[1]:>7} {str(s[2]):>5}  {' / '.join(f'{t:.3f}' for t in base):>28}  "
+          f"{' / '.join(f'{t:.3f}' for t in this):>28}  {ratio:.3f}")
+sys.exit(0 if settings else 1)
+PY
+  return "$rc"
+}
+
+bench_one_batch_of() {  # bench_one_batch_of ROOT ARGS...: engine.bench_one_batch of the checkout at ROOT
+  local root=$1 folder
+  shift
+  folder=$(mktemp -d /tmp/arfusion-path.XXXXXX) && ln -s "$root" "$folder/arfusion" || return 2
+  PYTHONPATH="$folder:$root:$PYTHONPATH" python -c \
+    'import arfusion.engine, os; print("arfusion:", os.path.realpath(os.path.dirname(arfusion.engine.__file__) + "/.."))' \
+    || return 2
+  PYTHONPATH="$folder:$root:$PYTHONPATH" run_timed 560 python -m arfusion.engine.bench_one_batch "$@"
 }
 
 wait_healthy() {  # wait_healthy PORT PID SECONDS: until GET /health answers; fails if PID dies
