@@ -26,6 +26,7 @@ import statistics
 import torch
 
 from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op, median_replay_us
+from arfusion.fusion.tuning.timing import capture_cuda_graph
 
 HBM_BYTES_PER_S = 4.8e12
 CALLS = 8
@@ -46,14 +47,9 @@ def parse_config(text: str):
 
 
 def time_calls(fn, profile: bool) -> tuple[float, dict]:
-    """(median µs per call, {kernel: µs per call} when ``profile``) of ``fn(i)`` for i < CALLS in one graph."""
-    for i in range(CALLS):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
+    """(median µs per call, {kernel: µs per call} when ``profile``) of ``fn(i)`` for i < CALLS in one graph
+    (`capture_cuda_graph`)."""
+    graph, _ = capture_cuda_graph(lambda: [fn(i) for i in range(CALLS)])
     graph.replay()
     us = median_replay_us(graph, CALLS)
     kernels = kernel_us_per_op(graph, CALLS) if profile else {}

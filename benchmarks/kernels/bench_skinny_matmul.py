@@ -16,7 +16,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from arfusion.benchmarks.kernels.graph_timing import median_replay_us
+from arfusion.fusion.tuning.timing import median_us_per_call
 
 HBM_BYTES_PER_US = 4.8e6
 WEIGHT_BYTES_CYCLED = 256 << 20
@@ -28,19 +28,8 @@ CANDIDATES = ["16,256,4,4", "32,256,4,4", "32,128,4,6", "64,128,4,4", "32,512,4,
 
 
 def time_in_graph(fn, weights: list[torch.Tensor]) -> float:
-    """µs per call of ``fn(weight)`` over ``weights`` in one captured graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:3]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    median_replay_us(graph, len(weights), replays=3)
-    return median_replay_us(graph, len(weights))
+    """µs per call of ``fn(weight)`` over ``weights`` in one captured graph (`median_us_per_call`)."""
+    return median_us_per_call(lambda: [fn(w) for w in weights], len(weights))
 
 
 def main() -> None:
