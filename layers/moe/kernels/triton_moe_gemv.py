@@ -41,7 +41,7 @@ GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches
 class MoEGemvConfig:
     """Tiles of the two launches: output columns per program and columns per K step (the
     defaults: the fastest of a sweep at Qwen3-30B-A3B's expert shapes, 1 to 4 tokens; the
-    numbers are in docs/results.md)."""
+    numbers are in docs/results.md); a size that is no power of two is a ValueError naming it."""
 
     block_n_gate_up: int = 8
     block_k_gate_up: int = 512
@@ -49,6 +49,11 @@ class MoEGemvConfig:
     block_k_down: int = 256
     num_warps_gate_up: int = 2
     num_warps_down: int = 4
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1 (tl.arange, warps), got {value}")
 
 
 DEFAULT_GEMV_CONFIG = MoEGemvConfig()
@@ -123,21 +128,12 @@ def serves(num_slots: int, num_experts: int) -> bool:
     return 0 < num_slots <= min(GEMV_MAX_SLOTS, num_experts // 4)
 
 
-def _check_config(config: MoEGemvConfig) -> None:
-    for name in ("block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down", "num_warps_gate_up",
-                 "num_warps_down"):
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 1 (tl.arange), got {value}")
-
-
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, config: MoEGemvConfig = DEFAULT_GEMV_CONFIG) -> torch.Tensor:
     """``x [T, H]``, this rank's shards ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (x's dtype), routing
     ``topk_weights`` (float) / ``topk_ids`` (int) ``[T, k]`` -> a new ``[T, H]`` of x's dtype: the
     module docstring's two launches (the caller has checked the shapes, dtypes and layouts as
     `fused_moe` does). Nothing is written in place; no host synchronisation."""
-    _check_config(config)
     tokens, top_k = topk_ids.shape
     _, two_inter, hidden = w13.shape
     inter = two_inter // 2
