@@ -268,26 +268,36 @@ def test_cuda_graph_replay(tokens):
         _check_silu(outs[2], act.forward_torch(x))
 
 
+def _static_kv_case(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The static operands of a captured rotary + KV-store call, filled with seed 0:
+    ``(positions, qkv, q, k, v, k_cache, v_cache, slots)`` (q, k, v views of qkv)."""
+    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
+    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=0)
+    return (positions, qkv, *_split(qkv), *_kv_case(tokens, dtype, seed=0))
+
+
+def _refill_kv_case(positions: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor, seed: int) -> None:
+    """New values, in place, for `_static_kv_case`'s operands (a replay's inputs)."""
+    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
+    _fill_kv(k_cache, v_cache, slots, seed)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tokens", [1, 7, 256])
 def test_rotary_store_kv_cuda_graph_replay(tokens):
     """`forward_store_kv` (the layer's dispatch) captured once; each replay with new positions,
     qkv, caches and slots writes what the torch path writes, bit for bit."""
-    dtype = torch.bfloat16
     rope = _rope()
-    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
-    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
-    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=0)
-    q, k, v = _split(qkv)
-    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=0)
+    positions, qkv, q, k, v, k_cache, v_cache, slots = _static_kv_case(tokens, torch.bfloat16)
 
     def step() -> torch.Tensor:
         return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache)
 
     graph, q_out = capture_cuda_graph(step)
     for seed in (1, 2, 3):
-        _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
-        _fill_kv(k_cache, v_cache, slots, seed)
+        _refill_kv_case(positions, qkv, k_cache, v_cache, slots, seed)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         q_ref = _rotary_store_kv_torch(rope, positions, q, k, v, slots, k_ref, v_ref)
         q_out.fill_(float("nan"))  # every element must be written by the replay
@@ -302,21 +312,15 @@ def test_rotary_store_kv_cuda_graph_replay(tokens):
 def test_rotary_store_kv_head_norm_cuda_graph_replay(tokens):
     """`forward_store_kv` with a HeadNorm (fp32 weights) captured once; each replay with new
     positions, qkv, caches, slots and norm weights writes what the eager kernel writes, bit for bit."""
-    dtype = torch.bfloat16
     rope, head_norm = _rope(), _head_norm(torch.float32, seed=0)
-    positions = torch.empty(tokens, dtype=torch.int64, device=DEVICE)
-    qkv = torch.empty(tokens, QKV_WIDTH, dtype=dtype, device=DEVICE)
-    _fill(positions, qkv, torch.empty(0, device=DEVICE), seed=0)
-    q, k, v = _split(qkv)
-    k_cache, v_cache, slots = _kv_case(tokens, dtype, seed=0)
+    positions, qkv, q, k, v, k_cache, v_cache, slots = _static_kv_case(tokens, torch.bfloat16)
 
     def step() -> torch.Tensor:
         return rope.forward_store_kv(positions, q, k, v, slots, k_cache, v_cache, head_norm)
 
     graph, q_out = capture_cuda_graph(step)
     for seed in (1, 2, 3):
-        _fill(positions, qkv, torch.empty(0, device=DEVICE), seed)
-        _fill_kv(k_cache, v_cache, slots, seed)
+        _refill_kv_case(positions, qkv, k_cache, v_cache, slots, seed)
         for weight, new in zip(head_norm[:2], _head_norm(torch.float32, seed)[:2]):
             weight.copy_(new)
         k_eager, v_eager = k_cache.clone(), v_cache.clone()
