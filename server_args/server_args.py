@@ -45,7 +45,7 @@ class ServerArgs(BaseModel):
     tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory or tokenizer.json (default: from the model)")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    mxfp4_experts: Literal["auto", "keep", "dequantize"] = Field("auto", description="MoE experts stored in MXFP4 (gpt-oss): keep them MXFP4 in memory (a weight-only MXFP4 MoE kernel, 4.25 bits a weight) or dequantize them to --dtype at load (auto: keep on a GPU with triton when each TP rank's share of an expert is whole groups of 32, dequantize elsewhere)")
+    mxfp4_experts: Literal["auto", "keep", "dequantize"] = Field("auto", description="MoE experts stored in MXFP4 (gpt-oss): keep them MXFP4 in memory (a weight-only MXFP4 MoE kernel, 4.25 bits a weight) or dequantize them to --dtype at load (auto: keep on a GPU with triton, dequantize elsewhere; a TP rank's share of an expert that is not whole groups of 32 is padded with zeros)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
     context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, cut to what the KV cache holds, with the reason logged)")
     served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")

@@ -5,8 +5,8 @@ the published checkpoints). The transformers model returned holds exactly the we
 dequantize to (bf16-rounded, experts MXFP4-rounded), in fp32: the reference of the model tests.
 
 Shapes: hidden 64, 4 layers (sliding, full, sliding, full), 4 query heads of 16 and 2 KV heads,
-sliding window 4, 8 experts of intermediate 64 (two groups of 32 per TP2 rank), top 4, vocab
-300. Every weight is random, the sinks and all biases non-zero, and the experts' weights large
+sliding window 4, 8 experts of intermediate 64 (two groups of 32 per TP2 rank; another size
+can be asked for), top 4, vocab 300. Every weight is random, the sinks and all biases non-zero, and the experts' weights large
 enough that the clamped SwiGLU's limits are reached.
 """
 from __future__ import annotations
@@ -57,11 +57,13 @@ def _round_experts_mxfp4(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor
     return packed
 
 
-def build_checkpoints(root: Path) -> tuple[torch.nn.Module, Path, Path]:
-    """(the fp32 transformers reference, the bf16 directory, the MXFP4 directory)."""
+def build_checkpoints(root: Path, intermediate_size: int = HF_CONFIG["intermediate_size"]
+                      ) -> tuple[torch.nn.Module, Path, Path]:
+    """(the fp32 transformers reference, the bf16 directory, the MXFP4 directory) of the tiny
+    model with experts of ``intermediate_size``."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    config = GptOssConfig(**HF_CONFIG)
+    config = GptOssConfig(**{**HF_CONFIG, "intermediate_size": intermediate_size})
     model = GptOssForCausalLM(config).eval()
     _randomize(model)
     with torch.no_grad():

@@ -43,7 +43,20 @@ def _worker(rank: int, world: int, paths: dict) -> dict:
         model = build_model(config, fusion)
         model.load_weights(weights)
         results[form] = run_scenario(model, fusion, NUM_SLOTS, DECODE_STEPS)
+        results[form]["shares"] = _gathered_share(model)
     return results
+
+
+def _gathered_share(model: torch.nn.Module) -> list:
+    """Every rank's ``GptOssExperts.local`` (its share of an expert's intermediate features)."""
+    import torch.distributed as dist
+
+    local = next(m.local for m in model.modules() if hasattr(m, "w13_bias"))
+    if not dist.is_initialized():
+        return [local]
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, local)
+    return shares
 
 
 def _check_against_transformers(hf_model, result: dict) -> None:
@@ -72,6 +85,21 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, world):
         if world > 1:
             assert results[0][form]["fused"] > 0, "fusion on: some reductions run fused"
             assert results[0][form]["tokens"] == results[1][form]["tokens"]
+
+
+@pytest.mark.timeout(600)
+def test_mxfp4_kept_pads_a_rank_share_that_is_not_whole_groups(tmp_path):
+    """Experts of intermediate 96 at TP2: 48 features a rank, not whole groups of 32, so each rank
+    holds 64 (rank 1: features 64..95 and 32 of zeros, `rank_share`); the kept MXFP4 model still
+    matches transformers, as does the same checkpoint dequantized at load (48 features a rank)."""
+    hf_model, _, mxfp4_dir = build_checkpoints(tmp_path, intermediate_size=96)
+    paths = {"mxfp4-kept": str(mxfp4_dir), "mxfp4-dequantized": str(mxfp4_dir)}
+    results = run_distributed(_worker, world_size=2, args=(paths,), timeout_s=400)
+    for form in paths:
+        _check_against_transformers(hf_model, results[0][form])
+        assert results[0][form]["tokens"] == results[1][form]["tokens"]
+    assert results[0]["mxfp4-kept"]["shares"] == [64, 64], "each rank's share padded to two groups"
+    assert results[0]["mxfp4-dequantized"]["shares"] == [48, 48]
 
 
 def test_a_checkpoint_of_neither_form_is_refused_in_one_line(checkpoints, tmp_path):
@@ -105,3 +133,16 @@ def test_quantizer_round_trips_through_transformers_dequantization(shape):
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
     assert torch.equal(ours, theirs)
     assert (ours - weight).abs().max() <= weight.abs().max() / 6  # a step of E2M1 near its top, at most
+
+
+def test_rank_share_pads_mxfp4_to_whole_groups():
+    from arfusion.layers.moe.gpt_oss_moe import rank_share
+
+    assert rank_share(2880, 4, mxfp4=True) == 736  # 720 is 22.5 groups of 32
+    assert rank_share(2880, 4, mxfp4=False) == 720
+    assert rank_share(2880, 2, mxfp4=True) == 1440
+    assert rank_share(64, 8, mxfp4=True) == 32  # ranks 2..7 hold zeros only
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rank_share(2890, 2, mxfp4=True)
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
+        rank_share(2880, 7, mxfp4=False)

@@ -122,8 +122,10 @@ def test_matches_torch_reference(interpreted, case):
 
 
 # TP shards: (configuration as above, hidden, full intermediate); each rank's share of the
-# intermediate is a multiple of 32, one group (32) or several (64, 96)
-TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128), ("gemv", 96, 192)]
+# intermediate is a multiple of 32, one group (32) or several (64, 96), or not (80, 48: padded
+# with zeros to 96 and 64, `layers.moe.gpt_oss_moe.rank_share`)
+TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128), ("gemv", 96, 192),
+            ("default", 64, 160), ("gemv", 96, 96)]
 
 
 def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:

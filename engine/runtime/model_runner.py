@@ -75,19 +75,17 @@ class StartupContext:
     parsed: Optional[ParsedGGUF] = None
 
 
-def keep_mxfp4(choice: str, device: torch.device, config: ModelConfig, tp_size: int) -> bool:
+def keep_mxfp4(choice: str, device: torch.device) -> bool:
     """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto": keep on a
-    GPU with triton, where the weight-only MXFP4 MoE kernel runs, when each rank's slice of an
-    expert's intermediate features is whole groups of 32 (gpt-oss at TP 1, 2, 3, 5, 6, 9, not 4:
-    2880 / 4 = 22.5 groups); the CPU path dequantizes each expert at every use, so there it pays
-    to dequantize once at load."""
+    GPU with triton, where the weight-only MXFP4 MoE kernel runs (a rank's share of an expert is
+    padded to whole groups of 32 where I / tp is not: `layers.moe.gpt_oss_moe.rank_share`); the
+    CPU path dequantizes each expert at every use, so there it pays to dequantize once at load."""
     if choice == "auto":
-        whole_groups = config.moe_intermediate_size % (32 * tp_size) == 0
-        return device.type == "cuda" and triton_available() and whole_groups
+        return device.type == "cuda" and triton_available()
     return choice == "keep"
 
 
-def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device,
                             parsed: Optional[ParsedGGUF] = None):
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
@@ -96,19 +94,19 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
-        config = _expert_form(builtin_config(settings.model_path), settings, device, tp_size)
+        config = _expert_form(builtin_config(settings.model_path), settings, device)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from arfusion.engine.weights.loader import load_model_weights
 
     config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed,
                                          parsed)
-    return _expert_form(config, settings, device, tp_size), weights
+    return _expert_form(config, settings, device), weights
 
 
-def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device, tp_size: int) -> ModelConfig:
+def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
     if config.expert_format != "mxfp4":
         return config
-    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device, config, tp_size))
+    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:

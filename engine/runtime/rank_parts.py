@@ -97,7 +97,7 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
     """This rank's config, context length, fusion op and model with its weights. ValueError
     (`ModelFileError` for the files) for a model that cannot run."""
     device = group.device
-    config, weights = load_config_and_weights(settings, dtype, device, group.world_size, startup.parsed)
+    config, weights = load_config_and_weights(settings, dtype, device, startup.parsed)
     requested = settings.context_length or config.max_position_embeddings  # cut to the KV cache by `kv_slots`
     if requested > config.max_position_embeddings:
         raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")

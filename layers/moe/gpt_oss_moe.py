@@ -20,8 +20,12 @@ over ranks of each rank's ``out`` is the full output, which the caller reduces (
 residual add and the next RMSNorm, the combine folded into that reduction's input).
 
 Kept in MXFP4 the experts hold ``w13_blocks [E, 2I_r, H/32, 16]``, ``w13_scales [E, 2I_r,
-H/32]``, ``w2_blocks [E, H, I_r/32, 16]``, ``w2_scales [E, H, I_r/32]`` (uint8; I_r a multiple of
-32): 4.25 bits a weight instead of 16. On a GPU with triton the experts of either form run
+H/32]``, ``w2_blocks [E, H, I_r/32, 16]``, ``w2_scales [E, H, I_r/32]`` (uint8): 4.25 bits a
+weight instead of 16. A scale covers 32 features, so I_r is I/tp rounded up to whole groups of 32
+(`rank_share`; gpt-oss at TP4: 2880 / 4 = 720 -> 736): rank r holds features [r*I_r, (r+1)*I_r) of
+the checkpoint's I, and the features past I are zeros: zero gate and up rows and biases give
+``a = (0 + 1) * 0 * sigmoid(0) = 0``, and zero down columns add nothing, so the sum over the
+ranks is unchanged. On a GPU with triton the experts of either form run
 layers/moe/kernels/triton_mxfp4_moe.py (MXFP4 dequantized in registers, dots in the
 activations' dtype); elsewhere this module's torch code, which dequantizes each MXFP4 expert's
 weights as it runs it (the reference).
@@ -87,6 +91,18 @@ class GptOssRouter(TopKRouter):
         return route_topk_softmax(router_logits_torch(hidden_states, self.weight, self.bias), self.top_k)
 
 
+def rank_share(intermediate_size: int, tp_size: int, mxfp4: bool) -> int:
+    """Intermediate features of an expert a rank holds (I_r of the module docstring): ``I / tp``;
+    kept in MXFP4, rounded up to whole groups of 32 (the last ranks' features past I are zeros).
+    ValueError when bf16 features do not divide by tp or MXFP4 ones are not whole groups."""
+    if not mxfp4:
+        return divide(intermediate_size, tp_size, "expert intermediate size")
+    if intermediate_size % GROUP:
+        raise ValueError(f"MXFP4 experts need an intermediate size that is a multiple of {GROUP}, got "
+                         f"{intermediate_size}")
+    return -(-intermediate_size // (GROUP * tp_size)) * GROUP
+
+
 class GptOssExperts(nn.Module):
     """``forward(x [T, H], weights fp32 [T, k], ids [T, k]) ->`` this rank's partial MoE output
     (a new ``[T, H]``), module docstring. ``mxfp4``: keep the weights in MXFP4."""
@@ -98,11 +114,12 @@ class GptOssExperts(nn.Module):
         self.tp_rank, self.tp_size = group.rank, group.world_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
-        local = self.local = divide(intermediate_size, self.tp_size, "expert intermediate size")
-        if mxfp4 and (local % GROUP or hidden_size % GROUP):
-            raise ValueError(f"MXFP4 experts need the hidden size ({hidden_size}) and each rank's intermediate size "
-                             f"({intermediate_size} / tp {self.tp_size} = {local}) to be multiples of {GROUP}; "
-                             "dequantize them to bf16 at load instead")
+        if mxfp4 and hidden_size % GROUP:
+            raise ValueError(f"MXFP4 experts need a hidden size that is a multiple of {GROUP}, got {hidden_size}; "
+                             "dequantize them at load instead")
+        local = self.local = rank_share(intermediate_size, self.tp_size, mxfp4)
+        # the checkpoint's features this rank holds; the rest of its share (MXFP4 padding) is zeros
+        self.held = max(0, min(local, intermediate_size - self.tp_rank * local))
         e, h = num_experts, hidden_size
         if mxfp4:
             self.w13_blocks = self._param((e, 2 * local, h // GROUP, GROUP // 2), torch.uint8, device)
@@ -124,24 +141,30 @@ class GptOssExperts(nn.Module):
         """This rank's part of a full checkpoint tensor (``shard_id`` in `EXPERT_TENSORS`, each in
         its out-by-in form): gate/up rows de-interleaved (gate_i = row 2i, up_i = row 2i + 1) and
         the rank's intermediate features taken; down's columns (its groups of 32 for blocks and
-        scales) taken; down's bias whole. ValueError with both shapes on a mismatch."""
-        e, h, full, local, r = self.num_experts, self.hidden_size, self.intermediate_size, self.local, self.tp_rank
+        scales) taken; down's bias whole. A share padded past the checkpoint's features (MXFP4,
+        `rank_share`) gets zeros there. ValueError with both shapes on a mismatch."""
+        e, h, full, local, held = self.num_experts, self.hidden_size, self.intermediate_size, self.local, self.held
+        start = self.tp_rank * local
         if shard_id not in EXPERT_TENSORS:
             raise ValueError(f"expert tensor must be one of {EXPERT_TENSORS}, got {shard_id!r}")
+        if shard_id == "down_bias":
+            check_shape(loaded, (e, h))
+            param.data.copy_(loaded)
+            return
+        if held < local:
+            param.data.zero_()
         if shard_id.startswith("gate_up"):
             tail = {"gate_up": (h,), "gate_up_bias": (), "gate_up_blocks": (h // GROUP, GROUP // 2),
                     "gate_up_scales": (h // GROUP,)}[shard_id]
             check_shape(loaded, (e, 2 * full) + tail)
-            rows = loaded.unflatten(1, (full, 2)).narrow(1, r * local, local)  # [E, I_r, 2, ...]
-            param.data.copy_(torch.cat((rows[:, :, 0], rows[:, :, 1]), dim=1))
-        elif shard_id == "down_bias":
-            check_shape(loaded, (e, h))
-            param.data.copy_(loaded)
+            rows = loaded.unflatten(1, (full, 2)).narrow(1, start, held)  # [E, held, 2, ...]
+            param.data[:, :held].copy_(rows[:, :, 0])
+            param.data[:, local:local + held].copy_(rows[:, :, 1])
         else:
             per = {"down": 1, "down_blocks": GROUP, "down_scales": GROUP}[shard_id]
             tail = {"down": (), "down_blocks": (GROUP // 2,), "down_scales": ()}[shard_id]
             check_shape(loaded, (e, h, full // per) + tail)
-            param.data.copy_(loaded.narrow(2, r * local // per, local // per))
+            param.data[:, :, :held // per].copy_(loaded.narrow(2, start // per, held // per))
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [2I_r, H], w2 [H, I_r])`` of one expert in ``dtype`` (dequantized when MXFP4)."""

@@ -3,7 +3,7 @@ decode against eager, and TP2 (two GPUs, or two ranks sharing one) against TP1.
 
 Kernels (one GPU): the experts' Triton kernel (layers/moe/kernels/triton_mxfp4_moe.py) with MXFP4
 and bf16-form weights at gpt-oss-20b's expert shapes (hidden 2880, intermediate 2880, 8 of its 32
-experts to keep the test short, top-4), 1 / 32 / 512 tokens, against `GptOssExperts.forward_torch`
+experts to keep the test short, top-4; MXFP4 also at a TP4 rank's padded share, 736), 1 / 32 / 512 tokens, against `GptOssExperts.forward_torch`
 on the same bf16 weights: relative RMS error at most 1e-2 (bf16: one rounding of each product
 chain in a different order), then captured in a CUDA graph and replayed with new routing (the
 same bits as eager). The decode and extend attention kernels with sinks and a 128-key window at
@@ -38,12 +38,12 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()).item()
 
 
-def _experts_rank(rank, world, mxfp4):
+def _experts_rank(rank, world, mxfp4, inter):
     from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
     from tests.test_gpt_oss_moe_triton import fill_experts
 
-    experts = GptOssExperts(8, 2880, 2880, 1.702, 7.0, mxfp4, torch.bfloat16, None)
+    experts = GptOssExperts(8, 2880, inter, 1.702, 7.0, mxfp4, torch.bfloat16, None)
     fill_experts(experts, 5)
     experts.cuda()
     with torch.no_grad():  # weights of dummy size: activations of order one, as in the model
@@ -73,10 +73,12 @@ def _experts_rank(rank, world, mxfp4):
 
 @pytest.mark.gpus(1)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mxfp4", [True, False])
-def test_experts_kernel_matches_reference(mxfp4):
-    r = run_distributed(_experts_rank, world_size=1, args=(mxfp4,), device_kind="cuda", timeout_s=400)[0]
-    print(f"\nmxfp4={mxfp4}: relative RMS error by tokens {r}")
+@pytest.mark.parametrize("mxfp4,inter", [(True, 2880), (False, 2880), (True, 736)])
+def test_experts_kernel_matches_reference(mxfp4, inter):
+    """``inter`` 736: a TP4 rank's padded share of gpt-oss's 2880 (23 groups of 32, not a
+    multiple of the kernels' K steps)."""
+    r = run_distributed(_experts_rank, world_size=1, args=(mxfp4, inter), device_kind="cuda", timeout_s=400)[0]
+    print(f"\nmxfp4={mxfp4} intermediate {inter}: relative RMS error by tokens {r}")
     assert all(r[t] <= 1e-2 for t in (1, 32, 512)), r
     assert r["graph"], "a CUDA-graph replay with new routing gives the eager result"
 
