@@ -4,6 +4,7 @@ files with a `.gpu/env.sh` that stands in for the GPU environment (an `nvidia-sm
 nothing); BASE is a second copy. Checked: the part exits 0, each round runs both checkouts in
 turn (the order swapped in round 2), each run imports `arfusion` from its own checkout, every run
 writes its JSON, and the table has a row per setting with the rounds' TPOT and their ratio."""
+import json
 import os
 import re
 import shutil
@@ -50,3 +51,23 @@ def test_engine_part_compares_two_checkouts_in_interleaved_rounds(tmp_path):
     assert row, log[-2000:]
     base_1, base_2, this_1, this_2, ratio = map(float, row.groups())
     assert ratio == pytest.approx((this_1 + this_2) / (base_1 + base_2), rel=1e-2)  # medians of two rounds: means
+
+
+@pytest.mark.timeout(600)
+def test_engine_part_compares_a_flag_within_one_checkout(tmp_path):
+    """BASE=. with THIS_ARGS: both sides run this checkout; only "this" gets the flags."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout (the tracked files are copied)")
+    this, out = copy_tracked(tmp_path / "this"), tmp_path / "out"
+    (this / ".gpu").mkdir()
+    (this / ".gpu" / "env.sh").write_text('nvidia-smi() { echo "(no GPU)"; }\n')
+    env = dict(os.environ, OUT=str(out), MODEL="tiny", TP="1", BATCH="1", FUSION="off", ROUNDS="1", BASE=".",
+               THIS_ARGS="--seed 5", BUDGET_S="540", EXTRA_ARGS="--repeats 1 --output-len 8")
+    proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "engine"], cwd=this, env=env, capture_output=True,
+                          text=True, timeout=580)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    seeds = {label: json.loads((out / f"bench_one_batch_{label}_1.jsonl").read_text().splitlines()[0])["args"]["seed"]
+             for label in ("this", "base")}
+    assert seeds["this"] == 5 and seeds["base"] != 5, seeds
+    assert re.search(r"^ +1 +off +False +[\d.]+ +[\d.]+ +[\d.]+$", log, re.M), log[-2000:]

@@ -37,6 +37,8 @@
 #                  interleaved rounds, each running both in turn (the order swapped every round),
 #                  into $OUT/bench_one_batch_{this,base}_ROUND.jsonl, then a table of every
 #                  setting's TPOT per round and the ratio of the medians (this / base).
+#                  THIS_ARGS: flags for this checkout's runs only; with BASE=. it compares a
+#                  flag against the same checkout without it.
 #   serving        the server with fusion off and on (COMPARE=deterministic: in the default mode
 #                  and with --deterministic, fusion FUSION, default off), interleaved, REPEATS
 #                  (default 3) times each; bench_serving at CONCURRENCY (default 1 32), input
@@ -221,7 +223,7 @@ part_table() {
 }
 
 part_engine() {
-  local batch fusion args round label root rc=0
+  local batch fusion args this_args own round label root rc=0
   read -ra batch <<< "${BATCH:-1 32 128}"
   read -ra fusion <<< "${FUSION:-off on}"
   share_gpus_if_needed "$TP"
@@ -234,13 +236,14 @@ part_engine() {
     return
   fi
   [ -d "$BASE" ] || { echo "!! BASE must name a folder with the older checkout"; return 2; }
+  read -ra this_args <<< "${THIS_ARGS:-}"
   for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
     for label in $( ((round % 2)) && echo this base || echo base this); do
-      root=$PWD
-      [ "$label" = base ] && root=$(cd "$BASE" && pwd)
+      root=$PWD own=("${this_args[@]}")
+      [ "$label" = base ] && root=$(cd "$BASE" && pwd) own=()
       echo "== round $round: $label ($root)"
       bench_one_batch_of "$root" "${args[@]}" --json-file "$OUT/bench_one_batch_${label}_$round.jsonl" \
-        "${EXTRA[@]}" || rc=1
+        "${EXTRA[@]}" "${own[@]}" || rc=1
     done
   done
   python - "$OUT" << 'PY' || rc=1
