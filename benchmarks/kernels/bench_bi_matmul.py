@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from arfusion.benchmarks.kernels.graph_timing import median_replay_us
+from arfusion.fusion.tuning.timing import median_us_per_call
 from arfusion.layers.kernels import triton_bi_matmul
 from arfusion.layers.kernels.triton_bi_matmul import choose_config, matmul
 
@@ -71,14 +71,7 @@ def host_overhead() -> list[dict]:
 
 def time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: list, ws: list) -> float:
     """Median µs per call over CUDA-graph replays of one call per weight in ``ws``."""
-    for x, w in zip(xs, ws):
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, w in zip(xs, ws):
-            fn(x, w)
-    return median_replay_us(graph, len(ws))
+    return median_us_per_call(lambda: [fn(x, w) for x, w in zip(xs, ws)], len(ws))
 
 
 def main() -> None:

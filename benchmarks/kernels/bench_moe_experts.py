@@ -25,7 +25,8 @@ import statistics
 
 import torch
 
-from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op, median_replay_us
+from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
+from arfusion.fusion.tuning.timing import median_replay_us
 from arfusion.fusion.tuning.timing import capture_cuda_graph
 
 HBM_BYTES_PER_S = 4.8e12

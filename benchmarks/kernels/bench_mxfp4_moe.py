@@ -37,7 +37,8 @@ import statistics
 
 import torch
 
-from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op, median_replay_us
+from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
+from arfusion.fusion.tuning.timing import median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
 MODELS = {"gpt-oss-20b": 32, "gpt-oss-120b": 128}  # experts; hidden = intermediate = 2880, top-4

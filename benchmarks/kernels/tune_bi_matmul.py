@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import triton
 
-from arfusion.benchmarks.kernels.graph_timing import median_replay_us
+from arfusion.fusion.tuning.timing import median_us_per_call
 from arfusion.layers.kernels.triton_bi_matmul import MatmulConfig, default_config, matmul
 
 BUCKETS = (16, 64, 128, 512)  # M upper bounds; a last tile serves larger M
@@ -70,14 +70,7 @@ def model_shapes(name: str, tp: int) -> dict[str, tuple[int, int]]:
 
 def time_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, ws: list) -> float:
     """Median µs per call over CUDA-graph replays of one call per weight in ``ws``."""
-    for w in ws:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in ws:
-            fn(x, w)
-    return median_replay_us(graph, len(ws), replays=5)
+    return median_us_per_call(lambda: [fn(x, w) for w in ws], len(ws), trials=5)
 
 
 def time_config(x: torch.Tensor, ws: list, config: MatmulConfig) -> float:

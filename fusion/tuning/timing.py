@@ -24,22 +24,27 @@ def capture_cuda_graph(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, A
     return graph, outputs
 
 
-def median_us_per_call(calls: Callable[[], None], calls_per_graph: int, warmup: int = 3, trials: int = 10) -> float:
-    """``calls()`` issues ``calls_per_graph`` calls: captured by `capture_cuda_graph`, replayed
-    ``warmup`` times, then ``trials`` replays timed with CUDA events. Returns the median µs of
-    one call."""
-    graph, _ = capture_cuda_graph(calls)
-    for _ in range(warmup):
-        graph.replay()
+def median_replay_us(graph: torch.cuda.CUDAGraph, calls_per_replay: int, replays: int = 10) -> float:
+    """Median over ``replays`` replays of ``graph``, each timed with CUDA events, of its time
+    divided by ``calls_per_replay``, in µs."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
-    for _ in range(trials):
+    for _ in range(replays):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / calls_per_graph)
+        samples.append(start.elapsed_time(end) * 1000.0 / calls_per_replay)
     return statistics.median(samples)
+
+
+def median_us_per_call(calls: Callable[[], None], calls_per_graph: int, warmup: int = 3, trials: int = 10) -> float:
+    """``calls()`` issues ``calls_per_graph`` calls: captured by `capture_cuda_graph`, replayed
+    ``warmup`` times, then `median_replay_us` of ``trials`` replays: the median µs of one call."""
+    graph, _ = capture_cuda_graph(calls)
+    for _ in range(warmup):
+        graph.replay()
+    return median_replay_us(graph, calls_per_graph, trials)
 
 
 def median_us_eager(calls: Callable[[], None], calls_per_run: int, warmup: int = 3, trials: int = 10) -> float:
