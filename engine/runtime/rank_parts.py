@@ -110,12 +110,13 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
             logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
                         config.vocab_size - vocab, vocab)
     # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
-    # gpt-oss's torch path; its Triton experts are not yet
+    # gpt-oss's torch path; its Triton experts pin their K steps too, unmeasured on a GPU
     if (settings.fusion.deterministic and config.architecture == "GptOssForCausalLM" and device.type == "cuda"
             and triton_available() and group.rank == 0):
-        logger.warning("deterministic mode: gpt-oss's expert kernel on the GPU (layers/moe/kernels/"
-                       "triton_mxfp4_moe.py) picks its tiles by the rows per expert, so this model's outputs may "
-                       "still depend on the batch")
+        logger.warning("deterministic mode: gpt-oss's expert kernels on the GPU (layers/moe/kernels/"
+                       "triton_mxfp4_moe.py) pin their K steps in this mode, but that they give a token the same "
+                       "bits in every batch has not been measured on a GPU: this model's outputs may still depend "
+                       "on the batch")
     expected = type(model).hf_weight_shapes(config)
     total_bytes = sum(math.prod(shape) for shape in expected.values()) * dtype.itemsize
     progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=group.rank == 0)

@@ -3,7 +3,7 @@ module docstring describes each variant): the configuration, the default chooser
 a configuration must meet. Pure Python: nothing here needs triton or a GPU."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 
@@ -90,10 +90,25 @@ def experts_block_config(num_slots: int, num_experts: int, mxfp4: bool = True,
 
     MXFP4 up to `GEMV_MAX_SLOTS` slots, outside batch-invariant mode: `GEMV_CONFIG` (a slot's result
     then depends on its own token alone, but its sums over K run in another order than the
-    grouped launches', so batch-invariant mode does not take it and keeps the tiles above)."""
+    grouped launches', so batch-invariant mode does not take it and keeps the tiles above).
+
+    Batch-invariant mode (``deterministic``): the tiles above with `BATCH_INVARIANT_VARIANT`, so
+    that an output element's sums take the same k-chunks in the same order at every batch size:
+    the token rows the MMA's M side, the byte decoder, K steps of 128 in both launches, no K
+    splits (what still follows the rows: the M/N tiles, warps and stages, and with them mma.sync or
+    wgmma, as in layers/moe/kernels/triton_fused_moe.py's docstring)."""
     if mxfp4 and num_slots <= GEMV_MAX_SLOTS and not deterministic:
         return GEMV_CONFIG
-    rows_per_expert = num_slots / num_experts
+    chosen = _default_grouped_config(num_slots / num_experts, mxfp4)
+    return replace(chosen, **BATCH_INVARIANT_VARIANT) if deterministic else chosen
+
+
+# What batch-invariant mode pins in every grouped configuration (`experts_block_config`)
+BATCH_INVARIANT_VARIANT = dict(swap=False, word_decode=False, block_k_gate_up=128, block_k_down=128, split_k_down=1)
+
+
+def _default_grouped_config(rows_per_expert: float, mxfp4: bool) -> Mxfp4MoEConfig:
+    """The grouped launches' tiles for ``rows_per_expert`` (`experts_block_config`'s table)."""
     decode = decode_block_config(rows_per_expert) if mxfp4 else None
     if decode is not None:
         return decode

@@ -32,9 +32,10 @@ byte per weight and a byte per 32, about 3.8x fewer than bf16.
 bf16-form weights load as ``[BLOCK_N, BLOCK_K]`` tiles contiguous along k, one dot per K-tile.
 
 Deterministic run to run (fixed tiles and splits per shape, each partial sum in one program in
-a fixed order, the splits and the combine summed in a fixed order, no atomics); not
-batch-invariant (the tiles follow the rows per expert, as the README's deterministic section says
-of the MoE kernels).
+a fixed order, the splits and the combine summed in a fixed order, no atomics). The default tiles
+follow the rows per expert, K steps and decoder included, so the default mode is not
+batch-invariant; batch-invariant mode pins what orders an output element's sums
+(`mxfp4_moe_config.experts_block_config`).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
 weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
