@@ -202,6 +202,25 @@ class AllReduceFusion:
         inputs.residual = residual_out  # the next reduction's trusted residual
         return normed, residual_out
 
+    def take_single_rank(self, partial: PartialSum, residual: torch.Tensor,
+                         residual_out: torch.Tensor) -> torch.Tensor | None:
+        """At world size 1 outside deterministic mode, where the sum over the group is
+        ``partial``'s own tensor and the plan's strategy (the fallback: reduce, here nothing,
+        then add + RMSNorm) would only normalise: that tensor, taken (a second reduction raises)
+        and counted as that strategy's reduction, for a caller that adds ``residual`` and
+        normalises in a launch of its own, writing the sum into ``residual_out`` (a new tensor
+        like ``residual``). ``residual_out`` is then the next reduction's trusted residual if
+        ``residual`` was (`CheckedInputs`). None, taking nothing, elsewhere."""
+        if self.group.world_size != 1 or self.config.deterministic:
+            return None
+        x, partial.pending = partial.pending, None
+        if x is None:
+            raise partial.taken_twice()
+        self.counts[self.strategy(partial.layer_id, x.shape[0])] += 1
+        if residual is self._inputs.residual:
+            self._inputs.residual = residual_out
+        return x
+
     def run(self, strategy: Strategy, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             eps: float, quant: Quant | None = None) -> FusedOutput:
         """One reduction by an explicit ``strategy`` (tuner, benchmarks): `FusionInputError` when

@@ -23,11 +23,15 @@ from arfusion.fusion.errors import FusionInputError
 
 
 class Reducer(Protocol):
-    """What reduces a `PartialSum`: `fusion.AllReduceFusion` (named here by its method, so that
-    this module does not import the op's)."""
+    """What reduces a `PartialSum`: `fusion.AllReduceFusion` (named here by its methods, so that
+    this module does not import the op's): ``reduce_add_rms_norm``, or at world size 1
+    ``take_single_rank`` for a caller that normalises in a launch of its own."""
 
     def reduce_add_rms_norm(self, partial: "PartialSum", residual: Optional[torch.Tensor], weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def take_single_rank(self, partial: "PartialSum", residual: torch.Tensor,
+                         residual_out: torch.Tensor) -> Optional[torch.Tensor]: ...
 
 
 class PartialSum(SimpleNamespace):
