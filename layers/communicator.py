@@ -6,7 +6,9 @@ Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
     prepare_attn(h, residual)       layer 0 (residual None, h = full embeddings): input_norm(h);
                                     otherwise input_norm(h + residual), where h is layer i-1's
                                     `fusion.PartialSum` (its all-reduce fused into this norm) or
-                                    a reduced tensor
+                                    a reduced tensor; with ``norm_into_qkv`` at TP1, for a batch
+                                    the q/k/v launch takes, the norm left pending for the
+                                    attention's q/k/v projection (`layers.pending_norm`)
     prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, by layer i's
                                     strategy
     postprocess_layer(h_partial, r) the down_proj all-reduce, deferred as a `PartialSum` into
@@ -25,13 +27,14 @@ import torch
 
 from arfusion.fusion import AllReduceFusion, FusionInputError, PartialSum
 from arfusion.layers.layernorm import RMSNorm
+from arfusion.layers.pending_norm import AttentionInput, folds, input_norm
 
 LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its reduction deferred
 
 
 class LayerCommunicator:
     def __init__(self, layer_id: int, num_layers: int, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm,
-                 fusion: AllReduceFusion) -> None:
+                 fusion: AllReduceFusion, norm_into_qkv: bool = False) -> None:
         if not 0 <= layer_id < num_layers:
             raise ValueError(f"layer_id {layer_id} is outside 0..{num_layers - 1}")
         self.layer_id = layer_id
@@ -39,17 +42,19 @@ class LayerCommunicator:
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.fusion = fusion
+        self.norm_into_qkv = folds(norm_into_qkv, fusion.group.world_size)
 
     def prepare_attn(self, hidden_states: LayerOutput,
-                     residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(normed input for attention, residual)``."""
-        if residual is None:
-            if isinstance(hidden_states, PartialSum):
-                raise FusionInputError(f"layer {self.layer_id} got {hidden_states} without a residual: only the "
-                                       "embeddings start a forward")
-            return self.input_layernorm(hidden_states), hidden_states
-        self._check_from(hidden_states, self.layer_id - 1)
-        return self.input_layernorm(hidden_states, residual)
+                     residual: Optional[torch.Tensor]) -> tuple[AttentionInput, torch.Tensor]:
+        """``(normed input for attention, residual)``; the normed input may be a
+        `layers.pending_norm.PendingNorm`, which the attention's `QKVParallelLinear` runs (any
+        other consumer calls its ``materialize()``)."""
+        if residual is None and isinstance(hidden_states, PartialSum):
+            raise FusionInputError(f"layer {self.layer_id} got {hidden_states} without a residual: only the "
+                                   "embeddings start a forward")
+        if residual is not None:
+            self._check_from(hidden_states, self.layer_id - 1)
+        return input_norm(self.input_layernorm, hidden_states, residual, self.norm_into_qkv)
 
     def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the attention output (o_proj with ``reduce_results=False``) into the residual

@@ -16,7 +16,8 @@ Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it
 (casting to the parameter's dtype). A shape mismatch raises ValueError with both shapes.
 The matmuls are `layers.batch_invariant.linear` (``F.linear`` unless batch-invariant mode is on),
 except a row-parallel layer's decode-sized ones that `layers.kernels.triton_skinny_matmul.serves`
-(`row_parallel_matmul`).
+(`row_parallel_matmul`), and the q/k/v projection of an input norm left pending
+(`layers.pending_norm.PendingNorm`: the norm and the matmul in one launch where it serves).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import nn
 from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.parallel_state import get_tp_group
+from arfusion.layers.pending_norm import AttentionInput, PendingNorm
 
 ShardId = Optional[Union[int, str]]
 
@@ -167,6 +169,13 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         check_shape(loaded, (full,) + tuple(param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+    def forward(self, x: AttentionInput) -> torch.Tensor:
+        """``x @ W^T (+ b)``; ``x`` may be the layer's input norm left pending (`PendingNorm`),
+        which then runs here (`PendingNorm.linear`)."""
+        if x.__class__ is PendingNorm:
+            return x.linear(self.weight, self.bias)
+        return batch_invariant.linear(x, self.weight, self.bias)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, k, v)`` views of this layer's output."""

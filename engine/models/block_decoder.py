@@ -4,7 +4,13 @@ Mixtral (a sparse MoE MLP).
 
 A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
 
-    h, residual = input_layernorm(h, residual)           layer 0: input_layernorm(h), h
+    h, residual = input_layernorm(h, residual)           layer 0: input_layernorm(h), h; with
+                                                         ``config.norm_into_qkv`` at TP1, for a
+                                                         batch of at most 32 tokens that the
+                                                         q/k/v launch takes, h is the norm left
+                                                         pending, which the attention's
+                                                         qkv_proj runs inside its matmul
+                                                         (`layers.pending_norm`)
     h = PartialSum(self_attn(h))                         o_proj: reduce_results=False
     h, residual = post_attention_layernorm(h, residual)  all-reduce + add + RMSNorm
     h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
@@ -31,6 +37,7 @@ from arfusion.fusion import AllReduceFusion, PartialSum
 from arfusion.layers.layernorm import NormInput, RMSNorm
 from arfusion.layers.linear import default_weight_loader
 from arfusion.layers.moe import SparseMoeBlock
+from arfusion.layers.pending_norm import folds, input_norm
 from arfusion.layers.sharded_logits import ShardedLogits
 from arfusion.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -54,14 +61,12 @@ class BlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.layer_id = layer_id
         self.fusion = fusion
+        self.norm_into_qkv = folds(config.norm_into_qkv, fusion.group.world_size)
 
     def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],
                 batch: ForwardBatch, kv_cache: KVCache) -> tuple[NormInput, torch.Tensor]:
         """``(h, residual)`` in, ``(h, residual)`` out; h may be a `fusion.PartialSum` (module docstring)."""
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = input_norm(self.input_layernorm, hidden_states, residual, self.norm_into_qkv)
         hidden_states = PartialSum(pending=self.self_attn(positions, hidden_states, batch, kv_cache),
                                    layer_id=self.layer_id, op=self.fusion)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)

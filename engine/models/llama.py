@@ -17,6 +17,7 @@ from arfusion.engine.models.hf_layouts import block_decoder_param_target, llama_
 from arfusion.layers.activation import SiluAndMul
 from arfusion.layers.attention import Attention
 from arfusion.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from arfusion.layers.pending_norm import AttentionInput
 from arfusion.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -37,9 +38,10 @@ class LlamaAttention(nn.Module):
         d = config.head_dim
         return Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
+    def forward(self, positions: torch.Tensor, hidden_states: AttentionInput, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
-        """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
+        """``[T, hidden]`` (reduced, normed; or the norm left pending, which qkv_proj runs) -> this
+        rank's partial o_proj output ``[T, hidden]``."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)

@@ -28,6 +28,7 @@ from arfusion.engine.models.hf_layouts import block_decoder_weight_shapes
 from arfusion.engine.models.llama import LlamaAttention, LlamaForCausalLM
 from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.layernorm import RMSNorm
+from arfusion.layers.pending_norm import AttentionInput
 
 
 class Qwen3Attention(LlamaAttention):
@@ -36,9 +37,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, batch: ForwardBatch,
+    def forward(self, positions: torch.Tensor, hidden_states: AttentionInput, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
-        """``[T, hidden]`` (reduced, normed) -> this rank's partial o_proj output ``[T, hidden]``."""
+        """``[T, hidden]`` (reduced, normed; or the norm left pending, which qkv_proj runs) -> this
+        rank's partial o_proj output ``[T, hidden]``."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
         head_norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)

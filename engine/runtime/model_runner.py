@@ -55,6 +55,7 @@ class RunnerSettings:
     max_running_requests: int = 256
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
+    norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
@@ -90,23 +91,24 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
-    from ``settings.mxfp4_experts`` (`keep_mxfp4`)."""
+    from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
-        config = _expert_form(builtin_config(settings.model_path), settings, device)
+        config = _run_form(builtin_config(settings.model_path), settings, device)
         return config, dummy_weights(config, seed=settings.seed, dtype=dtype, device=device)
     from arfusion.engine.weights.loader import load_model_weights
 
     config, weights = load_model_weights(settings.model_path, settings.load_format, dtype, settings.seed,
                                          parsed)
-    return _expert_form(config, settings, device), weights
+    return _run_form(config, settings, device), weights
 
 
-def _expert_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
-    if config.expert_format != "mxfp4":
-        return config
-    return dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
+def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
+    """``config`` with the run's choices: ``keep_mxfp4`` for MXFP4 experts, ``norm_into_qkv``."""
+    if config.expert_format == "mxfp4":
+        config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
+    return dataclasses.replace(config, norm_into_qkv=settings.norm_into_qkv) if settings.norm_into_qkv else config
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:
