@@ -239,3 +239,14 @@ def test_layer_communicator_hands_the_pending_norm_over_at_tp1_only(world_size):
         assert r["folds"] == r["pending"] == (world_size == 1)
         torch.testing.assert_close(r["normed"], normed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["summed"], summed, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flag_is_off_by_default_and_reaches_the_runner_and_the_benchmark():
+    from arfusion.engine import bench_one_batch
+    from arfusion.engine.launch_config import runner_settings
+    from arfusion.server_args import ServerArgs
+
+    assert not ServerArgs().norm_into_qkv and not runner_settings(ServerArgs()).norm_into_qkv
+    assert runner_settings(ServerArgs.from_cli(["--norm-into-qkv"])).norm_into_qkv
+    server, _ = bench_one_batch.parse_args(["--norm-into-qkv"])
+    assert server.norm_into_qkv and "--norm-into-qkv" in bench_one_batch.build_parser().format_help()
