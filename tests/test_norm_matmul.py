@@ -137,3 +137,16 @@ def test_refusal_names_why_a_batch_keeps_the_separate_norm():
 
     inp = _bad()
     assert "not on a CUDA device" in refusal(inp["x"], inp["residual"], inp["norm_weight"])
+
+
+@pytest.mark.parametrize("n, k", [(5120, 2048), (6144, 4096), (512, 256), (1152, 896), (2048, 2048), (5760, 2880)])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_the_k_step_divides_k_and_keeps_the_tiles_in_flight_within_the_budget(n, k, tokens):
+    pytest.importorskip("triton")
+    from arfusion.layers.kernels.triton_norm_matmul import SMEM_BUDGET, k_step
+    from arfusion.layers.kernels.triton_skinny_matmul import default_config
+
+    cfg, block_m = default_config(n), max(16, 1 << (tokens - 1).bit_length())
+    step = k_step(cfg, k, block_m, 2)
+    assert k % step == 0 and step & (step - 1) == 0 and 16 <= step <= cfg.block_k
+    assert cfg.num_stages * (cfg.block_n + 2 * block_m) * step * 2 <= SMEM_BUDGET

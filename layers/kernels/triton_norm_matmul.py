@@ -22,7 +22,8 @@ here but takes the statistic from, and scales, the unrounded fp32 sum, with an a
 reciprocal square root: its ``h`` can differ from this launch's (and the reference's) by an ulp.
 
 Launch: one program per ``block_n`` output features, as `triton_skinny_matmul` (its tiles,
-`SkinnyConfig` by `default_config`), the weight tile the dot's left operand and the tokens,
+`SkinnyConfig` by `default_config`, the K step cut by `k_step` where the activations' two tiles
+would not fit beside the weight's), the weight tile the dot's left operand and the tokens,
 padded to ``BLOCK_M`` (at least 16), its right. Each program first runs over the whole rows of x
 and residual for ``ssq`` (K is at most a few thousand: cheap beside the weight it streams), then
 streams its weight tiles, recomputing ``s`` and ``h`` tile by tile. So every program reads the
@@ -47,6 +48,9 @@ from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 from arfusion.layers.kernels.triton_skinny_matmul import MAX_TOKENS, SkinnyConfig, default_config
 
 K_ALIGN = 16  # K must be a multiple of this: the smallest K step of a dot, so no step is partial
+# shared memory for the K steps in flight: num_stages x (weight + x + residual tiles); H200 has 227 KiB
+# a block, and the dot's staging of h and the layout conversions take some of the rest
+SMEM_BUDGET = 128 * 1024
 SERVED_DTYPES = (torch.float16, torch.bfloat16)  # what `refusal` lets through (fp32 runs, for exact checks)
 _DTYPES = SERVED_DTYPES + (torch.float32,)
 
@@ -85,6 +89,16 @@ def _problem(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
     if any(tensor.stride(-1) != 1 for tensor in tensors.values()) or x.stride(1) != 1:
         return "x, residual, the norm weight, weight and bias need a contiguous last dimension"
     return None
+
+
+def k_step(config: SkinnyConfig, k: int, block_m: int, itemsize: int) -> int:
+    """The K step: ``config.block_k`` cut to the largest power of two dividing ``k`` (so that
+    every step is whole) and to what keeps ``config.num_stages`` steps of the weight's, x's and
+    the residual's tiles within `SMEM_BUDGET` bytes; at least `K_ALIGN` (``k`` a multiple of it)."""
+    step = min(config.block_k, k & -k)
+    while step > K_ALIGN and config.num_stages * (config.block_n + 2 * block_m) * step * itemsize > SMEM_BUDGET:
+        step //= 2
+    return step
 
 
 def refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
@@ -161,8 +175,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     runs too, its dot in IEEE fp32) and device, last dimensions contiguous. ``residual_out``: a
     contiguous ``[T, K]`` tensor of x's dtype that receives the sum (a new one when None; it must
     not overlap x or residual). Neither ``x`` nor ``residual`` is written. ``config``: the tiles,
-    `default_config(N)` unless given; its K step is cut to the largest power of two dividing K.
-    ValueError naming the problem otherwise."""
+    `default_config(N)` unless given, its K step cut by `k_step`. ValueError naming the problem
+    otherwise."""
     problem = _problem(x, residual, norm_weight, weight, bias)
     if problem is None and residual_out is not None:
         if residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
@@ -174,12 +188,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     t, k = x.shape
     n = weight.shape[0]
     cfg = config or default_config(n)
-    block_k = min(cfg.block_k, k & -k)
+    block_m = max(16, triton.next_power_of_2(t))
+    block_k = k_step(cfg, k, block_m, x.element_size())
     out = x.new_empty(t, n)
     summed = residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     NORM_MATMUL_LAUNCHER((triton.cdiv(n, cfg.block_n),), x, residual, norm_weight, weight,
                          bias if bias is not None else weight, out, summed, t, n, k, float(eps), x.stride(0),
                          residual.stride(0), weight.stride(0), out.stride(0), summed.stride(0), bias is not None,
-                         "ieee" if x.dtype == torch.float32 else "tf32", max(16, triton.next_power_of_2(t)),
-                         cfg.block_n, block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         "ieee" if x.dtype == torch.float32 else "tf32", block_m, cfg.block_n, block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, summed
