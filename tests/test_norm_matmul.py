@@ -137,6 +137,8 @@ def test_refusal_names_why_a_batch_keeps_the_separate_norm():
 
     inp = _bad()
     assert "not on a CUDA device" in refusal(inp["x"], inp["residual"], inp["norm_weight"])
+    reasons = {refusal(torch.randn(t, 64).half(), torch.randn(t, 64).half(), inp["norm_weight"]) for t in (33, 48, 512)}
+    assert reasons == {"the launch takes at most 32 tokens"}, "one reason (logged once) for every larger batch"
 
 
 @pytest.mark.parametrize("n, k", [(5120, 2048), (6144, 4096), (512, 256), (1152, 896), (2048, 2048), (5760, 2880)])

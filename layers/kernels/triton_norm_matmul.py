@@ -105,7 +105,10 @@ def refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
             weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why `norm_linear` does not take this batch in place of the separate norm and matmul, or
     None: the inputs must be CUDA fp16 / bf16 tensors that `norm_linear` accepts (``weight``
-    None: the batch alone, before its consumer is known)."""
+    None: the batch alone, before its consumer is known). The reason names no token count (a
+    caller logs each reason once)."""
+    if x.dim() == 2 and x.shape[0] > MAX_TOKENS:
+        return f"the launch takes at most {MAX_TOKENS} tokens"
     if not x.is_cuda:
         return "the activations are not on a CUDA device"
     if x.dtype not in SERVED_DTYPES:

@@ -106,7 +106,7 @@ def test_batches_it_does_not_take_are_named():
 
     n, k = SHAPES["llama3-8b"]
     big = _inputs(33, n, k, bias=False, seed=1)
-    assert "1 to 32 tokens" in refusal(big["x"], big["residual"], big["norm_weight"])
+    assert "at most 32 tokens" in refusal(big["x"], big["residual"], big["norm_weight"])
     fp32 = {name: t.float() for name, t in _inputs(2, n, k, bias=False, seed=2).items() if t is not None}
     assert "fp16 and bf16" in refusal(fp32["x"], fp32["residual"], fp32["norm_weight"])
 
