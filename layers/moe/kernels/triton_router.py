@@ -20,6 +20,8 @@ writes ``weights`` / ``ids``, groups the slots by expert for the grouped GEMM (l
 experts down the tokens: no sort) and sets the counter back to zero for the next call: routing and
 alignment cost one launch per layer. Larger batches take two launches (the partials over the same
 grid, then their sum and the selection by blocks of tokens) and fused_moe's own alignment.
+Given a `RouteNorm` (``norm``), the one-launch path also runs the residual add + RMSNorm before
+the routing: its programs make h from x and the residual themselves (triton_route_norm.py).
 
 Every tile size is fixed (never chosen by the token count), so a token's logits, weights and ids
 are the same bits whatever batch it is in and whichever path runs (also what batch-invariant mode,
@@ -62,6 +64,7 @@ from triton.language.extra import libdevice
 
 from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
+from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_problem, inv_rms, problem, summed_rows
 
 FUSED_MAX_TOKENS = 256  # the last program selects every token alone: its time grows with tokens x experts
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
@@ -177,7 +180,8 @@ def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, wei
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,
                   SELECT_T: tl.constexpr, E_POW2: tl.constexpr, FUSED: tl.constexpr, ALIGN: tl.constexpr,
                   ALIGN_BLOCK_M: tl.constexpr, FILL: tl.constexpr, BLOCK_CHUNK: tl.constexpr, FP32_DOT: tl.constexpr,
-                  LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  r_ptr, g_ptr, normed_ptr, sum_ptr, eps, stride_r, NORM: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -190,9 +194,22 @@ def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, wei
     h_ptrs = h_ptr + offs_t[:, None].to(tl.int64) * stride_h + offs_k[None, :]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_w + offs_k[:, None]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if NORM:  # h_ptr holds x: h = rms_norm(round(x + residual)) * g, this split's columns made here
+        inv = inv_rms(h_ptr, r_ptr, offs_t, t_mask, hidden, eps, stride_h, stride_r, BLOCK_T, BLOCK_K)
+        stored = tl.where(tile % num_e == 0, tokens, 0)  # h and the sum: stored by expert tile 0's programs
     for k0 in tl.static_range(0, SPLIT_WIDTH, BLOCK_K):
         k_mask = offs_k + k0 < hidden
-        a = tl.load(h_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            mask = t_mask[:, None] & k_mask[None, :]
+            s = summed_rows(h_ptr, r_ptr, offs_t, offs_k + k0, mask, stride_h, stride_r)
+            g = tl.load(g_ptr + offs_k + k0, mask=k_mask, other=0.0).to(tl.float32)
+            a = ((s.to(tl.float32) * inv[:, None]) * g[None, :]).to(s.dtype)
+            out = offs_t[:, None].to(tl.int64) * hidden + (offs_k + k0)[None, :]
+            out_mask = (offs_t < stored)[:, None] & k_mask[None, :]
+            tl.store(normed_ptr + out, a, mask=out_mask)
+            tl.store(sum_ptr + out, s, mask=out_mask)
+        else:
+            a = tl.load(h_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs + k0, mask=k_mask[:, None] & e_mask[None, :], other=0.0)
         if FP32_DOT:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -251,9 +268,25 @@ def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int,
                          f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
 
 
+def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, top_k: int) -> Optional[str]:
+    """Why a routing launch of ``top_k`` does not take the norm of ``x`` and ``residual``
+    (weight ``norm_weight``; `RouteNorm`) for this batch, or None: the batch must take the
+    one-launch path, on CUDA fp16 / bf16 tensors that the launch accepts. The reason names no
+    token count (a caller logs each reason once)."""
+    if x.dim() == 2 and x.shape[0] > FUSED_MAX_TOKENS:
+        return f"the launch normalises on its one-launch path only, at most {FUSED_MAX_TOKENS} tokens"
+    if x.dim() == 2 and x.shape[0] * top_k > FUSED_MAX_SLOTS:
+        return f"the launch normalises on its one-launch path only, at most {FUSED_MAX_SLOTS} slots (tokens x top-k)"
+    if not x.is_cuda:
+        return "the activations are not on a CUDA device"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"the launch serves fp16 and bf16, not {x.dtype}"
+    return batch_problem(x, residual, norm_weight)
+
+
 def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                              counter: torch.Tensor, block_m: Optional[int] = None,
-                             bias: Optional[torch.Tensor] = None
+                             bias: Optional[torch.Tensor] = None, norm: Optional[RouteNorm] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks], torch.Tensor]:
     """`route_triton` and the fp32 logits ``[T, E]`` it selected from (the module docstring's
     ``logits``, bias included, for tests against the reference)."""
@@ -268,6 +301,12 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
         return weights, ids, None, logits
     num_slots = tokens * top_k
     fused = tokens <= FUSED_MAX_TOKENS and num_slots <= FUSED_MAX_SLOTS
+    if norm is not None:
+        found = problem(hidden_states, norm) or (None if fused else
+                                                 f"a norm runs on the one-launch path only: at most {FUSED_MAX_TOKENS} "
+                                                 f"tokens and {FUSED_MAX_SLOTS} slots, got {tokens} and {num_slots}")
+        if found is not None:
+            raise ValueError(found)
     align = fused and block_m is not None
     split_k = triton.cdiv(hidden, SPLIT_WIDTH)
     partials = torch.empty(split_k, tokens, num_experts, dtype=torch.float32, device=device)
@@ -293,10 +332,19 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
         SPLIT_WIDTH=SPLIT_WIDTH, SELECT_T=_select_tokens(num_experts), E_POW2=triton.next_power_of_2(num_experts),
         FUSED=fused, ALIGN=align, ALIGN_BLOCK_M=block_m or 1, FILL=FILL,
         BLOCK_CHUNK=max(1, BLOCK_ELEMENTS // triton.next_power_of_2(num_experts)), FP32_DOT=fp32_dot,
-        LIBDEVICE_EXP=not interpret, HAS_BIAS=bias is not None, num_warps=NUM_WARPS, num_stages=2)
+        LIBDEVICE_EXP=not interpret, HAS_BIAS=bias is not None, **_norm_args(hidden_states, norm),
+        num_warps=NUM_WARPS, num_stages=2)
     if not fused:
         _launch_select(partials, logits, weights, ids, top_k, renormalize, bias)
     return weights, ids, blocks, logits
+
+
+def _norm_args(x: torch.Tensor, norm: Optional[RouteNorm]) -> dict:
+    """The launch's arguments of the norm (x stands in for its tensors without one: untouched)."""
+    if norm is None:
+        return dict(r_ptr=x, g_ptr=x, normed_ptr=x, sum_ptr=x, eps=0.0, stride_r=0, NORM=False)
+    return dict(r_ptr=norm.residual, g_ptr=norm.weight, normed_ptr=norm.normed, sum_ptr=norm.residual_out,
+                eps=float(norm.eps), stride_r=norm.residual.stride(0), NORM=True)
 
 
 def _select_tokens(num_experts: int) -> int:
@@ -330,15 +378,20 @@ def _launch_select(partials: torch.Tensor, logits: torch.Tensor, weights: torch.
 
 
 def route_triton(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                 counter: torch.Tensor, block_m: Optional[int] = None, bias: Optional[torch.Tensor] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
+                 counter: torch.Tensor, block_m: Optional[int] = None, bias: Optional[torch.Tensor] = None,
+                 norm: Optional[RouteNorm] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
     """``h [T, hidden]``, gate ``weight [E, hidden]`` (h's dtype) and optional ``bias [E]`` (any
     float dtype, added to the fp32 logits) -> new ``(weights fp32 [T, k], ids int32 [T, k],
     blocks)`` by the module docstring; ``blocks``: the slots grouped by expert
     in ``block_m``-row blocks (equal to `layers.moe.align.align_by_expert`'s) when ``block_m`` is
     given and the batch takes the one-launch path, else None. ``counter``: int32, zero on entry,
     zero again once the launch ends (the caller owns it; one routing at a time per counter). No
-    host synchronisation; capturable in a CUDA graph."""
+    host synchronisation; capturable in a CUDA graph.
+
+    ``norm``: ``hidden_states`` is x, and the launch first normalises it
+    (layers/moe/kernels/triton_route_norm.py: h = rms_norm(round(x + norm.residual)) * norm.weight
+    into ``norm.normed``, the rounded sum into ``norm.residual_out``; x and the residual only
+    read) and routes h; only on the one-launch path (`norm_refusal`), ValueError elsewhere."""
     weights, ids, blocks, _ = route_triton_with_logits(hidden_states, weight, top_k, renormalize, counter, block_m,
-                                                       bias)
+                                                       bias, norm)
     return weights, ids, blocks
