@@ -12,7 +12,12 @@ A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
                                                          qkv_proj runs inside its matmul
                                                          (`layers.pending_norm`)
     h = PartialSum(self_attn(h))                         o_proj: reduce_results=False
-    h, residual = post_attention_layernorm(h, residual)  all-reduce + add + RMSNorm
+    h, residual = post_attention_layernorm(h, residual)  all-reduce + add + RMSNorm; with
+                                                         ``config.norm_into_route`` at TP1, in a
+                                                         MoE layer, for a batch that the routing
+                                                         launch's one-launch path takes, h is the
+                                                         norm left pending, which the MoE block's
+                                                         routing launch runs
     h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
                                                          partial sum of the combined experts
 and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
@@ -37,7 +42,9 @@ from arfusion.fusion import AllReduceFusion, PartialSum
 from arfusion.layers.layernorm import NormInput, RMSNorm
 from arfusion.layers.linear import default_weight_loader
 from arfusion.layers.moe import SparseMoeBlock
-from arfusion.layers.pending_norm import folds, input_norm
+from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
+from arfusion.layers.moe.router import TopKRouter
+from arfusion.layers.pending_norm import ROUTING, folds, input_norm, post_attention_norm
 from arfusion.layers.sharded_logits import ShardedLogits
 from arfusion.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -48,6 +55,16 @@ def sparse_moe_block(config: ModelConfig, dtype: torch.dtype, device: Optional[t
     """The MoE MLP of a MoE ``config``: a `SparseMoeBlock` of its experts and routing."""
     return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                           config.moe_intermediate_size, config.norm_topk_prob, dtype, device)
+
+
+def norm_router(mlp: nn.Module) -> Optional[TopKRouter]:
+    """The router of an MLP whose routing launch can take the post-attention norm (a
+    `SparseMoeBlock`'s gate, a `GptOssMoeBlock`'s router), or None (a dense MLP)."""
+    if isinstance(mlp, SparseMoeBlock):
+        return mlp.gate
+    if isinstance(mlp, GptOssMoeBlock):
+        return mlp.router
+    return None
 
 
 class BlockDecoderLayer(nn.Module):
@@ -62,6 +79,10 @@ class BlockDecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.fusion = fusion
         self.norm_into_qkv = folds(config.norm_into_qkv, fusion.group.world_size)
+        # where the post-attention norm folds into the MoE routing launch: which batches it leaves pending
+        router = norm_router(mlp)
+        folded = router is not None and folds(config.norm_into_route, fusion.group.world_size, ROUTING)
+        self.route_refusal = router.norm_deferral_refusal if folded else None
 
     def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],
                 batch: ForwardBatch, kv_cache: KVCache) -> tuple[NormInput, torch.Tensor]:
@@ -69,7 +90,8 @@ class BlockDecoderLayer(nn.Module):
         hidden_states, residual = input_norm(self.input_layernorm, hidden_states, residual, self.norm_into_qkv)
         hidden_states = PartialSum(pending=self.self_attn(positions, hidden_states, batch, kv_cache),
                                    layer_id=self.layer_id, op=self.fusion)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = post_attention_norm(self.post_attention_layernorm, hidden_states, residual,
+                                                      self.route_refusal)
         return PartialSum(pending=self.mlp(hidden_states), layer_id=self.layer_id, op=self.fusion), residual
 
 

@@ -69,6 +69,7 @@ class ModelConfig:
     expert_format: str = "bf16"  # the checkpoint's experts: EXPERT_FORMATS
     keep_mxfp4: bool = False  # mxfp4 experts stay mxfp4 in memory (a weight-only MXFP4 MoE) instead of bf16
     norm_into_qkv: bool = False  # at TP1 a decode batch's input norm runs inside the q/k/v launch (layers/pending_norm.py)
+    norm_into_route: bool = False  # at TP1 a decode batch's post-attention norm runs inside a MoE routing launch (the same)
 
     def __post_init__(self) -> None:
         """ValueError naming the problem: an unknown architecture, a size of the wrong type or

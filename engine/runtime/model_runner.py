@@ -56,6 +56,7 @@ class RunnerSettings:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
+    norm_into_route: bool = False  # `ModelConfig.norm_into_route`
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
@@ -91,7 +92,8 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     """(ModelConfig, iterator of HF-named full tensors). Built-in names get dummy weights,
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
-    from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv``."""
+    from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv`` and
+    ``settings.norm_into_route``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
@@ -105,10 +107,13 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 
 def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
-    """``config`` with the run's choices: ``keep_mxfp4`` for MXFP4 experts, ``norm_into_qkv``."""
+    """``config`` with the run's choices: ``keep_mxfp4`` for MXFP4 experts, ``norm_into_qkv``,
+    ``norm_into_route``."""
     if config.expert_format == "mxfp4":
         config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
-    return dataclasses.replace(config, norm_into_qkv=settings.norm_into_qkv) if settings.norm_into_qkv else config
+    if settings.norm_into_qkv:
+        config = dataclasses.replace(config, norm_into_qkv=True)
+    return dataclasses.replace(config, norm_into_route=True) if settings.norm_into_route else config
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:

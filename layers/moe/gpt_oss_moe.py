@@ -44,6 +44,7 @@ from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
 from arfusion.layers.moe.router import TopKRouter, router_logits_torch
 from arfusion.layers.moe.torch_experts import combine_topk
 from arfusion.layers.parallel_state import get_tp_group
+from arfusion.layers.pending_norm import MlpInput, PendingNorm
 
 # shard ids of the checkpoint's expert tensors, all in their out-by-in form [E, out, in(...)]
 EXPERT_TENSORS = ("gate_up", "gate_up_bias", "down", "down_bias", "gate_up_blocks", "gate_up_scales",
@@ -209,7 +210,8 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoeBlock(nn.Module):
-    """The MLP of a gpt-oss layer: ``[T, H]`` (reduced, normed) -> this rank's partial output."""
+    """The MLP of a gpt-oss layer: ``[T, H]`` (reduced, normed; or the norm left pending, which
+    the router's Triton launch runs: `TopKRouter.route_normed`) -> this rank's partial output."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, alpha: float,
                  limit: float, mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
@@ -217,5 +219,8 @@ class GptOssMoeBlock(nn.Module):
         self.router = GptOssRouter(hidden_size, num_experts, top_k, dtype, device)
         self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha, limit, mxfp4, dtype, device)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: MlpInput) -> torch.Tensor:
+        if hidden_states.__class__ is PendingNorm:
+            normed, weights, ids, _ = self.router.route_normed(hidden_states, None)
+            return self.experts(normed, weights, ids)
         return self.experts(hidden_states, *self.router(hidden_states))

@@ -35,6 +35,7 @@ from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.linear import default_weight_loader
 from arfusion.layers.moe.align import ExpertBlocks
+from arfusion.layers.pending_norm import ROUTING, PendingNorm, mode_refusal
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +108,46 @@ class TopKRouter(nn.Module):
             return route_triton(hidden_states, self.weight, self.top_k, self.renormalize, self._counter, block_m,
                                 self.bias)
         return (*self.forward(hidden_states), None)
+
+    def norm_deferral_refusal(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+        """Why a decoder layer does not leave the norm of ``x + residual`` (``weight``) pending for
+        this router (`layers.pending_norm.post_attention_norm`), or None: the process's mode
+        (`pending_norm.mode_refusal`: batch-invariant mode, no triton), then `norm_launch_refusal`."""
+        return mode_refusal() or self.norm_launch_refusal(x, residual, weight)
+
+    def norm_launch_refusal(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+        """Why this router's Triton launch does not run that norm (`triton_router.norm_refusal`), or None."""
+        if not triton_available():
+            return "triton is not installed"
+        from arfusion.layers.moe.kernels.triton_router import norm_refusal
+
+        return norm_refusal(x, residual, weight, self.top_k)
+
+    def route_normed(self, pending: PendingNorm, block_m: Optional[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
+        """``(normed, weights, ids, blocks)`` of a decoder layer's norm left pending
+        (`layers.pending_norm`): the norm inside this router's Triton launch (the launch of
+        `route` with ``block_m``, of ``forward`` without; ``normed`` a new tensor) where
+        `triton_router.norm_refusal` allows; else the norm materialized, then `route` (``block_m``
+        given) or ``forward`` of it."""
+
+        def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
+            from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
+            from arfusion.layers.moe.kernels.triton_router import route_triton
+
+            normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+            norm = RouteNorm(residual, weight, eps, normed, residual_out)
+            return (normed, *route_triton(x, self.weight, self.top_k, self.renormalize, self._counter, block_m,
+                                          self.bias, norm))
+
+        routed = pending.run_in(launch, self.norm_launch_refusal, ROUTING)
+        if routed is not None:
+            return routed
+        normed = pending.materialize()
+        if block_m is None:
+            return (normed, *self(normed), None)
+        return (normed, *self.route(normed, block_m))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton(hidden_states):

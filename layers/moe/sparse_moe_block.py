@@ -5,7 +5,9 @@
     h_partial = experts(h, w, ids)                    this rank's partial sum, not reduced
 
 On the GPU the routing launch also groups the slots by expert for the experts' grouped GEMM
-(`TopKRouter.route`), so a decode step's MoE is three launches: routing, gate/up, down.
+(`TopKRouter.route`), so a decode step's MoE is three launches: routing, gate/up, down. Given the
+layer's post-attention norm left pending (`layers.pending_norm.post_attention_norm`, at TP1 with
+``norm_into_route``), the routing launch also runs that norm: ``h`` is its output.
 
 The caller owes the all-reduce of ``h_partial`` (the decoder layer hands it to the next norm as
 a `fusion.PartialSum`), as for a dense MLP's down projection with ``reduce_results=False``.
@@ -19,6 +21,7 @@ from torch import nn
 
 from arfusion.layers.moe.experts import MoEExperts
 from arfusion.layers.moe.router import TopKRouter
+from arfusion.layers.pending_norm import MlpInput, PendingNorm
 
 
 class SparseMoeBlock(nn.Module):
@@ -28,8 +31,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, dtype, device)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, dtype, device)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` (reduced, normed) -> this rank's partial MoE output ``[T, hidden]``."""
+    def forward(self, hidden_states: MlpInput) -> torch.Tensor:
+        """``[T, hidden]`` (reduced, normed; or the norm left pending, which the routing runs:
+        `TopKRouter.route_normed`) -> this rank's partial MoE output ``[T, hidden]``."""
+        if hidden_states.__class__ is PendingNorm:
+            block_m = self.experts.block_m(hidden_states.residual.shape[0], self.gate.top_k)
+            normed, weights, ids, blocks = self.gate.route_normed(hidden_states, block_m)
+            return self.experts(normed, weights, ids, blocks)
         block_m = self.experts.block_m(hidden_states.shape[0], self.gate.top_k)
         if block_m is None:
             return self.experts(hidden_states, *self.gate(hidden_states))
