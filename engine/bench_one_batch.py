@@ -53,7 +53,7 @@ BENCH_FIELDS = (
     "tp_size", "dist_timeout",
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
-    "allreduce_fusion_tuning_cache_dir", "norm_into_qkv",
+    "allreduce_fusion_tuning_cache_dir", "norm_into_qkv", "norm_into_route",
     "mem_fraction_static", "disable_cuda_graph", "disable_overlap_schedule",
     "log_level",
 )
@@ -216,6 +216,7 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
             + [f"TPOT det/default {s}" for _, s in costs] + [f"prefill det/default {s}" for _, s in costs])
     schedule = "no overlap" if server.disable_overlap_schedule else "overlap"
     schedule += " norm-into-qkv" if server.norm_into_qkv else ""
+    schedule += " norm-into-route" if server.norm_into_route else ""
     lines = [f"model={server.model_path} tp={server.tp_size} input_len={args.input_len} output_len={args.output_len} "
              f"{schedule} (ms; floor = bytes a decode step reads / 4.8 TB/s; gain = 1 - setting / off; "
              "det/default = batch-invariant mode / default mode)",

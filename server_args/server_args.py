@@ -68,6 +68,7 @@ class ServerArgs(BaseModel):
     disable_allreduce_fusion_tuning: bool = Field(False, description="Do not measure the fusion strategies at start-up when no strategy table holds this GPU, TP size, hidden size and dtype (the built-in rule decides)")
     allreduce_fusion_tuning_cache_dir: Optional[str] = Field(None, description="Where start-up tuning caches its measured tables (default: ~/.cache/arfusion)")
     norm_into_qkv: bool = Field(False, description="At TP size 1, run the residual add + RMSNorm before attention inside the q/k/v projection's launch for batches of at most 32 tokens (decode): one Triton launch (layers/kernels/triton_norm_matmul.py) instead of the norm's and cuBLAS's; larger batches, the CPU and --deterministic keep the separate norm, each reason logged once")
+    norm_into_route: bool = Field(False, description="At TP size 1, run the residual add + RMSNorm after attention inside a MoE layer's routing launch for batches its one-launch path takes (at most 256 tokens and 2048 slots: decode): one Triton launch (layers/moe/kernels/triton_route_norm.py) instead of the norm's and the routing's; dense layers, larger batches, the CPU and --deterministic keep the separate norm, each reason logged once")
     deterministic: bool = Field(False, description="Batch-invariant inference: a request's output (tokens, logprobs, prompt scores) has the same bits whatever else is batched with it and however its prompt is chunked; all-reduce fusion stays on (every fused strategy follows one numeric recipe)")
 
     # Memory and scheduling
@@ -186,7 +187,7 @@ class ServerArgs(BaseModel):
 
 # Options that act on a GPU only (on the CPU they change nothing): --help marks them.
 GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
-                      "norm_into_qkv"})
+                      "norm_into_qkv", "norm_into_route"})
 GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.

@@ -217,3 +217,15 @@ def test_batch_invariant_mode_and_the_cpu_keep_the_separate_norm(tp1):
     with batch_invariant.batch_invariant_mode(True):
         assert "batch-invariant" in refusal(x, residual, weight)
 
+
+def test_the_flag_is_off_by_default_and_reaches_the_runner_and_the_benchmark():
+    from arfusion.engine import bench_one_batch
+    from arfusion.engine.launch_config import runner_settings
+    from arfusion.server_args import ServerArgs
+    from arfusion.server_args.server_args import GPU_ONLY
+
+    assert not ServerArgs().norm_into_route and not runner_settings(ServerArgs()).norm_into_route
+    assert runner_settings(ServerArgs.from_cli(["--norm-into-route"])).norm_into_route
+    assert "norm_into_route" in GPU_ONLY
+    server, _ = bench_one_batch.parse_args(["--norm-into-route"])
+    assert server.norm_into_route and "--norm-into-route" in bench_one_batch.build_parser().format_help()
