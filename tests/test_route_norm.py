@@ -18,7 +18,11 @@ the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden), the bias N(0, 1).
   tensor for tensor; the arrival counter zero again;
 - the launch's own logits within (1e-5, 1e-5) of `router_logits_torch` of its own normed output.
 Then, in this process: bad outputs and too large a batch raise ValueError naming the problem
-before any launch, and `norm_refusal` names why a batch takes the separate norm.
+before any launch, and `norm_refusal` names why a batch takes the separate norm; and compiled for
+sm90 without a GPU (tests/offline_triton.py, ptxas included; skipped where triton's NVIDIA backend
+is missing), bf16 at qwen3-30b-a3b's and Mixtral's routers, 1, 32 and 256 tokens: the launch with
+the norm takes the dots of the launch without it (mma.sync, k16 instructions, K extents of 128)
+and reduces the selection's two sums over the same layouts, so its routing of an h is today's.
 """
 import pytest
 import torch
@@ -144,3 +148,40 @@ def test_norm_refusal_names_the_batches_it_leaves_to_the_separate_norm():
     assert f"at most {FUSED_MAX_SLOTS} slots" in refusal(FUSED_MAX_SLOTS // 16 + 1, top_k=16)
     assert "not on a CUDA device" in refusal(FUSED_MAX_TOKENS)
     assert refusal(FUSED_MAX_TOKENS + 7) == refusal(FUSED_MAX_TOKENS + 1), "no token count in the reason"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    offline_triton = pytest.importorskip("tests.offline_triton")
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    return offline_triton
+
+
+@pytest.mark.parametrize("experts,hidden,top_k", [(128, 2048, 8), (8, 4096, 2)], ids=["qwen3-30b-a3b", "mixtral"])
+def test_sm90_the_norm_keeps_the_routing_launch_dots_and_sums(offline, monkeypatch, experts, hidden, top_k):
+    from arfusion.layers.moe.kernels import triton_router
+    from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
+
+    kernel = offline.RecordedKernel(triton_router._route_kernel)
+    monkeypatch.setattr(triton_router, "_route_kernel", kernel)
+    monkeypatch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(experts, hidden, generator=g).bfloat16()
+    for tokens in (1, 32, triton_router.FUSED_MAX_TOKENS):
+        x = torch.randn(tokens, hidden, generator=g).bfloat16()
+        norm = RouteNorm(torch.randn_like(x), torch.ones(hidden).bfloat16(), EPS, torch.empty_like(x),
+                         torch.empty_like(x))
+        for with_norm in (None, norm):
+            triton_router.route_triton(x, gate, top_k, True, torch.zeros(1, dtype=torch.int32), 16, None, with_norm)
+    compiled = {}
+    for args, kwargs in kernel.calls:
+        asm = offline.compiled_asm(kernel.fn, args, kwargs)
+        ir = offline.ttgir(kernel.fn, args, kwargs)
+        selection_sums = offline.add_reduction_layouts(ir)[-2:]  # the norm's sums of squares come first
+        compiled.setdefault(kwargs["NORM"], []).append(
+            (offline.mma_versions(ir), offline.ptx_mma_k(asm["ptx"]), offline.dot_k_extents(ir), selection_sums))
+    assert len(compiled[True]) == 3 and compiled[True] == compiled[False]
+    assert all(versions == [2] and ks == {16} and set(extents) == {128} for versions, ks, extents, _ in compiled[True])
