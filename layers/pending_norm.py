@@ -33,9 +33,9 @@ size 1, and a MoE block whose router runs that launch: `TopKRouter.norm_deferral
 The residual: ``residual_out`` is a new tensor that receives ``h + residual`` when the pending
 norm runs (by the launch, or by `PendingNorm.materialize`); the layer takes it as its residual at
 once, so the pending norm must run before the residual is read (in a decoder layer the attention,
-or the MoE block's router, runs it first thing). The launch writes neither ``h`` nor ``residual``; the separate norm writes
-them where it always does (flashinfer's in-place kernel), then copies its sum into
-``residual_out``.
+or the MoE block's router, runs it first thing). The launch writes neither ``h`` nor
+``residual``; the separate norm writes them where it always does (flashinfer's in-place kernel),
+then copies its sum into ``residual_out``.
 """
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ from arfusion.layers.layernorm import NormInput, RMSNorm
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple[str, str]] = set()  # the (launch, reason) pairs logged so far (a fixed handful)
-
-
 QKV, ROUTING = "q/k/v", "routing"  # the launches a norm folds into (for the log)
 Refusal = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Optional[str]]  # (x, residual, weight) -> why not
 T = TypeVar("T")
