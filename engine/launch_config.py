@@ -69,5 +69,6 @@ def runner_settings(args: ServerArgs) -> RunnerSettings:
         mxfp4_experts=args.mxfp4_experts,
         context_length=args.context_length, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph, norm_into_qkv=args.norm_into_qkv, fusion=fusion_config(args),
+        disable_cuda_graph=args.disable_cuda_graph, norm_into_qkv=args.norm_into_qkv, enable_pdl=args.enable_pdl,
+        fusion=fusion_config(args),
     )

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from arfusion.layers.kernels import pdl
+
 GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches above)
 
 
@@ -62,7 +64,10 @@ DEFAULT_GEMV_CONFIG = MoEGemvConfig()
 @triton.jit
 def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, stride_x, stride_we, stride_wn,
                               stride_act, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              LIBDEVICE_EXP: tl.constexpr):
+                              LIBDEVICE_EXP: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_x
@@ -94,7 +99,10 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
 @triton.jit
 def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
                               stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOPK_POW2)
     j_mask = offs_j < TOPK
@@ -140,13 +148,15 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
     act = x.new_empty(tokens * top_k, inter)
+    use_pdl = pdl.enabled()
     _gate_up_silu_gemv_kernel[(tokens * top_k, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
-        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=config.num_warps_gate_up)
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, USE_PDL=use_pdl, num_warps=config.num_warps_gate_up,
+        launch_pdl=use_pdl)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, num_warps=config.num_warps_down)
+        BLOCK_K=config.block_k_down, USE_PDL=use_pdl, num_warps=config.num_warps_down, launch_pdl=use_pdl)
     return out

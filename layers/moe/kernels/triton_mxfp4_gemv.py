@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_half, load_words_only, scale_factor,
                                                       word_pairs)
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
@@ -72,10 +73,15 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
 def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
                  stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                  X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
     activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
-    n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``."""
+    n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``. With
+    USE_PDL it waits for the previous kernel first: the weights it reads depend on the routing
+    (layers/kernels/pdl.py)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // X_ROW_DIV).to(tl.int64) * stride_x
@@ -117,15 +123,17 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
         ids = ids.contiguous()
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
     act = x.new_empty(slots, inter)
+    use_pdl = pdl.enabled()
     _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
         X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
-        GATE_UP=True, HAS_BIAS=True, num_warps=config.num_warps)
+        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
         X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
-        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, num_warps=config.num_warps_down or config.num_warps)
+        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
+        num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
     return partial
