@@ -40,7 +40,7 @@ from arfusion.layers.kernels import pdl  # noqa: E402
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
 LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_rotary_kernel"}
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
-LAUNCHES = ("_skinny_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel", "_route_kernel",
+LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel", "_route_kernel",
             "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
 BF16 = torch.bfloat16
 
@@ -61,6 +61,7 @@ def _decode_step_calls() -> None:
     MXFP4 experts), CPU tensors (nothing runs: the kernels are recorders)."""
     from arfusion.layers.head_norm import HeadNorm
     from arfusion.layers.kernels.triton_decode_attention import decode_attention
+    from arfusion.layers.kernels.triton_norm_matmul import norm_linear
     from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
     from arfusion.layers.kernels.triton_skinny_matmul import skinny_linear
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
@@ -70,6 +71,8 @@ def _decode_step_calls() -> None:
 
     g = torch.Generator().manual_seed(0)
     skinny_linear(torch.randn(1, 4096, generator=g).to(BF16), torch.empty(2048, 4096, dtype=BF16))
+    x, residual = torch.randn(2, 1, 2048, generator=g).to(BF16)
+    norm_linear(x, residual, torch.ones(2048, dtype=BF16), 1e-6, torch.empty(5120, 2048, dtype=BF16))
     qkv = torch.randn(1, (32 + 8) * 128, generator=g).to(BF16)
     q, k, v = qkv.split([32 * 128, 4 * 128, 4 * 128], dim=1)
     cache = torch.empty(4096, 4, 128, dtype=BF16)
@@ -109,7 +112,7 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
         pytest.skip("triton's NVIDIA backend is not installed")
-    from arfusion.layers.kernels import triton_decode_attention, triton_rotary, triton_skinny_matmul
+    from arfusion.layers.kernels import triton_decode_attention, triton_norm_matmul, triton_rotary, triton_skinny_matmul
     from arfusion.layers.moe.kernels import triton_moe_gemv, triton_mxfp4_gemv, triton_router
 
     owners = {"_rotary_kernel": triton_rotary, "_split_kernel": triton_decode_attention,
@@ -125,9 +128,11 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
                 patch.setattr(module, recorder.fn.__name__, recorder)
             launcher = RecordedLauncher(triton_skinny_matmul._skinny_kernel)
             patch.setattr(triton_skinny_matmul, "SKINNY_LAUNCHER", launcher)
+            norm_launcher = RecordedLauncher(triton_norm_matmul._norm_matmul_kernel)
+            patch.setattr(triton_norm_matmul, "NORM_MATMUL_LAUNCHER", norm_launcher)
             with pdl.pdl_mode(on):
                 _decode_step_calls()
-            out[on] = [(r.fn, args, kwargs) for r in (launcher, *recorders) for args, kwargs in r.calls]
+            out[on] = [(r.fn, args, kwargs) for r in (launcher, norm_launcher, *recorders) for args, kwargs in r.calls]
             for recorder, module in zip(recorders, owners.values()):
                 patch.setattr(module, recorder.fn.__name__, recorder.fn)
     return out

@@ -12,7 +12,8 @@ its writes are visible. Its launch and its prologue, and whatever it may load be
 overlap the predecessor's tail.
 
 The kernels that take part are those of a decode step: the decode-sized matmul (the o
-projection; through its launch cache, whose key holds launch_pdl), rotary + q/k norm + KV store,
+projection; through its launch cache, whose key holds launch_pdl), the input norm inside q/k/v
+(layers/kernels/triton_norm_matmul.py, with ``--norm-into-qkv``), rotary + q/k norm + KV store,
 decode attention's split and combine kernels, the one-launch routing, and the matrix-vector MoE
 experts (bf16: layers/moe/kernels/triton_moe_gemv.py; MXFP4: triton_mxfp4_gemv.py). Each has a
 ``USE_PDL: tl.constexpr`` parameter and is launched with ``USE_PDL=on, launch_pdl=on``, the two
