@@ -10,7 +10,8 @@ runner decoding its own tokens: eagerly and replayed from a CUDA graph, PDL off 
 mode, the two runs' tokens and logits must be equal bit for bit; then the last decode step is
 run REPEATS more times (the same token at the same position and KV slot: the same inputs), and
 every repeat's logits must equal that step's bits: a kernel that read its predecessor's output
-before it was complete, or wrote over what the predecessor still read, would change some.
+before it was complete, or wrote over what the predecessor still read, would change some. Also
+with ``--norm-into-qkv`` (the input norm inside the q/k/v launch, which takes part too).
 
 MXFP4 experts (gpt-oss's matrix-vector launches, layers/moe/kernels/triton_mxfp4_gemv.py): 4
 experts of hidden and intermediate 1024, one token, top 4, captured with PDL on in a CUDA graph
@@ -35,7 +36,7 @@ def _require_sm90() -> None:
         pytest.skip(f"programmatic dependent launch needs sm90 or newer, found sm{major}{minor}")
 
 
-def _decode(rank: int, world: int, graphs: bool, pdl: bool) -> dict:
+def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: bool) -> dict:
     """Logits ``[1 + STEPS, 1, vocab]`` and tokens of one greedy generation, then the last step's
     logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel."""
     from arfusion.engine.runtime.model_runner import RunnerSettings
@@ -45,7 +46,8 @@ def _decode(rank: int, world: int, graphs: bool, pdl: bool) -> dict:
     from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny-moe", dtype="bfloat16", context_length=CONTEXT, max_running_requests=2,
-                              cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl, kv_slots=1024)
+                              cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl, kv_slots=1024,
+                              norm_into_qkv=fold)
     runner = build_runner(settings, get_tp_group())
     assert (runner.graphs is not None) == graphs
     batch = StaticBatch(runner, random_prompts(1, PROMPT_LEN, runner.config.vocab_size, seed=3), STEPS + 1)
@@ -70,11 +72,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["separate-norm", "norm-into-qkv"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
-def test_decode_with_pdl_has_the_bits_of_decode_without(graphs):
+def test_decode_with_pdl_has_the_bits_of_decode_without(graphs, fold):
     _require_sm90()
-    runs = {pdl: run_distributed(_decode, world_size=1, args=(graphs, pdl), device_kind="cuda", timeout_s=600)[0]
-            for pdl in (False, True)}
+    runs = {pdl: run_distributed(_decode, world_size=1, args=(graphs, pdl, fold), device_kind="cuda",
+                                 timeout_s=600)[0] for pdl in (False, True)}
     off, on = runs[False], runs[True]
     assert on["kept_pdl"] and not off["kept_pdl"]
     assert on["tokens"] == off["tokens"]
