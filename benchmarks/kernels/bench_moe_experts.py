@@ -26,8 +26,7 @@ import statistics
 import torch
 
 from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
-from arfusion.fusion.tuning.timing import median_replay_us
-from arfusion.fusion.tuning.timing import capture_cuda_graph
+from arfusion.fusion.tuning.timing import capture_cuda_graph, median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
 CALLS = 8
