@@ -54,7 +54,7 @@ BENCH_FIELDS = (
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
     "allreduce_fusion_tuning_cache_dir", "norm_into_qkv", "norm_into_route",
-    "mem_fraction_static", "disable_cuda_graph", "disable_overlap_schedule",
+    "mem_fraction_static", "disable_cuda_graph", "enable_pdl", "disable_overlap_schedule",
     "log_level",
 )
 

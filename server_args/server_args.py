@@ -79,6 +79,7 @@ class ServerArgs(BaseModel):
     step_time_target_ms: float = Field(200.0, ge=0, description="Target duration of a forward step that prefills prompt chunks (with chunked prefill): each step takes as many prompt tokens as fit this time by the step cost measured at start-up and after every step, so that no long prompt holds the running streams or a new short request for longer; at most --chunked-prefill-size tokens. Where one step's fixed cost (a large model on a few CPU cores) exceeds it, a step's prompt tokens still cost as much as that fixed cost; 0: no target, every step takes up to --chunked-prefill-size tokens")
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
+    enable_pdl: bool = Field(False, description="Launch the Triton kernels of a decode step (o projection, rotary + q/k norm + KV store, decode attention, MoE routing, the MoE experts for a few tokens) with programmatic dependent launch: a kernel's blocks may be scheduled while the kernel before it runs, and wait on the GPU for its results (meant to shorten the idle time between kernels); the same output bits as without it; NVIDIA sm90 (Hopper) or newer, refused at start-up elsewhere (layers/kernels/pdl.py)")
     skip_server_warmup: bool = Field(False, description="Skip the start-up warm-up (forwards of every shape class the server runs: Triton kernels, eager decode sizes, sampling), so the first requests pay those first-use costs")
     disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (without it, step n+1 is launched first, so the GPU does not wait for the host)")
 
@@ -108,6 +109,8 @@ class ServerArgs(BaseModel):
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if self.device == "cpu" and self.allreduce_fusion_backend == "flashinfer" and self.enable_flashinfer_allreduce_fusion:
             raise ValueError("allreduce_fusion_backend 'flashinfer' needs a GPU; with device cpu use 'torch'")
+        if self.device == "cpu" and self.enable_pdl:
+            raise ValueError("enable_pdl needs an NVIDIA GPU of sm90 or newer; with device cpu leave it off")
         return self
 
     @property
@@ -185,9 +188,9 @@ class ServerArgs(BaseModel):
         return parser
 
 
-# Options that act on a GPU only (on the CPU they change nothing): --help marks them.
+# Options that act on a GPU only (on the CPU they change nothing, or are refused): --help marks them.
 GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
-                      "norm_into_qkv", "norm_into_route"})
+                      "norm_into_qkv", "norm_into_route", "enable_pdl"})
 GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.

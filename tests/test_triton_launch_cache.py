@@ -1,8 +1,8 @@
 """The launch cache of layers/kernels/triton_launch_cache.py on CPU: its key separates every
 specialization Triton compiles apart (tensor dtype and 16-byte alignment, ints 1 / multiples of
-16 / other and their width, constexpr values and types, options, device) and equals for equal
-ones; a launcher binds once per key and then launches the kept kernel on the driver's current
-stream; the cache is bounded; under Triton's interpreter it is off and the batch-invariant matmul
+16 / other and their width, constexpr values and types, options, launch_pdl, device) and equals
+for equal ones; a launcher binds once per key (passing launch_pdl on when set) and then launches
+the kept kernel on the driver's current stream; the cache is bounded; under Triton's interpreter it is off and the batch-invariant matmul
 still matches torch. The direct launch of a real compiled kernel is tested on the GPU
 (tests/gpu/test_triton_launch_cache.py)."""
 from __future__ import annotations
@@ -22,8 +22,8 @@ from arfusion.layers.kernels.triton_launch_cache import CachedLauncher, arg_tag,
 CONSTEXPR = (False, False, False, True)
 
 
-def _key(x, n, flag, block, warps=4, stages=3, device=0, debug=False):
-    return launch_key((x, n, flag, block), CONSTEXPR, warps, stages, device, debug)
+def _key(x, n, flag, block, warps=4, stages=3, device=0, debug=False, pdl=False):
+    return launch_key((x, n, flag, block), CONSTEXPR, warps, stages, device, debug, pdl)
 
 
 def test_tensor_tag_is_dtype_and_16_byte_alignment():
@@ -56,7 +56,7 @@ def test_launch_key_separates_specializations_and_equates_equal_ones():
                 _key(base, 64, 1.0, 32), _key(base, 64, None, 32), _key(base, 64, True, 64),
                 _key(base, 64, True, True), _key(base, 64, True, 32, warps=8),
                 _key(base, 64, True, 32, stages=None), _key(base, 64, True, 32, device=1),
-                _key(base, 64, True, 32, debug=True)]
+                _key(base, 64, True, 32, debug=True), _key(base, 64, True, 32, pdl=True)]
     assert len(set(variants)) == len(variants)
     assert _key(base, 64, True, (1, 2)) is None  # a constexpr of a type not keyed
     assert _key(base, (1, 2), True, 32) is None
@@ -114,6 +114,16 @@ def test_launcher_binds_once_per_specialization_then_launches_directly(monkeypat
     launcher.enabled = False
     launcher((3,), x, 64, True, 32, num_warps=4)
     assert len(kernel.binds) == 4 and launcher.hits == 1
+
+
+def test_launcher_keys_and_passes_programmatic_dependent_launch(monkeypatch):
+    kernel, launcher = _fake_launcher(monkeypatch)
+    x = torch.zeros(64, dtype=torch.float16)
+    launcher((3,), x, 64, True, 32, num_warps=4)
+    launcher((3,), x, 64, True, 32, num_warps=4, launch_pdl=True)  # another kernel: binds again
+    launcher((3,), x, 48, True, 32, num_warps=4, launch_pdl=True)
+    assert [options for _, _, options in kernel.binds] == [{"num_warps": 4}, {"num_warps": 4, "launch_pdl": True}]
+    assert launcher.hits == 1 and len(launcher) == 2
 
 
 def test_launcher_keeps_at_most_max_entries_least_recent_out(monkeypatch):

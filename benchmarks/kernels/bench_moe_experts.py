@@ -13,7 +13,8 @@ difference from the grouped launches' output; with ``--profile`` each launch's G
         --configs 8,512,8,128,4,4 16,256,8,128,2,4 --out out/bench_moe_experts.json
 
 ``--configs``: matrix-vector tiles, each
-``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``.
+``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``, and
+``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`).
 Slot counts above the matrix-vector path's GEMV_MAX_SLOTS are timed too (to show where the
 grouped launches take over).
 """
@@ -26,8 +27,7 @@ import statistics
 import torch
 
 from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
-from arfusion.fusion.tuning.timing import median_replay_us
-from arfusion.fusion.tuning.timing import capture_cuda_graph
+from arfusion.fusion.tuning.timing import capture_cuda_graph, median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
 CALLS = 8
@@ -41,10 +41,12 @@ MODELS = {  # (experts, hidden, intermediate per rank, top-k)
 def parse_config(text: str):
     from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig
 
-    fields = [int(v) for v in text.split(",")]
-    if len(fields) != 6:
-        raise argparse.ArgumentTypeError(f"a config is 6 comma-separated integers, got {text!r}")
-    return MoEGemvConfig(*fields)
+    parts = text.split(",")
+    summed = parts[-1] == "summed"
+    fields = parts[:-1] if summed else parts
+    if len(fields) != 6 or not all(v.isdigit() for v in fields):
+        raise argparse.ArgumentTypeError(f"a config is 6 comma-separated integers, then optionally 'summed', got {text!r}")
+    return MoEGemvConfig(*map(int, fields), sum_each_step=summed)
 
 
 def time_calls(fn, profile: bool) -> tuple[float, dict]:
@@ -102,7 +104,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
                         help="more matrix-vector tiles: block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,"
-                             "num_warps_gate_up,num_warps_down")
+                             "num_warps_gate_up,num_warps_down[,summed] (summed: launch 1 sums each K step at once)")
     parser.add_argument("--profile", action="store_true", help="also print each launch's GPU µs per call")
     parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()

@@ -9,6 +9,10 @@ else is in its batch, and the fusion op keeps to its deterministic strategies. I
 read the whole request table through row ids, as the decode graphs do: the decode rows of a
 mixed step (decodes riding along with prompt chunks, which attention then runs as a decode
 batch) launch the graphs' decode kernel, of one shape whatever the step.
+With ``enable_pdl`` (``--enable-pdl``, checked at start-up) every forward and every graph capture
+launches the decode step's Triton kernels with programmatic dependent launch
+(`layers.kernels.pdl`): the same bits, with a kernel's blocks scheduled while the one before
+it still runs.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from arfusion.engine.weights.dummy import dummy_weights
 from arfusion.engine.weights.gguf_loader import ParsedGGUF
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
+from arfusion.layers.kernels.pdl import pdl_mode
 from arfusion.layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class RunnerSettings:
     disable_cuda_graph: bool = False
     norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
     norm_into_route: bool = False  # `ModelConfig.norm_into_route`
+    enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
@@ -166,6 +172,7 @@ class ModelRunner:
         self.group = group
         self.device = group.device
         self.deterministic = settings.fusion.deterministic
+        self.enable_pdl = settings.enable_pdl
         self.stages = stages or StartupStages(None)
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         self.dtype = loaded.dtype
@@ -202,7 +209,7 @@ class ModelRunner:
         the decode graphs of batch sizes up to ``max_bs`` (which replace any before)."""
         self.drop_graphs()
         self.fusion.reserve(capture_sizes(max_bs)[-1])
-        with batch_invariant_mode(self.deterministic):
+        with batch_invariant_mode(self.deterministic), pdl_mode(self.enable_pdl):
             self.graphs = CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
                                           log_progress=self.group.rank == 0)
 
@@ -250,7 +257,7 @@ class ModelRunner:
         `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
         of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
         self.progress.begin()
-        with batch_invariant_mode(self.deterministic):
+        with batch_invariant_mode(self.deterministic), pdl_mode(self.enable_pdl):
             return self._forward(plan)
 
     def _forward(self, plan: StepPlan) -> StepLogits:

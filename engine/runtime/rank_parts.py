@@ -41,6 +41,7 @@ from arfusion.engine.runtime.model_runner import (CPU_KV_SLOTS, KVPart, LoadedMo
 from arfusion.engine.runtime.step_plan import RequestTable
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 from arfusion.layers.batch_invariant import set_enabled
+from arfusion.layers.kernels import pdl
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
@@ -95,8 +96,11 @@ def enter_model(stack: ExitStack, settings: RunnerSettings, group: TensorParalle
 def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup, dtype: torch.dtype,
           peers_done: Callable[[], None], startup: StartupContext) -> LoadedModel:
     """This rank's config, context length, fusion op and model with its weights. ValueError
-    (`ModelFileError` for the files) for a model that cannot run."""
+    (`ModelFileError` for the files) for a model that cannot run, or for ``settings.enable_pdl``
+    on a device where the kernels cannot launch with PDL (`layers.kernels.pdl.require_supported`)."""
     device = group.device
+    if settings.enable_pdl:
+        pdl.require_supported(device)
     config, weights = load_config_and_weights(settings, dtype, device, startup.parsed)
     requested = settings.context_length or config.max_position_embeddings  # cut to the KV cache by `kv_slots`
     if requested > config.max_position_embeddings:

@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.kernels import pdl
 from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
@@ -85,7 +86,10 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  FIXED_CHUNK: tl.constexpr):
+                  FIXED_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # everything below reads the step's data (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,7 +145,10 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
 def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, context, window,
                     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                     SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    FIXED_CHUNK: tl.constexpr):
+                    FIXED_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # everything below reads the split kernel's results (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
@@ -278,6 +285,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    use_pdl = pdl.enabled()
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
         out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
@@ -286,13 +294,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
-        FIXED_CHUNK=keys_per_split or 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        launch_pdl=use_pdl,
     )
     if splits > 1:
         _combine_kernel[(batch, heads)](
             part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
             HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK=block, HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, num_warps=4,
+            BLOCK=block, HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=4,
+            launch_pdl=use_pdl,
         )
     return out
 

@@ -18,7 +18,9 @@ running 3.6.0's and 3.9.0's ``native_specialize_impl``:
   - an int: whether it is 1 (then a constant), whether ``% 16 == 0``, and its type: i32 for
     ``-2**31 <= v < 2**31``, else i64 below ``2**63``, else u64; strides are plain ints;
   - a bool (u1), a float (fp32) and None (a constant None): their type;
-  - num_warps, num_stages, the current CUDA device and ``knobs.runtime.debug``.
+  - num_warps, num_stages, launch_pdl (programmatic dependent launch: a compiled kernel's
+    metadata carries it and its launches use it, layers/kernels/pdl.py), the current CUDA device
+    and ``knobs.runtime.debug``.
 Both versions launch a ``CompiledKernel`` with every parameter in signature order, constexprs
 included (``CompiledKernel.__getitem__`` -> ``run(grid0, grid1, grid2, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``; the launcher skips the
@@ -71,14 +73,14 @@ def arg_tag(arg: Any) -> Optional[Any]:
 
 
 def launch_key(args: Sequence[Any], constexpr: Sequence[bool], num_warps: Optional[int], num_stages: Optional[int],
-               device: int, debug: bool) -> Optional[tuple]:
+               device: int, debug: bool, launch_pdl: bool = False) -> Optional[tuple]:
     """A hashable key equal for two calls only if Triton compiles them to the same kernel (the
     module docstring lists what it holds; an option given as None, Triton's default, keys apart
     from the same value given explicitly); ``constexpr[i]`` says whether parameter i is a constexpr.
     None when an argument cannot be keyed or the argument count is not the kernel's."""
     if len(args) != len(constexpr):
         return None
-    key: list[Any] = [num_warps, num_stages, device, debug]
+    key: list[Any] = [num_warps, num_stages, launch_pdl, device, debug]
     for arg, const in zip(args, constexpr):
         if const:
             if type(arg) not in _CONSTEXPR_TYPES:
@@ -93,12 +95,12 @@ def launch_key(args: Sequence[Any], constexpr: Sequence[bool], num_warps: Option
 
 
 class CachedLauncher:
-    """``launcher(grid, *args, num_warps=w, num_stages=s)`` launches ``kernel`` as
-    ``kernel[grid](*args, num_warps=w, num_stages=s)`` would (an option left None is not passed:
-    Triton's default), ``grid`` a tuple of 1-3 ints and ``args`` every parameter in signature
-    order (constexprs included), skipping the binder for a specialization it has seen
-    (the module docstring). ``enabled`` False sends every call through the normal launch;
-    ``hits`` counts the direct launches."""
+    """``launcher(grid, *args, num_warps=w, num_stages=s, launch_pdl=p)`` launches ``kernel`` as
+    ``kernel[grid](*args, num_warps=w, num_stages=s, launch_pdl=p)`` would (an option left None,
+    or launch_pdl False, is not passed: Triton's default), ``grid`` a tuple of 1-3 ints and
+    ``args`` every parameter in signature order (constexprs included), skipping the binder for a
+    specialization it has seen (the module docstring). ``enabled`` False sends every call
+    through the normal launch; ``hits`` counts the direct launches."""
 
     def __init__(self, kernel: Any, max_entries: int = 64):
         self.kernel = kernel
@@ -124,12 +126,13 @@ class CachedLauncher:
         self._compiled.clear()
 
     def __call__(self, grid: tuple[int, ...], *args: Any, num_warps: Optional[int] = None,
-                 num_stages: Optional[int] = None) -> None:
+                 num_stages: Optional[int] = None, launch_pdl: bool = False) -> None:
         key = None
         if self.enabled and not self._off:
             active = self._driver.active
             device = active.get_current_device()
-            key = launch_key(args, self._constexpr, num_warps, num_stages, device, self._knobs.runtime.debug)
+            key = launch_key(args, self._constexpr, num_warps, num_stages, device, self._knobs.runtime.debug,
+                             launch_pdl)
             compiled = self._compiled.get(key) if key is not None else None
             if compiled is not None:
                 self._compiled.move_to_end(key)
@@ -137,8 +140,10 @@ class CachedLauncher:
                 full_grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
                 compiled[full_grid](*args, stream=active.get_current_stream(device))
                 return
-        options = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
-                   if value is not None}
+        options: dict[str, Any] = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
+                                   if value is not None}
+        if launch_pdl:
+            options["launch_pdl"] = True
         compiled = self.kernel[grid](*args, **options)
         if key is not None:
             self._remember(key, compiled)

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.kernels import pdl
 from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 from arfusion.layers.kernels.triton_skinny_matmul import MAX_TOKENS, SkinnyConfig, default_config
 
@@ -129,9 +130,13 @@ def _row_sums(x_cols, r_cols, k, token_mask):
 def _norm_matmul_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, m_size, n_size, k_size, eps, stride_xm,
                         stride_rm, stride_wn, stride_ym, stride_sm, HAS_BIAS: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Program: output features ``pid * BLOCK_N ..`` for every token (module docstring); K is a
-    multiple of BLOCK_K."""
+    multiple of BLOCK_K. With USE_PDL it waits for the previous kernel before it reads x or the
+    residual (layers/kernels/pdl.py)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     tokens = tl.arange(0, BLOCK_M)
     token_mask = tokens < m_size
@@ -195,8 +200,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     block_k = k_step(cfg, k, block_m, x.element_size())
     out = x.new_empty(t, n)
     summed = residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    use_pdl = pdl.enabled()
     NORM_MATMUL_LAUNCHER((triton.cdiv(n, cfg.block_n),), x, residual, norm_weight, weight,
                          bias if bias is not None else weight, out, summed, t, n, k, float(eps), x.stride(0),
                          residual.stride(0), weight.stride(0), out.stride(0), summed.stride(0), bias is not None,
-                         "ieee" if x.dtype == torch.float32 else "tf32", block_m, cfg.block_n, block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         "ieee" if x.dtype == torch.float32 else "tf32", block_m, cfg.block_n, block_k, use_pdl,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out, summed

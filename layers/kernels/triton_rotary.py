@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.head_norm import HeadNorm
+from arfusion.layers.kernels import pdl
 
 HEADS_PER_PROGRAM = 4
 NUM_WARPS = 1  # one warp per [4, 64] tile pair at d=128: 8 contiguous elements (16 B of bf16) per thread
@@ -108,16 +109,20 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, 
                    q_row_stride, k_row_stride, v_row_stride, q_out_row_stride, k_out_row_stride, v_out_row_stride,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr,
-                   HAS_HEAD_NORM: tl.constexpr):
+                   HAS_HEAD_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Without STORE_KV, k's rotation goes to k_out's row t (slots_ptr, v_ptr and v_out_ptr are
     unused); with it, to k_out's row slots[t], and v's row t is copied to v_out's row slots[t].
     With HAS_HEAD_NORM, q's heads are normed by q_norm and k's by k_norm (with eps) before they
-    are rotated; without it q_norm_ptr, k_norm_ptr and eps are unused."""
+    are rotated; without it q_norm_ptr, k_norm_ptr and eps are unused. With USE_PDL only
+    inv_freq is read before the wait for the previous kernel (layers/kernels/pdl.py)."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     cols = tl.arange(0, HALF_PAD)
     inv_freq = tl.load(inv_freq_ptr + cols, mask=cols < HEAD_DIM // 2, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
     cos = tl.cos(angle)
     sin = tl.sin(angle)
@@ -212,11 +217,13 @@ def _launch(positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor
     norm pointers and eps are inv_freq and 0 (unused) without a head_norm."""
     grid = (positions.shape[0], triton.cdiv(heads, HEADS_PER_PROGRAM) + triton.cdiv(kv_heads, HEADS_PER_PROGRAM))
     q_norm, k_norm, eps = head_norm if head_norm is not None else (inv_freq, inv_freq, 0.0)
+    use_pdl = pdl.enabled()
     _rotary_kernel[grid](positions, inv_freq, slots, q, k, v, q_out, k_out, v_out, q_norm, k_norm, float(eps),
                          q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
                          NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                          HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=HEADS_PER_PROGRAM, STORE_KV=store_kv,
-                         HAS_HEAD_NORM=head_norm is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                         HAS_HEAD_NORM=head_norm is not None, USE_PDL=use_pdl, num_warps=NUM_WARPS,
+                         enable_fp_fusion=False, launch_pdl=use_pdl)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.kernels import pdl
 from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 
 MAX_TOKENS = 32  # the most rows of x this launch serves (`skinny_linear`)
@@ -63,10 +64,34 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _weight_tile(w_rows, row_mask, k0, k_size, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``W[rows, k0 : k0 + BLOCK_K]`` (``w_rows``: the rows' pointers ``[BLOCK_N, 1]``), zeros
+    past ``k_size`` and in masked rows."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = row_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (k < k_size)[None, :]
+    return tl.load(w_rows + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _token_tile(x_cols, token_mask, k0, k_size, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``x[tokens, k0 : k0 + BLOCK_K]^T`` (``x_cols``: the tokens' pointers ``[1, BLOCK_M]``), zeros
+    past ``k_size`` and in padded tokens."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = token_mask[None, :]
+    if not EVEN_K:
+        mask = mask & (k < k_size)[:, None]
+    return tl.load(x_cols + k[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_size, n_size, k_size, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """Program: output features ``pid * BLOCK_N ..`` for every token (module docstring)."""
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program: output features ``pid * BLOCK_N ..`` for every token (module docstring). With
+    USE_PDL its first weight tile is loaded before the wait for the previous kernel
+    (layers/kernels/pdl.py), and the K loop starts at the second step."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_size
     tokens = tl.arange(0, BLOCK_M)
@@ -74,16 +99,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_size, n_size, k_size, stride_xm
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + tokens.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, k_size, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None], other=0.0)
-            xt = tl.load(x_cols + k[:, None], mask=token_mask[None, :], other=0.0)
-        else:
-            k_mask = k < k_size
-            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_cols + k[:, None], mask=token_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc)
+    k_start = 0
+    if USE_PDL:
+        w = _weight_tile(w_rows, row_mask, 0, k_size, BLOCK_K, EVEN_K)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.dot(w, _token_tile(x_cols, token_mask, 0, k_size, BLOCK_K, EVEN_K), acc)
+        k_start = BLOCK_K
+    for k0 in range(k_start, k_size, BLOCK_K):
+        w = _weight_tile(w_rows, row_mask, k0, k_size, BLOCK_K, EVEN_K)
+        acc = tl.dot(w, _token_tile(x_cols, token_mask, k0, k_size, BLOCK_K, EVEN_K), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     y = y_ptr + tokens.to(tl.int64)[None, :] * stride_ym + rows[:, None]
@@ -113,8 +138,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     n = weight.shape[0]
     cfg = config or default_config(n)
     y = x.new_empty(m, n)
+    use_pdl = pdl.enabled()
     SKINNY_LAUNCHER((triton.cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else weight, y, m, n, k,
                     x.stride(0), weight.stride(0), y.stride(0), bias is not None, k % cfg.block_k == 0,
-                    max(16, triton.next_power_of_2(m)), cfg.block_n, cfg.block_k, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
+                    max(16, triton.next_power_of_2(m)), cfg.block_n, cfg.block_k, use_pdl, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return y

@@ -11,8 +11,11 @@ combine "folded"):
 
 (round: to x's dtype; every product and sum in fp32). The sums over c run per K step: each
 step's BLOCK_K products are added elementwise into an fp32 accumulator of the step's shape, and
-the accumulator is summed once at the end (``tl.sum`` over its columns); launch 2 then adds the
-k weighted expert rows of its token (``tl.sum`` over the slots). Each output is one program's, in
+the accumulator is summed once at the end (``tl.sum`` over its columns); or, in launch 1 with
+`MoEGemvConfig.sum_each_step`, each step's products are summed at once into one fp32
+accumulator per output (a register or a few per thread whatever the K step, so more programs fit
+on an SM; another order of sums, so other bits); launch 2 then adds the k weighted expert rows of
+its token (``tl.sum`` over the slots). Each output is one program's, in
 a fixed order: deterministic run to run, and a token's result depends on its own row and routing
 only (but not the grouped launches' bits: other sums, other order).
 
@@ -34,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from arfusion.layers.kernels import pdl
+
 GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches above)
 
 
@@ -41,7 +46,9 @@ GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches
 class MoEGemvConfig:
     """Tiles of the two launches: output columns per program and columns per K step (the
     defaults: the fastest of a sweep at Qwen3-30B-A3B's expert shapes, 1 to 4 tokens; the
-    numbers are in docs/results.md); a size that is no power of two is a ValueError naming it."""
+    numbers are in docs/results.md); a size that is no power of two is a ValueError naming it.
+    ``sum_each_step``: launch 1's accumulators one per output instead of one per output and
+    column of a K step (module docstring)."""
 
     block_n_gate_up: int = 8
     block_k_gate_up: int = 512
@@ -49,10 +56,11 @@ class MoEGemvConfig:
     block_k_down: int = 256
     num_warps_gate_up: int = 2
     num_warps_down: int = 4
+    sum_each_step: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < 1 or value & (value - 1):
+            if name != "sum_each_step" and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1 (tl.arange, warps), got {value}")
 
 
@@ -62,7 +70,10 @@ DEFAULT_GEMV_CONFIG = MoEGemvConfig()
 @triton.jit
 def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, stride_x, stride_we, stride_wn,
                               stride_act, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              LIBDEVICE_EXP: tl.constexpr):
+                              LIBDEVICE_EXP: tl.constexpr, SUM_EACH_STEP: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_x
@@ -71,18 +82,31 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
     offs_k = tl.arange(0, BLOCK_K)
     gate_rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + inter * stride_wn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SUM_EACH_STEP:
+        acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < hidden
         xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         w_mask = n_mask[:, None] & k_mask[None, :]
-        acc_gate += tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
-        acc_up += tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+        gate_products = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+        up_products = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+        if SUM_EACH_STEP:
+            acc_gate += tl.sum(gate_products, axis=1)
+            acc_up += tl.sum(up_products, axis=1)
+        else:
+            acc_gate += gate_products
+            acc_up += up_products
+    if not SUM_EACH_STEP:
+        acc_gate = tl.sum(acc_gate, axis=1)
+        acc_up = tl.sum(acc_up, axis=1)
     out_ty = act_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, axis=1).to(out_ty).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(out_ty).to(tl.float32)
+    gate = acc_gate.to(out_ty).to(tl.float32)
+    up = acc_up.to(out_ty).to(tl.float32)
     if LIBDEVICE_EXP:
         e = libdevice.exp(-gate)
     else:
@@ -94,7 +118,10 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
 @triton.jit
 def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
                               stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, TOPK_POW2)
     j_mask = offs_j < TOPK
@@ -140,13 +167,15 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
     act = x.new_empty(tokens * top_k, inter)
+    use_pdl = pdl.enabled()
     _gate_up_silu_gemv_kernel[(tokens * top_k, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
-        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, num_warps=config.num_warps_gate_up)
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, SUM_EACH_STEP=config.sum_each_step, USE_PDL=use_pdl,
+        num_warps=config.num_warps_gate_up, launch_pdl=use_pdl)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, num_warps=config.num_warps_down)
+        BLOCK_K=config.block_k_down, USE_PDL=use_pdl, num_warps=config.num_warps_down, launch_pdl=use_pdl)
     return out

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_problem, inv_rms, problem, summed_rows
@@ -180,8 +181,11 @@ def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, wei
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,
                   SELECT_T: tl.constexpr, E_POW2: tl.constexpr, FUSED: tl.constexpr, ALIGN: tl.constexpr,
                   ALIGN_BLOCK_M: tl.constexpr, FILL: tl.constexpr, BLOCK_CHUNK: tl.constexpr, FP32_DOT: tl.constexpr,
-                  LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  LIBDEVICE_EXP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
                   r_ptr, g_ptr, normed_ptr, sum_ptr, eps, stride_r, NORM: tl.constexpr):
+    """With USE_PDL the program loads its first gate-weight tile before the wait for the previous
+    kernel (layers/kernels/pdl.py), the hidden states after it (with NORM: x and the residual, and
+    it writes h and the sum after it too)."""
     pid = tl.program_id(0)
     split = pid % SPLIT_K
     tile = pid // SPLIT_K
@@ -194,6 +198,10 @@ def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, wei
     h_ptrs = h_ptr + offs_t[:, None].to(tl.int64) * stride_h + offs_k[None, :]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_w + offs_k[:, None]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if USE_PDL:
+        b_first = tl.load(w_ptrs, mask=(offs_k < hidden)[:, None] & e_mask[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:  # h_ptr holds x: h = rms_norm(round(x + residual)) * g, this split's columns made here
         inv = inv_rms(h_ptr, r_ptr, offs_t, t_mask, hidden, eps, stride_h, stride_r, BLOCK_T, BLOCK_K)
         stored = tl.where(tile % num_e == 0, tokens, 0)  # h and the sum: stored by expert tile 0's programs
@@ -210,7 +218,10 @@ def _route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, logits_ptr, counter_ptr, wei
             tl.store(sum_ptr + out, s, mask=out_mask)
         else:
             a = tl.load(h_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs + k0, mask=k_mask[:, None] & e_mask[None, :], other=0.0)
+        if USE_PDL and k0 == 0:
+            b = b_first
+        else:
+            b = tl.load(w_ptrs + k0, mask=k_mask[:, None] & e_mask[None, :], other=0.0)
         if FP32_DOT:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -325,6 +336,7 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
     # of two bf16 / fp16 numbers are exact in fp32, so the math is kept.
     fp32_dot = hidden_states.dtype == torch.float32 or interpret
     grid = triton.cdiv(tokens, BLOCK_T) * triton.cdiv(num_experts, BLOCK_E) * split_k
+    use_pdl = pdl.enabled()
     _route_kernel[(grid,)](
         hidden_states, weight, logits if bias is None else bias, partials, logits, counter, weights, ids,
         *slot_args[:3], tokens, hidden, num_experts, hidden_states.stride(0), weight.stride(0), *slot_args[3:],
@@ -332,8 +344,8 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
         SPLIT_WIDTH=SPLIT_WIDTH, SELECT_T=_select_tokens(num_experts), E_POW2=triton.next_power_of_2(num_experts),
         FUSED=fused, ALIGN=align, ALIGN_BLOCK_M=block_m or 1, FILL=FILL,
         BLOCK_CHUNK=max(1, BLOCK_ELEMENTS // triton.next_power_of_2(num_experts)), FP32_DOT=fp32_dot,
-        LIBDEVICE_EXP=not interpret, HAS_BIAS=bias is not None, **_norm_args(hidden_states, norm),
-        num_warps=NUM_WARPS, num_stages=2)
+        LIBDEVICE_EXP=not interpret, HAS_BIAS=bias is not None, USE_PDL=use_pdl, **_norm_args(hidden_states, norm),
+        num_warps=NUM_WARPS, num_stages=2, launch_pdl=use_pdl)
     if not fused:
         _launch_select(partials, logits, weights, ids, top_k, renormalize, bias)
     return weights, ids, blocks, logits

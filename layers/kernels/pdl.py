@@ -1,0 +1,104 @@
+"""Programmatic dependent launch (PDL) of the Triton kernels of a decode step: the switch, and the
+rules every kernel launched with it keeps.
+
+Between two kernels on one stream the GPU idles: the second's blocks are scheduled only once
+the first has completed and its writes are flushed. A kernel launched with PDL (sm90 and newer;
+Triton's launch option ``launch_pdl=True``, which sets CUDA's programmatic stream serialization
+attribute) may have its blocks scheduled while its predecessor still runs, as soon as every block
+of the predecessor has executed ``griddepcontrol.launch_dependents``
+(``tl.extra.cuda.gdc_launch_dependents()``) or exited; its blocks then stop at
+``griddepcontrol.wait`` (``tl.extra.cuda.gdc_wait()``) until the predecessor has completed and
+its writes are visible. Its launch and its prologue, and whatever it may load before the wait,
+overlap the predecessor's tail.
+
+The kernels that take part are those of a decode step: the decode-sized matmul (the o
+projection; through its launch cache, whose key holds launch_pdl), the input norm inside q/k/v
+(layers/kernels/triton_norm_matmul.py, with ``--norm-into-qkv``), rotary + q/k norm + KV store,
+decode attention's split and combine kernels, the one-launch routing, and the matrix-vector MoE
+experts (bf16: layers/moe/kernels/triton_moe_gemv.py; MXFP4: triton_mxfp4_gemv.py). Each has a
+``USE_PDL: tl.constexpr`` parameter and is launched with ``USE_PDL=on, launch_pdl=on``, the two
+always equal (``on = enabled()``). With USE_PDL it keeps these rules:
+
+1. Every program calls ``gdc_wait()`` before it reads anything an earlier kernel of the step may
+   write (activations, the KV cache, routing, positions and sequence lengths, scratch,
+   counters), and before it writes anything: what it writes may still be read by the
+   predecessor (a new tensor may be memory the caching allocator has just taken back from one).
+   Only data that no kernel writes during a step (weights, biases, norm weights, the rotary
+   inverse frequencies) may be loaded before the wait: the matrix-vector kernels whose weight
+   addresses do not depend on the step's data load their first weight tile there.
+2. ``gdc_launch_dependents()`` right after the wait. Early is safe: the dependent's blocks are
+   scheduled only once every block of this kernel has executed it or exited, so all of them are
+   resident by then and a dependent block waiting at its own ``gdc_wait`` cannot keep one of
+   them from being scheduled.
+3. The wait is on every program's path, before any exit: no PDL kernel completes before its
+   predecessor has, so ordering is transitive (after its wait a kernel sees the writes of every
+   earlier kernel of the stream, not only of the one before it). A kernel launched without PDL
+   (cuBLAS, torch, flashinfer, or these with the switch off) waits for its predecessor's
+   completion as always.
+
+With USE_PDL False a kernel compiles without the two instructions (the Triton interpreter,
+``TRITON_INTERPRET=1``, has none and raises on them; below sm90 they do not exist). The
+arithmetic does not change either way: PDL moves when a kernel starts, not what it computes, so
+every output has the same bits with the switch on or off, and batch-invariant mode
+(``--deterministic``) keeps it on.
+
+The switch is off by default. ``--enable-pdl`` (`RunnerSettings.enable_pdl`, on every TP rank)
+has each rank refuse to start where PDL cannot run (`require_supported`: a ValueError naming the
+reason, which fails the launch on every rank) and its runner turn the switch on around each
+forward and each CUDA-graph capture (`pdl_mode`), as batch-invariant mode is (CUDA's stream
+capture records a PDL launch as a programmatic dependency between the two kernels, which every
+replay keeps).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from arfusion.layers.kernels.triton_support import triton_available
+
+_ENABLED = [False]
+
+
+def enabled() -> bool:
+    """Whether the kernels that take part launch with PDL now (``USE_PDL`` and ``launch_pdl``)."""
+    return _ENABLED[0]
+
+
+@contextlib.contextmanager
+def pdl_mode(on: bool) -> Iterator[None]:
+    """The switch on (or off) inside the block; the previous setting is restored. Checks
+    nothing: whoever turns it on has called `require_supported` for the device once."""
+    previous = _ENABLED[0]
+    _ENABLED[0] = on
+    try:
+        yield
+    finally:
+        _ENABLED[0] = previous
+
+
+def unsupported_reason(device: torch.device) -> Optional[str]:
+    """Why the kernels cannot launch with PDL on ``device``; None when they can (an NVIDIA GPU
+    of compute capability 9.0 or newer, triton installed, its interpreter off)."""
+    if not triton_available():
+        return "triton is not installed (the kernels launched with PDL are Triton kernels)"
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        return "Triton's interpreter (TRITON_INTERPRET=1) runs no griddepcontrol instructions"
+    if device.type != "cuda":
+        return f"the device is {device}, not a CUDA GPU"
+    if torch.version.hip is not None:
+        return "the GPU is an AMD GPU; programmatic dependent launch is NVIDIA's (sm90 and newer)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"{torch.cuda.get_device_name(device)} is sm{major}{minor}; PDL needs sm90 (Hopper) or newer"
+    return None
+
+
+def require_supported(device: torch.device) -> None:
+    """ValueError naming the reason when the kernels cannot launch with PDL on ``device``."""
+    reason = unsupported_reason(device)
+    if reason is not None:
+        raise ValueError(f"--enable-pdl: {reason}")

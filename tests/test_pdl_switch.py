@@ -1,0 +1,126 @@
+"""The programmatic-dependent-launch switch (layers/kernels/pdl.py) and ``--enable-pdl`` on the CPU:
+
+- why PDL cannot run is named for each case (no CUDA device, Triton's interpreter, an AMD GPU, a
+  GPU below sm90: the last two with the CUDA calls stood in), and an sm90 GPU has none;
+  `pdl_mode` restores the setting it found;
+- the flag: off by default, ``--enable-pdl`` parses (server and bench_one_batch), ``--device cpu``
+  with it is refused naming it, and it reaches `RunnerSettings` through the launch config (what
+  every TP worker is started with);
+- TP2 over gloo: with the flag each rank refuses to start with the reason (`LoadRefused`, every
+  rank), and with the support check stood in (as on an sm90 GPU) each rank's forward runs with
+  the switch on, and leaves it off after;
+- ``launch_server --enable-pdl`` at TP2 where PDL cannot run (under TRITON_INTERPRET=1, on any
+  machine) exits 2 with one line naming the flag and the reason.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arfusion.engine.launch_config import launch_config, runner_settings
+from arfusion.layers.kernels import pdl
+from arfusion.server_args import ServerArgs, ServerArgsError
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cuda_device(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], hip: str | None = None) -> torch.device:
+    """A CUDA device of ``capability`` as far as `pdl.unsupported_reason` can tell."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    monkeypatch.setattr(torch.version, "hip", hip)
+    return torch.device("cuda", 0)
+
+
+def test_the_reason_pdl_cannot_run_is_named(monkeypatch: pytest.MonkeyPatch):
+    import triton
+
+    assert "not a CUDA GPU" in pdl.unsupported_reason(torch.device("cpu"))
+    assert "sm80" in pdl.unsupported_reason(_cuda_device(monkeypatch, (8, 0)))
+    assert "AMD" in pdl.unsupported_reason(_cuda_device(monkeypatch, (9, 4), hip="6.2"))
+    hopper = _cuda_device(monkeypatch, (9, 0))
+    assert pdl.unsupported_reason(hopper) is None and pdl.unsupported_reason(_cuda_device(monkeypatch, (10, 0))) is None
+    pdl.require_supported(hopper)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    assert "TRITON_INTERPRET=1" in pdl.unsupported_reason(hopper)
+    with pytest.raises(ValueError, match=r"^--enable-pdl: Triton's interpreter"):
+        pdl.require_supported(hopper)
+
+
+def test_pdl_mode_restores_the_setting_it_found():
+    assert not pdl.enabled()
+    with pdl.pdl_mode(True):
+        assert pdl.enabled()
+        with pdl.pdl_mode(False):
+            assert not pdl.enabled()
+        assert pdl.enabled()
+    assert not pdl.enabled()
+    with pytest.raises(RuntimeError), pdl.pdl_mode(True):
+        raise RuntimeError
+    assert not pdl.enabled()
+
+
+def test_the_flag_is_off_by_default_and_reaches_the_runner_settings():
+    assert ServerArgs().enable_pdl is False and runner_settings(ServerArgs()).enable_pdl is False
+    args = ServerArgs.from_cli(["--enable-pdl", "--tp-size", "2"])
+    assert args.enable_pdl and runner_settings(args).enable_pdl
+    assert launch_config(args).runner.enable_pdl  # what each TP worker is started with
+    with pytest.raises(ServerArgsError, match="enable_pdl needs an NVIDIA GPU"):
+        ServerArgs.from_cli(["--enable-pdl", "--device", "cpu"])
+
+
+def test_bench_one_batch_takes_the_flag():
+    from arfusion.engine import bench_one_batch
+
+    server, _ = bench_one_batch.parse_args(["--enable-pdl"])
+    assert server.enable_pdl and runner_settings(server).enable_pdl
+    assert bench_one_batch.parse_args([])[0].enable_pdl is False
+
+
+def _build_with_pdl(rank: int, world: int, supported: bool) -> tuple[str, list[bool], bool]:
+    """(how this rank's build ended, the switch in each forward, the switch after them) for the
+    tiny model on the CPU with ``--enable-pdl`` (the support check stood in when ``supported``)."""
+    from arfusion.engine.runtime.load_agreement import LoadRefused
+    from arfusion.engine.runtime.rank_parts import build_runner
+    from arfusion.engine.scheduling.static_batch import StaticBatch
+    from arfusion.layers.parallel_state import get_tp_group
+
+    if supported:
+        pdl.unsupported_reason = lambda device: None
+    args = ServerArgs.from_cli(["--enable-pdl", "--tp-size", str(world), "--max-running-requests", "2",
+                                "--context-length", "64"])
+    try:
+        runner = build_runner(launch_config(args).runner, get_tp_group())
+    except LoadRefused as exc:
+        return f"refused: {exc}", [], pdl.enabled()
+    seen = []
+    forward = runner._forward
+    runner._forward = lambda plan: (seen.append(pdl.enabled()), forward(plan))[1]
+    batch = StaticBatch(runner, [[1, 2, 3]], 2)
+    batch.prefill()
+    batch.decode([4])
+    runner.destroy()
+    return "built", seen, pdl.enabled()
+
+
+def test_every_tp_rank_refuses_to_start_where_pdl_cannot_run():
+    results = run_distributed(_build_with_pdl, world_size=2, args=(False,), timeout_s=120)
+    reason = "--enable-pdl: the device is cpu, not a CUDA GPU"
+    assert [outcome for outcome, _, _ in results] == [f"refused: {reason}", f"refused: TP rank 0: {reason}"]
+
+
+def test_every_tp_rank_runs_its_forwards_with_the_switch_on():
+    results = run_distributed(_build_with_pdl, world_size=2, args=(True,), timeout_s=180)
+    assert results == [("built", [True, True], False)] * 2
+
+
+def test_the_server_exits_2_naming_the_flag_and_the_reason(monkeypatch: pytest.MonkeyPatch):
+    from tests.test_model_file_errors import launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # PDL cannot run there, GPU or not
+    result = launch("tiny", "--tp-size", "2", "--enable-pdl")
+    lines = [line for line in result.stderr.splitlines() if "--enable-pdl" in line]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: --enable-pdl: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
