@@ -4,7 +4,7 @@ without a GPU.
 Compiled for sm90 (tests/offline_triton.py: the launches each public function makes are recorded,
 with the switch off and on, then compiled with the specialisation a GPU launch would get; skipped
 where triton's NVIDIA backend cannot compile), at Qwen3-30B-A3B's decode shapes (gpt-oss-20b's
-for the MXFP4 experts), one token:
+for the MXFP4 experts), one token, the routing with and without the post-attention norm inside:
 - every launch passes ``USE_PDL`` and the launch option ``launch_pdl`` equal to the switch;
 - with the switch on the PTX holds ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
   (in that order), with it off neither: the switch is not a path that does nothing;
@@ -38,10 +38,10 @@ pytest.importorskip("triton")
 from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
-LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_rotary_kernel"}
+LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel"}
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel", "_route_kernel",
-            "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
+            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
 BF16 = torch.bfloat16
 
 
@@ -67,6 +67,7 @@ def _decode_step_calls() -> None:
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
     from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
     from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
+    from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
     from arfusion.layers.moe.kernels.triton_router import route_triton
 
     g = torch.Generator().manual_seed(0)
@@ -83,6 +84,10 @@ def _decode_step_calls() -> None:
     ids = torch.randperm(128, generator=g)[:8].to(torch.int32)[None]
     route_triton(torch.randn(1, 2048, generator=g).to(BF16), torch.empty(128, 2048, dtype=BF16), 8, True,
                  torch.zeros(1, dtype=torch.int32))
+    o_out, residual = torch.randn(2, 1, 2048, generator=g).to(BF16)
+    route_triton(o_out, torch.empty(128, 2048, dtype=BF16), 8, True, torch.zeros(1, dtype=torch.int32),
+                 norm=RouteNorm(residual, torch.ones(2048, dtype=BF16), 1e-6, torch.empty_like(o_out),
+                                torch.empty_like(o_out)))
     moe_gemv(torch.randn(1, 2048, generator=g).to(BF16), torch.empty(128, 2 * 768, 2048, dtype=BF16),
              torch.empty(128, 2048, 768, dtype=BF16), torch.rand(1, 8, generator=g), ids)
     hidden = local = 2880
@@ -98,9 +103,12 @@ def _decode_step_calls() -> None:
 
 
 def _label(fn: Any, kwargs: dict) -> str:
-    """The kernel's name; the MXFP4 experts' kernel's with its launch (gate/up or down)."""
+    """The kernel's name; the MXFP4 experts' kernel's with its launch (gate/up or down); the
+    routing's with the post-attention norm inside (``norm``)."""
     if fn.__name__ == "_gemv_kernel":
         return f"{fn.__name__} {'gate/up' if kwargs['GATE_UP'] else 'down'}"
+    if fn.__name__ == "_route_kernel" and kwargs["NORM"]:
+        return f"{fn.__name__} norm"
     return fn.__name__
 
 
@@ -180,7 +188,7 @@ def test_sm90_ptx_waits_only_with_the_switch_on(compiled, name):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["_skinny_kernel", "_split_kernel", "_route_kernel"])
+@pytest.mark.parametrize("name", ["_skinny_kernel", "_split_kernel", "_route_kernel", "_route_kernel norm"])
 def test_sm90_dots_take_the_same_instruction_either_way(compiled, name):
     from tests.offline_triton import mma_versions, ptx_mma_k
 
@@ -232,11 +240,13 @@ def _moe_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
     from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
     from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig, moe_gemv
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig, gpt_oss_experts_triton
+    from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
     from arfusion.layers.moe.kernels.triton_router import route_triton
     from tests.test_gpt_oss_moe_triton import fill_experts
 
     tokens, hidden, inter, experts = 3, 320, 96, 8
     h, gate, bias = torch.randn(tokens, hidden, generator=g), torch.randn(experts, hidden, generator=g), torch.randn(8)
+    residual, norm_weight = torch.randn(tokens, hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
     ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
     weights = torch.rand(tokens, 2, generator=g)
     w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=g), torch.randn(experts, hidden, inter, generator=g)
@@ -247,11 +257,13 @@ def _moe_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
                                gemv=True)
     x96 = torch.randn(tokens, 96, generator=g)
 
-    def routing() -> tuple:
-        w, i, blocks = route_triton(h, gate, 2, True, torch.zeros(1, dtype=torch.int32), 16, bias)
-        return w, i, blocks.sorted_slots, blocks.block_expert, blocks.num_rows
+    def routing(norm: bool = False) -> tuple:
+        normed = RouteNorm(residual, norm_weight, 1e-6, torch.empty_like(h), torch.empty_like(h)) if norm else None
+        w, i, blocks = route_triton(h, gate, 2, True, torch.zeros(1, dtype=torch.int32), 16, bias, normed)
+        return (w, i, blocks.sorted_slots, blocks.block_expert, blocks.num_rows) + (normed[3:] if norm else ())
 
     return {"routing (bias, grouped by expert)": routing,
+            "routing with the norm inside (bias, grouped by expert)": lambda: routing(norm=True),
             "experts, matrix-vector": lambda: moe_gemv(h, w13, w2, weights, ids, gemv),
             "MXFP4 experts, matrix-vector": lambda: gpt_oss_experts_triton(x96, mxfp4, weights, ids, mx_config)}
 
@@ -280,7 +292,8 @@ def _flat(value: Any) -> list[torch.Tensor]:
 
 
 CASE_NAMES = ["skinny m3 n40 k80", "skinny m5 n64 k128", "skinny m1 n16 k32", "rotary + q/k norm + KV store",
-              "decode attention, 3 splits", "routing (bias, grouped by expert)", "experts, matrix-vector",
+              "decode attention, 3 splits", "routing (bias, grouped by expert)",
+              "routing with the norm inside (bias, grouped by expert)", "experts, matrix-vector",
               "MXFP4 experts, matrix-vector"]
 
 
