@@ -11,7 +11,8 @@ mode, the two runs' tokens and logits must be equal bit for bit; then the last d
 run REPEATS more times (the same token at the same position and KV slot: the same inputs), and
 every repeat's logits must equal that step's bits: a kernel that read its predecessor's output
 before it was complete, or wrote over what the predecessor still read, would change some. Also
-with ``--norm-into-qkv`` (the input norm inside the q/k/v launch, which takes part too).
+with ``--norm-into-qkv`` (the input norm inside the q/k/v launch, which takes part too), and with
+it and ``--norm-into-route`` (the post-attention norm inside the routing launch, too).
 
 MXFP4 experts (gpt-oss's matrix-vector launches, layers/moe/kernels/triton_mxfp4_gemv.py): 4
 experts of hidden and intermediate 1024, one token, top 4, captured with PDL on in a CUDA graph
@@ -36,9 +37,10 @@ def _require_sm90() -> None:
         pytest.skip(f"programmatic dependent launch needs sm90 or newer, found sm{major}{minor}")
 
 
-def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: bool) -> dict:
+def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: str) -> dict:
     """Logits ``[1 + STEPS, 1, vocab]`` and tokens of one greedy generation, then the last step's
-    logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel."""
+    logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel. ``fold``:
+    the norms folded into the launch after them ("", "qkv", "qkv+route")."""
     from arfusion.engine.runtime.model_runner import RunnerSettings
     from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
@@ -47,7 +49,7 @@ def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: bool) -> dict:
 
     settings = RunnerSettings(model_path="tiny-moe", dtype="bfloat16", context_length=CONTEXT, max_running_requests=2,
                               cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl, kv_slots=1024,
-                              norm_into_qkv=fold)
+                              norm_into_qkv="qkv" in fold, norm_into_route="route" in fold)
     runner = build_runner(settings, get_tp_group())
     assert (runner.graphs is not None) == graphs
     batch = StaticBatch(runner, random_prompts(1, PROMPT_LEN, runner.config.vocab_size, seed=3), STEPS + 1)
@@ -72,7 +74,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["separate-norm", "norm-into-qkv"])
+@pytest.mark.parametrize("fold", ["", "qkv", "qkv+route"], ids=["separate-norm", "norm-into-qkv",
+                                                                  "norm-into-qkv-and-route"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
 def test_decode_with_pdl_has_the_bits_of_decode_without(graphs, fold):
     _require_sm90()
