@@ -5,9 +5,10 @@
 On the CPU the launch never takes a batch, so the flag alone changes nothing: the bits of the
 flag off. Two test-only ways force the pending path through the production code:
 `TopKRouter.norm_deferral_refusal` patched to accept every batch makes every layer hand its MoE
-block a `PendingNorm`, which on the CPU the router materializes (`TopKRouter.route_normed`: the launch
-refuses a CPU batch, the fallback a GPU takes for a batch the launch refuses): the same bits as
-the flag off, greedy tokens and logits, alone and with ``--norm-into-qkv`` forced the same way;
+block a `PendingNorm`, which on the CPU the router materializes (`TopKRouter.route_normed`: the
+launch refuses a CPU batch, the fallback a GPU takes for a batch the launch refuses): the same
+bits as the flag off, greedy tokens and logits, alone and with ``--norm-into-qkv`` forced the
+same way;
 under Triton's interpreter, with the launch's device and dtype test patched away too, the model
 (fp32) runs the routing launch with the norm inside in every layer: the same greedy tokens,
 logits within 1e-4 relative (an element of the normed h may differ by an fp32 ulp: the launch's
