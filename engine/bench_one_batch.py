@@ -217,6 +217,7 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     schedule = "no overlap" if server.disable_overlap_schedule else "overlap"
     schedule += " norm-into-qkv" if server.norm_into_qkv else ""
     schedule += " norm-into-route" if server.norm_into_route else ""
+    schedule += " pdl" if server.enable_pdl else ""
     lines = [f"model={server.model_path} tp={server.tp_size} input_len={args.input_len} output_len={args.output_len} "
              f"{schedule} (ms; floor = bytes a decode step reads / 4.8 TB/s; gain = 1 - setting / off; "
              "det/default = batch-invariant mode / default mode)",
