@@ -20,42 +20,10 @@ import pytest
 import torch
 
 from tests.dist_utils import make_fusion, run_distributed, run_under_triton_interpreter
+from tests.fold_checks import count_calls, greedy_run
 
 PROMPTS, PROMPT_LEN, STEPS = 3, 7, 6
 HIDDEN, EPS = 64, 1e-6
-
-
-def _greedy(norm_into_qkv: bool) -> dict:
-    """The tiny model at TP1: greedy tokens and every step's logits, host-fed."""
-    from arfusion.engine.runtime.model_runner import RunnerSettings
-    from arfusion.engine.runtime.rank_parts import build_runner
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
-    from arfusion.layers.parallel_state import get_tp_group
-
-    settings = RunnerSettings(model_path="tiny", context_length=64, max_running_requests=PROMPTS, kv_slots=512,
-                              norm_into_qkv=norm_into_qkv)
-    runner = build_runner(settings, get_tp_group())
-    batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3), STEPS + 1)
-    logits = [batch.prefill(gather_logits=True).full]
-    tokens = [torch.argmax(logits[-1], -1).tolist()]
-    for _ in range(STEPS):
-        logits.append(batch.decode(tokens[-1], gather_logits=True).full)
-        tokens.append(torch.argmax(logits[-1], -1).tolist())
-    out = {"tokens": tokens, "logits": torch.stack(logits), "reductions": sum(runner.fusion.counts.values())}
-    runner.destroy()
-    return out
-
-
-def _count(cls, name: str, calls: dict) -> None:
-    """Count the calls of ``cls.name`` in ``calls[name]`` (it still runs)."""
-    original = getattr(cls, name)
-    calls[name] = 0
-
-    def counted(self, *args):
-        calls[name] += 1
-        return original(self, *args)
-
-    setattr(cls, name, counted)
 
 
 def _run(rank: int, world: int, norm_into_qkv: bool, force: str) -> dict:
@@ -67,11 +35,11 @@ def _run(rank: int, world: int, norm_into_qkv: bool, force: str) -> dict:
     calls: dict = {}
     if force:
         pending_norm.deferral_refusal = lambda x, residual, weight: None
-        _count(pending_norm.PendingNorm, "materialize", calls)
-        _count(pending_norm.PendingNorm, "linear", calls)
+        count_calls(pending_norm.PendingNorm, "materialize", calls)
+        count_calls(pending_norm.PendingNorm, "linear", calls)
     if force == "launch":
         triton_norm_matmul.refusal = triton_norm_matmul._problem  # CPU fp32 tensors accepted
-    out = _greedy(norm_into_qkv)
+    out = greedy_run("tiny", PROMPTS, PROMPT_LEN, STEPS, norm_into_qkv=norm_into_qkv)
     out["calls"] = calls
     return out
 

@@ -21,44 +21,11 @@ import pytest
 import torch
 
 from tests.dist_utils import make_fusion, run_distributed, run_under_triton_interpreter
+from tests.fold_checks import count_calls, greedy_run
 
 PROMPTS, PROMPT_LEN, STEPS = 3, 7, 6
 LAYERS = 4  # tiny-moe's; every layer's post-attention norm has a residual
 HIDDEN, EPS = 64, 1e-6
-
-
-def _greedy(norm_into_route: bool, norm_into_qkv: bool) -> dict:
-    """tiny-moe at TP1: greedy tokens and every step's logits, host-fed."""
-    from arfusion.engine.runtime.model_runner import RunnerSettings
-    from arfusion.engine.runtime.rank_parts import build_runner
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
-    from arfusion.layers.parallel_state import get_tp_group
-
-    settings = RunnerSettings(model_path="tiny-moe", context_length=64, max_running_requests=PROMPTS, kv_slots=512,
-                              norm_into_qkv=norm_into_qkv, norm_into_route=norm_into_route)
-    runner = build_runner(settings, get_tp_group())
-    batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=3), STEPS + 1)
-    logits = [batch.prefill(gather_logits=True).full]
-    tokens = [torch.argmax(logits[-1], -1).tolist()]
-    for _ in range(STEPS):
-        logits.append(batch.decode(tokens[-1], gather_logits=True).full)
-        tokens.append(torch.argmax(logits[-1], -1).tolist())
-    out = {"tokens": tokens, "logits": torch.stack(logits), "reductions": sum(runner.fusion.counts.values()),
-           "config": (runner.config.norm_into_qkv, runner.config.norm_into_route)}
-    runner.destroy()
-    return out
-
-
-def _count(cls, name: str, calls: dict) -> None:
-    """Count the calls of ``cls.name`` in ``calls[name]`` (it still runs)."""
-    original = getattr(cls, name)
-    calls[name] = 0
-
-    def counted(self, *args):
-        calls[name] += 1
-        return original(self, *args)
-
-    setattr(cls, name, counted)
 
 
 def _run(rank: int, world: int, norm_into_route: bool, norm_into_qkv: bool, force: str) -> dict:
@@ -74,11 +41,12 @@ def _run(rank: int, world: int, norm_into_route: bool, norm_into_qkv: bool, forc
         TopKRouter.norm_deferral_refusal = lambda self, x, residual, weight: None
         pending_norm.deferral_refusal = lambda x, residual, weight: None
         for name in ("materialize", "run_in", "linear"):
-            _count(pending_norm.PendingNorm, name, calls)
+            count_calls(pending_norm.PendingNorm, name, calls)
     if force == "launch":  # CPU fp32 tensors accepted
         triton_router.norm_refusal = lambda x, residual, weight, top_k: triton_route_norm.batch_problem(x, residual,
                                                                                                           weight)
-    out = _greedy(norm_into_route, norm_into_qkv)
+    out = greedy_run("tiny-moe", PROMPTS, PROMPT_LEN, STEPS, norm_into_qkv=norm_into_qkv,
+                     norm_into_route=norm_into_route)
     out["calls"] = calls
     return out
 
@@ -90,7 +58,8 @@ def off():
 
 def test_on_the_cpu_the_flag_alone_keeps_the_bits(off):
     on = run_distributed(_run, world_size=1, args=(True, False, ""), timeout_s=300)[0]
-    assert on["config"] == (False, True) and off["config"] == (False, False), "the flag reaches the model's config"
+    flags = [(r["config"].norm_into_qkv, r["config"].norm_into_route) for r in (off, on)]
+    assert flags == [(False, False), (False, True)], "the flag reaches the model's config"
     assert on["tokens"] == off["tokens"] and torch.equal(on["logits"], off["logits"])
     assert len({t for step in off["tokens"] for t in step}) > 2, "the tokens vary (not a constant stream)"
 
