@@ -30,38 +30,32 @@ head_dim, and greedy sampling is an exact argmax.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
 
 from arfusion.fusion.reference import fixed_tree_sum
+from arfusion.layers.kernels.process_switch import ProcessSwitch
 from arfusion.layers.kernels.triton_support import triton_available
 
 ROW_TILE = 16  # CPU: rows are computed in a call whose row count is a multiple of this
-_ENABLED = [False]
+_MODE = ProcessSwitch()
 
 
 def enabled() -> bool:
     """Whether batch-invariant mode is on in this process."""
-    return _ENABLED[0]
+    return _MODE.on
 
 
 def set_enabled(on: bool) -> None:
     """Batch-invariant mode on or off for this process from now on."""
-    _ENABLED[0] = on
+    _MODE.on = on
 
 
-@contextlib.contextmanager
-def batch_invariant_mode(on: bool) -> Iterator[None]:
-    """Batch-invariant mode on (or off) inside the block; the previous setting is restored."""
-    previous = _ENABLED[0]
-    _ENABLED[0] = on
-    try:
-        yield
-    finally:
-        _ENABLED[0] = previous
+def batch_invariant_mode(on: bool) -> ContextManager[None]:
+    """Batch-invariant mode on (or off) inside a ``with`` block; the previous setting is restored."""
+    return _MODE.scoped(on)
 
 
 def uses_triton_matmul(x: torch.Tensor) -> bool:

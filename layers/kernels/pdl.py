@@ -53,31 +53,25 @@ replay keeps).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import torch
 
+from arfusion.layers.kernels.process_switch import ProcessSwitch
 from arfusion.layers.kernels.triton_support import triton_available
 
-_ENABLED = [False]
+_MODE = ProcessSwitch()
 
 
 def enabled() -> bool:
     """Whether the kernels that take part launch with PDL now (``USE_PDL`` and ``launch_pdl``)."""
-    return _ENABLED[0]
+    return _MODE.on
 
 
-@contextlib.contextmanager
-def pdl_mode(on: bool) -> Iterator[None]:
-    """The switch on (or off) inside the block; the previous setting is restored. Checks
+def pdl_mode(on: bool) -> ContextManager[None]:
+    """The switch on (or off) inside a ``with`` block; the previous setting is restored. Checks
     nothing: whoever turns it on has called `require_supported` for the device once."""
-    previous = _ENABLED[0]
-    _ENABLED[0] = on
-    try:
-        yield
-    finally:
-        _ENABLED[0] = previous
+    return _MODE.scoped(on)
 
 
 def unsupported_reason(device: torch.device) -> Optional[str]:
