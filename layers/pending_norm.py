@@ -91,12 +91,12 @@ class PendingNorm:
         if x is None:
             raise ValueError("this pending norm already ran: it is consumed once")
         if triton_available():
-            from arfusion.layers.kernels.triton_norm_matmul import norm_linear, refusal
+            from arfusion.layers.kernels.triton_norm_matmul import launch_checked, refusal
 
             reason = refusal(x, self.residual, self.weight, weight, bias)
-            if reason is None:
+            if reason is None:  # checked: the launch alone (residual_out is this norm's own new tensor)
                 self._take()
-                return norm_linear(x, self.residual, self.weight, self.eps, weight, bias, self.residual_out)[0]
+                return launch_checked(x, self.residual, self.weight, self.eps, weight, bias, self.residual_out)
             _log_once(reason)
         return batch_invariant.linear(self.materialize(), weight, bias)
 

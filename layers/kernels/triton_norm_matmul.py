@@ -193,17 +193,26 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
             problem = "residual_out must be a tensor of its own, not x or residual (the programs read them)"
     if problem is not None:
         raise ValueError(problem)
+    summed = residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    return launch_checked(x, residual, norm_weight, eps, weight, bias, summed, config), summed
+
+
+def launch_checked(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   weight: torch.Tensor, bias: Optional[torch.Tensor], residual_out: torch.Tensor,
+                   config: Optional[SkinnyConfig] = None) -> torch.Tensor:
+    """`norm_linear`'s ``y`` for inputs already checked (`refusal` None for them; ``residual_out``
+    a new ``[T, K]`` tensor of x's dtype with a contiguous last dimension): the launch alone, for
+    a caller that checked the batch when it chose this launch (`layers.pending_norm.PendingNorm`)."""
     t, k = x.shape
     n = weight.shape[0]
     cfg = config or default_config(n)
     block_m = max(16, triton.next_power_of_2(t))
     block_k = k_step(cfg, k, block_m, x.element_size())
     out = x.new_empty(t, n)
-    summed = residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     use_pdl = pdl.enabled()
     NORM_MATMUL_LAUNCHER((triton.cdiv(n, cfg.block_n),), x, residual, norm_weight, weight,
-                         bias if bias is not None else weight, out, summed, t, n, k, float(eps), x.stride(0),
-                         residual.stride(0), weight.stride(0), out.stride(0), summed.stride(0), bias is not None,
+                         bias if bias is not None else weight, out, residual_out, t, n, k, float(eps), x.stride(0),
+                         residual.stride(0), weight.stride(0), out.stride(0), residual_out.stride(0), bias is not None,
                          "ieee" if x.dtype == torch.float32 else "tf32", block_m, cfg.block_n, block_k, use_pdl,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
-    return out, summed
+    return out
