@@ -172,7 +172,7 @@ class Attention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """One query per sequence. On GPU (fp16/bf16, power-of-two head dim): the Triton split-K
         kernel, which reads only each sequence's own keys; elsewhere `_decode_torch`."""
-        if self._uses_triton(q):
+        if self.uses_triton(q):
             from arfusion.layers.kernels.triton_decode_attention import decode_attention
 
             keys_per_split = DETERMINISTIC_KEYS_PER_SPLIT if batch_invariant.enabled() else None
@@ -203,7 +203,7 @@ class Attention(nn.Module):
                 enable_gqa=True).squeeze(2)  # [b, heads, 1, head_dim] -> [b, heads, head_dim]
         return out
 
-    def _uses_triton(self, q: torch.Tensor) -> bool:
+    def uses_triton(self, q: torch.Tensor) -> bool:
         """GPU, fp16/bf16, power-of-two head dim >= 16, triton importable: the Triton kernels run."""
         pow2_head = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
         return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and pow2_head and triton_available()
@@ -211,9 +211,9 @@ class Attention(nn.Module):
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
         """Every sequence's new queries against all its keys, causal with the cached prefix
-        visible. Where `_uses_triton`: one Triton flash-attention launch for the whole batch
+        visible. Where `uses_triton`: one Triton flash-attention launch for the whole batch
         (layers/kernels/triton_extend_attention.py); elsewhere `_extend_torch`."""
-        if self._uses_triton(q):
+        if self.uses_triton(q):
             from arfusion.layers.kernels.triton_extend_attention import extend_attention
 
             return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.seq_lens, batch.extend_lens,

@@ -27,7 +27,7 @@ def serve_by_triton_kernels(rank: int, world_size: int) -> dict:
     Triton path on CPU tensors too (this process runs under the interpreter)."""
     from arfusion.layers.attention import Attention
 
-    Attention._uses_triton = lambda self, q: True  # the tiny model's fp32 and head dim 32 suit the kernels
+    Attention.uses_triton = lambda self, q: True  # the tiny model's fp32 and head dim 32 suit the kernels
     return serve_scenarios(rank, world_size, names=SCENARIOS)
 
 

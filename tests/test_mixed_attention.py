@@ -73,7 +73,7 @@ def _compare(seed: int) -> dict:
 
 def _compare_with_triton_kernels(rank: int, world_size: int) -> dict:
     """`_compare` with `Attention` taking its Triton path on CPU tensors (under the interpreter)."""
-    Attention._uses_triton = lambda self, q: True  # fp32, head dim 32: the kernels take it
+    Attention.uses_triton = lambda self, q: True  # fp32, head dim 32: the kernels take it
     return _compare(seed=1)
 
 

@@ -10,9 +10,11 @@ for the MXFP4 experts), one token, the routing with and without the post-attenti
   (in that order), with it off neither: the switch is not a path that does nothing;
 - before the wait no global store or atomic, and global loads only in the kernels that load data
   no kernel of a step writes there (the skinny matmul's and the routing's first weight tile,
-  rotary's inverse frequencies): the others (decode attention's two kernels, the MoE experts'
-  matrix-vector kernels, whose weights depend on the routing) load nothing before it;
-- every dot takes the same tensor-core instruction (family and k) either way.
+  rotary's inverse frequencies, in the rotary launch and in the decode attention that rotates):
+  the others (decode attention's two kernels, the MoE experts' matrix-vector kernels, whose
+  weights depend on the routing) load nothing before it;
+- every dot takes the same tensor-core instruction (family and k) either way, and the decode
+  attention that rotates takes the split kernel's.
 
 Under Triton's interpreter (one spawned child), which runs programs one at a time and has no
 griddepcontrol instructions (it raises on them), the two calls are stood in by functions that do
@@ -38,9 +40,10 @@ pytest.importorskip("triton")
 from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
-LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel"}
+LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel"}
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
-LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel", "_route_kernel",
+LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
+            "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
             "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
 BF16 = torch.bfloat16
 
@@ -63,6 +66,7 @@ def _decode_step_calls() -> None:
     from arfusion.layers.kernels.triton_decode_attention import decode_attention
     from arfusion.layers.kernels.triton_norm_matmul import norm_linear
     from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
+    from arfusion.layers.kernels.triton_rotary_decode_attention import decode_attention_rotary
     from arfusion.layers.kernels.triton_skinny_matmul import skinny_linear
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
     from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
@@ -81,6 +85,9 @@ def _decode_step_calls() -> None:
                               head_norm=HeadNorm(torch.ones(128, dtype=BF16), torch.ones(128, dtype=BF16), 1e-6))
     decode_attention(torch.randn(1, 32, 128, generator=g).to(BF16), cache, cache, torch.zeros(1, 4096, dtype=torch.int64),
                      torch.tensor([2000]), 128 ** -0.5)
+    decode_attention_rotary(torch.tensor([100]), q, k, v, torch.rand(64), torch.tensor([7]), cache, cache.clone(),
+                            torch.zeros(1, 4096, dtype=torch.int64), torch.tensor([101]), 128 ** -0.5,
+                            head_norm=HeadNorm(torch.ones(128, dtype=BF16), torch.ones(128, dtype=BF16), 1e-6))
     ids = torch.randperm(128, generator=g)[:8].to(torch.int32)[None]
     route_triton(torch.randn(1, 2048, generator=g).to(BF16), torch.empty(128, 2048, dtype=BF16), 8, True,
                  torch.zeros(1, dtype=torch.int32))
@@ -120,11 +127,13 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
         pytest.skip("triton's NVIDIA backend is not installed")
-    from arfusion.layers.kernels import triton_decode_attention, triton_norm_matmul, triton_rotary, triton_skinny_matmul
+    from arfusion.layers.kernels import (triton_decode_attention, triton_norm_matmul, triton_rotary,
+                                         triton_rotary_decode_attention, triton_skinny_matmul)
     from arfusion.layers.moe.kernels import triton_moe_gemv, triton_mxfp4_gemv, triton_router
 
     owners = {"_rotary_kernel": triton_rotary, "_split_kernel": triton_decode_attention,
-              "_combine_kernel": triton_decode_attention, "_route_kernel": triton_router,
+              "_combine_kernel": triton_decode_attention, "_rotary_split_kernel": triton_rotary_decode_attention,
+              "_route_kernel": triton_router,
               "_gate_up_silu_gemv_kernel": triton_moe_gemv, "_down_combine_gemv_kernel": triton_moe_gemv,
               "_gemv_kernel": triton_mxfp4_gemv}
     out = {}
@@ -188,13 +197,22 @@ def test_sm90_ptx_waits_only_with_the_switch_on(compiled, name):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["_skinny_kernel", "_split_kernel", "_route_kernel", "_route_kernel norm"])
+@pytest.mark.parametrize("name", ["_skinny_kernel", "_split_kernel", "_rotary_split_kernel", "_route_kernel",
+                                  "_route_kernel norm"])
 def test_sm90_dots_take_the_same_instruction_either_way(compiled, name):
     from tests.offline_triton import mma_versions, ptx_mma_k
 
     off, on = compiled[name, False], compiled[name, True]
     assert mma_versions(off["ttgir"]) and mma_versions(on["ttgir"]) == mma_versions(off["ttgir"])
     assert ptx_mma_k(on["ptx"]) == ptx_mma_k(off["ptx"]) != set()
+
+
+def test_sm90_the_rotating_attention_dots_as_the_split_kernel(compiled):
+    from tests.offline_triton import mma_versions, ptx_mma_k
+
+    fused, split = compiled["_rotary_split_kernel", False], compiled["_split_kernel", False]
+    assert mma_versions(fused["ttgir"]) == mma_versions(split["ttgir"])
+    assert ptx_mma_k(fused["ptx"]) == ptx_mma_k(split["ptx"])
 
 
 # --- under the interpreter: the same bits with the switch on ----------------------------------
@@ -215,6 +233,7 @@ def _attention_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
     from arfusion.layers.head_norm import HeadNorm
     from arfusion.layers.kernels.triton_decode_attention import decode_attention
     from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
+    from arfusion.layers.kernels.triton_rotary_decode_attention import decode_attention_rotary
 
     tokens, heads, kv_heads, d = 3, 4, 2, 32
     q, k, v = (torch.randn(tokens, h * d, generator=g) for h in (heads, kv_heads, kv_heads))
@@ -230,8 +249,17 @@ def _attention_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
     cache_g = torch.Generator().manual_seed(2)
     k_cache, v_cache = torch.randn(256, kv_heads, d, generator=cache_g), torch.randn(256, kv_heads, d, generator=cache_g)
     table = torch.randperm(256, generator=cache_g)[:2 * 96].reshape(2, 96)
+    table3 = torch.randperm(512, generator=cache_g)[:3 * 96].reshape(3, 96)
+    slots3 = table3[torch.arange(3), positions]  # each row's new key: its slot at its position
     query = torch.randn(2, heads, d, generator=g)
+    def rotary_attention() -> tuple:
+        caches = torch.randn(2, 512, kv_heads, d, generator=torch.Generator().manual_seed(1))
+        out = decode_attention_rotary(positions, q, k, v, inv_freq, slots3, caches[0], caches[1], table3,
+                                      positions + 1, d ** -0.5, head_norm=norm, num_splits=3)
+        return out, caches
+
     return {"rotary + q/k norm + KV store": rotary,
+            "decode attention with rotary, q/k norm and KV store inside, 3 splits": rotary_attention,
             "decode attention, 3 splits": lambda: decode_attention(query, k_cache, v_cache, table,
                                                                    torch.tensor([70, 33]), d ** -0.5, num_splits=3)}
 
@@ -292,7 +320,8 @@ def _flat(value: Any) -> list[torch.Tensor]:
 
 
 CASE_NAMES = ["skinny m3 n40 k80", "skinny m5 n64 k128", "skinny m1 n16 k32", "rotary + q/k norm + KV store",
-              "decode attention, 3 splits", "routing (bias, grouped by expert)",
+              "decode attention, 3 splits", "decode attention with rotary, q/k norm and KV store inside, 3 splits",
+              "routing (bias, grouped by expert)",
               "routing with the norm inside (bias, grouped by expert)", "experts, matrix-vector",
               "MXFP4 experts, matrix-vector"]
 

@@ -16,8 +16,10 @@ from arfusion.engine.models.forward_batch import ForwardBatch, KVCache
 from arfusion.engine.models.hf_layouts import block_decoder_param_target, llama_weight_shapes, o_proj_has_bias
 from arfusion.layers.activation import SiluAndMul
 from arfusion.layers.attention import Attention
+from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from arfusion.layers.pending_norm import AttentionInput
+from arfusion.layers.rotary_attention import rotate_store_attend
 from arfusion.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -32,6 +34,7 @@ class LlamaAttention(nn.Module):
                                         reduce_results=False, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, device=device)
         self.attn = self.make_attention(config, layer_id, device)
+        self.rotary_into_attention = config.rotary_into_attention
 
     def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
         """This rank's heads attending with softmax scale ``head_dim ** -0.5``."""
@@ -44,8 +47,12 @@ class LlamaAttention(nn.Module):
         rank's partial o_proj output ``[T, hidden]``."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
-        q = self.rotary_emb.forward_store_kv(positions, q, k, v, batch.slot_mapping, k_cache, v_cache)
-        return self.o_proj(self.attn.attend(q, k_cache, v_cache, batch))
+        return self.o_proj(rotate_store_attend(self.attn, self.rotary_emb, positions, q, k, v, k_cache, v_cache, batch,
+                                               self.head_norm(), self.rotary_into_attention))
+
+    def head_norm(self) -> Optional[HeadNorm]:
+        """The per-head q/k norm the rotary step applies first (None: none; Qwen3 has one)."""
+        return None
 
 
 class LlamaMLP(nn.Module):

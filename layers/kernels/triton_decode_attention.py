@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -80,6 +80,78 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, FIXED_CHUNK: tl.constexpr):
+    """``(seq_len, start, end)``: row b's key count and the keys ``[start, end)`` of its split
+    ``split`` (module docstring); the split is empty when ``start >= seq_len``."""
+    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    if FIXED_CHUNK > 0:
+        chunk = FIXED_CHUNK
+    else:
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
+    start = lo + split * chunk
+    return seq_len, start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
+def attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end, qk_scale_log2,
+                stride_ks, stride_kh, stride_vs, stride_vh, new_k, new_v, new_key,
+                GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_NEW_KEY: tl.constexpr):
+    """The online softmax of ``q [GROUP_PAD, HEAD_DIM]`` over keys ``[start, end)`` of one row
+    (slots at slot_row) and kv head kvh: ``(m, l, acc)`` in base 2 (module docstring), the sink
+    counted in split 0 when HAS_SINKS. With HAS_NEW_KEY, key index ``new_key`` takes its key
+    and value from ``new_k, new_v [1, HEAD_DIM]`` (registers) instead of the cache: a program
+    that writes that key's slot itself never reads it back."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS:  # split 0 holds the sink: a key of logit sinks[h] and value 0, weight 2^(m - m) = 1
+        if split == 0:
+            m = tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l = tl.full([GROUP_PAD], 1.0, tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + offs_n
+        valid = offs < end
+        slots = tl.load(slot_row + offs, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if HAS_NEW_KEY:
+            k = tl.where((offs == new_key)[:, None], new_k, k)
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK]
+        x = tl.where(valid[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(x - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if HAS_NEW_KEY:
+            v = tl.where((offs == new_key)[:, None], new_v, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh,
+                HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A split's result: with one split the output rows ``acc / l`` themselves, else the
+    normalised partial and its log-sum-exp ``m + log2(l)`` for the combine."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if NUM_SPLITS == 1:  # the whole row: the output itself (PartOut and PartLse are unused)
+        out = (acc / l[:, None]).to(Out.dtype.element_ty)
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=g_mask[:, None])
+    else:
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
+        tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
+        tl.store(PartLse + row, m + tl.log2(l), mask=g_mask)
+
+
+@triton.jit
 def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
                   context, window,
@@ -93,52 +165,19 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.minimum(tl.load(SeqLens + b).to(tl.int32), context)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    if FIXED_CHUNK > 0:
-        chunk = FIXED_CHUNK
-    else:
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK) * BLOCK, BLOCK)
-    start = lo + split * chunk
+    seq_len, start, end = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, FIXED_CHUNK)
     if start < seq_len:
-        end = tl.minimum(start + chunk, seq_len)
         slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK)
         heads = kvh * GROUP + offs_g
         g_mask = offs_g < GROUP
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        if HAS_SINKS:  # split 0 holds the sink: a key of logit sinks[h] and value 0, weight 2^(m - m) = 1
-            if split == 0:
-                m = tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-                l = tl.full([GROUP_PAD], 1.0, tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK):
-            offs = n0 + offs_n
-            valid = offs < end
-            slots = tl.load(slot_row + offs, mask=valid, other=0).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-            x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK]
-            x = tl.where(valid[None, :], x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(x - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-        if NUM_SPLITS == 1:  # the whole row: the output itself (PartOut and PartLse are unused)
-            out = (acc / l[:, None]).to(Out.dtype.element_ty)
-            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=g_mask[:, None])
-        else:
-            row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
-            tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
-            tl.store(PartLse + row, m + tl.log2(l), mask=g_mask)
+        m, l, acc = attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end, qk_scale_log2,
+                                stride_ks, stride_kh, stride_vs, stride_vh, 0, 0, 0, GROUP_PAD, HEAD_DIM, BLOCK,
+                                DOT_PRECISION, HAS_SINKS, False)
+        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
+                    NUM_HEADS, NUM_SPLITS)
 
 
 @triton.jit
@@ -199,7 +238,7 @@ def choose_launch(batch: int, num_kv_heads: int, context: int, num_sms: int) -> 
     return max(1, min(waves * num_sms // rows, -(-context // block), MAX_SPLITS)), block
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+def check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
            seq_lens: torch.Tensor, row_ids: Optional[torch.Tensor]) -> None:
     """Shape, dtype, device and layout checks (host metadata only: no sync)."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
@@ -262,12 +301,44 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keeps the last W keys only (the splits cut ``[max(n_b - W, 0), n_b)``):
     layers/sink_attention.py's math. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not
     checked: that would sync); values of seq_lens above C are clamped to C."""
-    _check(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
+    check_operands(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
-    context = req_to_token.shape[1]
+    plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split)
+    use_pdl = pdl.enabled()
+    _split_kernel[(batch, kv_heads, plan.splits)](
+        q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, plan.part_out,
+        plan.part_lse, plan.out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), plan.out.stride(0), plan.out.stride(1), req_to_token.shape[1], window,
+        GROUP=heads // kv_heads, GROUP_PAD=group_pad(heads // kv_heads), HEAD_DIM=dim, NUM_HEADS=heads,
+        NUM_SPLITS=plan.splits, BLOCK=plan.block, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
+        FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        launch_pdl=use_pdl,
+    )
+    return combine(plan, seq_lens, req_to_token.shape[1], window, keys_per_split)
+
+
+class SplitPlan(NamedTuple):
+    """A decode call's launch: ``splits`` per row of ``block`` keys, the output ``out [B, H, D]``
+    and, with several splits, the fp32 partials ``part_out [B, H, splits, D]`` and ``part_lse
+    [B, H, splits]`` (both ``out`` itself, unused, with one split)."""
+
+    splits: int
+    block: int
+    out: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+
+def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Optional[int], block: Optional[int],
+                keys_per_split: Optional[int]) -> SplitPlan:
+    """The split count and block (`decode_attention`'s overrides, or `choose_launch`) and the
+    buffers of a call with ``q [B, H, D]``; ValueError for a block or keys_per_split that does
+    not fit."""
+    batch, heads, dim = q.shape
     if keys_per_split is not None:
         splits, block = -(-context // keys_per_split), block or BLOCK_N
     elif num_splits is None:
@@ -281,30 +352,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"keys_per_split must be a positive multiple of the block ({block}), got {keys_per_split}")
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
-        part_out = part_lse = out
-    else:
-        part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    use_pdl = pdl.enabled()
-    _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, part_out, part_lse,
-        out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1), context, window,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, NUM_HEADS=heads,
-        NUM_SPLITS=splits, BLOCK=block, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
-        FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        launch_pdl=use_pdl,
-    )
-    if splits > 1:
+        return SplitPlan(splits, block, out, out, out)
+    return SplitPlan(splits, block, out, torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device),
+                     torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device))
+
+
+def group_pad(group: int) -> int:
+    """Query rows a program holds: the group padded to a power of two >= 16 (tl.dot's M)."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def combine(plan: SplitPlan, seq_lens: torch.Tensor, context: int, window: int,
+            keys_per_split: Optional[int] = None) -> torch.Tensor:
+    """The combine launch over ``plan``'s partials when it has several splits; returns ``plan.out``."""
+    if plan.splits > 1:
+        out = plan.out
+        batch, heads, dim = out.shape
+        use_pdl = pdl.enabled()
         _combine_kernel[(batch, heads)](
-            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
-            HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK=block, HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=4,
+            plan.part_out, plan.part_lse, seq_lens, out, out.stride(0), out.stride(1), context, window,
+            HEAD_DIM=dim, NUM_HEADS=heads, NUM_SPLITS=plan.splits, SPLITS_PAD=triton.next_power_of_2(plan.splits),
+            BLOCK=plan.block, HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=4,
             launch_pdl=use_pdl,
         )
-    return out
+    return plan.out
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -64,6 +64,23 @@ NUM_WARPS = 1  # one warp per [4, 64] tile pair at d=128: 8 contiguous elements 
 
 
 @triton.jit
+def normed_rotation(x1, x2, cos, sin, norm_weight_ptr, cols, eps, in_ty: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HAS_HEAD_NORM: tl.constexpr):
+    """The rotation of heads given as fp32 halves ``x1, x2 [R, HALF_PAD]`` (masked lanes 0) by
+    ``cos, sin [HALF_PAD]``: ``(out1, out2)`` fp32, not yet rounded (module docstring). With
+    HAS_HEAD_NORM every row is first RMS-normalized by the ``[HEAD_DIM]`` weight at
+    norm_weight_ptr (lanes ``cols``) and rounded to ``in_ty``, as the torch path's normed tensor."""
+    half: tl.constexpr = HEAD_DIM // 2
+    if HAS_HEAD_NORM:  # masked lanes hold 0: they add nothing to the sum of squares
+        inv_rms = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) * (1.0 / HEAD_DIM) + eps)[:, None]
+        w1 = tl.load(norm_weight_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_weight_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+        x1 = (x1 * inv_rms * w1).to(in_ty).to(tl.float32)
+        x2 = (x2 * inv_rms * w2).to(in_ty).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def _rotate_heads(src_row, dst_row, first_head, cos, sin, norm_weight_ptr, eps, NUM_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_HEAD_NORM: tl.constexpr):
     """Rotates heads [first_head, first_head + BLOCK_H) (those < NUM_HEADS) of one token row; with
@@ -75,15 +92,8 @@ def _rotate_heads(src_row, dst_row, first_head, cos, sin, norm_weight_ptr, eps, 
     mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < half)
     x1 = tl.load(src_row + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_row + offs + half, mask=mask, other=0.0).to(tl.float32)
-    if HAS_HEAD_NORM:  # masked lanes hold 0: they add nothing to the sum of squares
-        inv_rms = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) * (1.0 / HEAD_DIM) + eps)[:, None]
-        w1 = tl.load(norm_weight_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(norm_weight_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-        in_ty = src_row.dtype.element_ty
-        x1 = (x1 * inv_rms * w1).to(in_ty).to(tl.float32)
-        x2 = (x2 * inv_rms * w2).to(in_ty).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out1, out2 = normed_rotation(x1, x2, cos, sin, norm_weight_ptr, cols, eps, src_row.dtype.element_ty, HEAD_DIM,
+                                 HAS_HEAD_NORM)
     out_ty = dst_row.dtype.element_ty
     tl.store(dst_row + offs, out1.to(out_ty), mask=mask)
     tl.store(dst_row + offs + half, out2.to(out_ty), mask=mask)
@@ -142,7 +152,7 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, 
                         NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
 
 
-def _check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
+def check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
     """Validates a [T, heads * head_dim] operand with a contiguous last dim; returns its head count."""
     if x.dim() != 2 or x.shape[0] != tokens or x.shape[1] % head_dim:
         raise ValueError(f"{name} must be [T={tokens}, heads * {head_dim}], got {tuple(x.shape)}")
@@ -151,26 +161,26 @@ def _check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
     return x.shape[1] // head_dim
 
 
-def _check_index(name: str, x: torch.Tensor, tokens: int) -> None:
+def check_index(name: str, x: torch.Tensor, tokens: int) -> None:
     """Validates a contiguous ``[T]`` int32/int64 operand (the kernel reads it at offset t)."""
     if x.shape != (tokens,) or x.dtype not in (torch.int32, torch.int64) or not x.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D int32 or int64 tensor of T={tokens} entries, "
                          f"got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
 
 
-def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               inv_freq: torch.Tensor) -> tuple[int, int, int, int]:
     """Validates the rotary operands; returns ``(T, head_dim, heads, kv_heads)``."""
     if positions.dim() != 1:
         raise ValueError(f"positions must be a 1-D int32 or int64 tensor, "
                          f"got {tuple(positions.shape)} {positions.dtype}")
-    _check_index("positions", positions, positions.shape[0])
+    check_index("positions", positions, positions.shape[0])
     if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
         raise ValueError(f"inv_freq must be a contiguous 1-D fp32 tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
     if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q and k must share one dtype of fp32/fp16/bf16, got {q.dtype} and {k.dtype}")
     tokens, head_dim = positions.shape[0], 2 * inv_freq.shape[0]
-    return tokens, head_dim, _check_rows("q", q, tokens, head_dim), _check_rows("k", k, tokens, head_dim)
+    return tokens, head_dim, check_rows("q", q, tokens, head_dim), check_rows("k", k, tokens, head_dim)
 
 
 def _output(name: str, out: Optional[torch.Tensor], x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -181,11 +191,11 @@ def _output(name: str, out: Optional[torch.Tensor], x: torch.Tensor, head_dim: i
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"{name} must match its input's shape and dtype {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    _check_rows(name, out, x.shape[0], head_dim)
+    check_rows(name, out, x.shape[0], head_dim)
     return out
 
 
-def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Validates a ``[num_slots, KVH, d]`` cache of ``dtype`` whose slots are contiguous rows."""
     if cache.dim() != 3 or cache.shape[1:] != (kv_heads, head_dim) or cache.dtype != dtype:
         raise ValueError(f"{name} must be [num_slots, {kv_heads}, {head_dim}] {dtype}, "
@@ -195,7 +205,7 @@ def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, d
                          f"got strides {cache.stride()}")
 
 
-def _check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None:
+def check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None:
     """Validates the norm weights (``[head_dim]`` of q's dtype or fp32, contiguous, on q's device)
     and eps (finite, >= 0)."""
     for name, weight in (("head_norm.q_weight", head_norm.q_weight), ("head_norm.k_weight", head_norm.k_weight)):
@@ -234,7 +244,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
     ``q_out``/``k_out``: where to write (same shape and dtype; may be q and k for an in-place
     rotation); new contiguous tensors when None. Launches one kernel; no host sync."""
-    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
+    tokens, head_dim, heads, kv_heads = check_qk(positions, q, k, inv_freq)
     q_out, k_out = _output("q_out", q_out, q, head_dim), _output("k_out", k_out, k, head_dim)
     if tokens:
         _launch(positions, inv_freq, positions, q, k, k, q_out, k_out, k_out, heads, kv_heads, head_dim, store_kv=False)
@@ -259,15 +269,15 @@ def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     twice, such as a padding slot, ends up with one of its tokens' values, as with index_copy_).
     Returns the rotated q: ``q_out`` (may be q itself for an in-place rotation), or a new
     contiguous tensor when None. Launches one kernel; no host sync."""
-    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
+    tokens, head_dim, heads, kv_heads = check_qk(positions, q, k, inv_freq)
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v must match k's shape and dtype {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
-    _check_rows("v", v, tokens, head_dim)
-    _check_index("slot_mapping", slot_mapping, tokens)
-    _check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
-    _check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
+    check_rows("v", v, tokens, head_dim)
+    check_index("slot_mapping", slot_mapping, tokens)
+    check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
+    check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
     if head_norm is not None:
-        _check_head_norm(head_norm, q, head_dim)
+        check_head_norm(head_norm, q, head_dim)
     q_out = _output("q_out", q_out, q, head_dim)
     if tokens:
         _launch(positions, inv_freq, slot_mapping, q, k, v, q_out, k_cache, v_cache, heads, kv_heads, head_dim,
