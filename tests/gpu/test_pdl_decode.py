@@ -40,7 +40,8 @@ def _require_sm90() -> None:
 def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: str) -> dict:
     """Logits ``[1 + STEPS, 1, vocab]`` and tokens of one greedy generation, then the last step's
     logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel. ``fold``:
-    the norms folded into the launch after them ("", "qkv", "qkv+route")."""
+    the norms folded into the launch after them ("", "qkv", "qkv+route"), "+rotary" the rotary
+    embedding into the attention's."""
     from arfusion.engine.runtime.model_runner import RunnerSettings
     from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
@@ -49,7 +50,8 @@ def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: str) -> dict:
 
     settings = RunnerSettings(model_path="tiny-moe", dtype="bfloat16", context_length=CONTEXT, max_running_requests=2,
                               cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl, kv_slots=1024,
-                              norm_into_qkv="qkv" in fold, norm_into_route="route" in fold)
+                              norm_into_qkv="qkv" in fold, norm_into_route="route" in fold,
+                              rotary_into_attention="rotary" in fold)
     runner = build_runner(settings, get_tp_group())
     assert (runner.graphs is not None) == graphs
     batch = StaticBatch(runner, random_prompts(1, PROMPT_LEN, runner.config.vocab_size, seed=3), STEPS + 1)
@@ -74,8 +76,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-@pytest.mark.parametrize("fold", ["", "qkv", "qkv+route"], ids=["separate-norm", "norm-into-qkv",
-                                                                  "norm-into-qkv-and-route"])
+@pytest.mark.parametrize("fold", ["", "qkv", "qkv+route", "qkv+route+rotary"],
+                         ids=["separate-norm", "norm-into-qkv", "norm-into-qkv-and-route", "every-fold"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
 def test_decode_with_pdl_has_the_bits_of_decode_without(graphs, fold):
     _require_sm90()

@@ -12,9 +12,18 @@ rows of up to 700 keys (raw q/k/v N(0, 1), norm weights 1 + N(0, 0.1)).
   attention is compiled without FMA contraction, the split kernel with it).
 - Deterministic: two calls the same bits; a CUDA graph captured once and replayed with other
   rows, positions and slots gives each replay's eager bits.
+
+The tiny Llama and Qwen3-MoE (``tiny``, ``tiny-moe``) in bf16 at TP1 with CUDA graphs,
+``rotary_into_attention`` off and on: the fused launch runs with it on only, and the greedy tokens
+are the same, their logits within 2e-2 relative L2 at every step (the bf16 bound of
+tests/gpu/test_cuda_graph_decode.py); a token may flip only at a near tie of the flag-off run
+(`tests.fold_checks.steps_in_agreement`).
 """
 import pytest
 import torch
+
+from tests.dist_utils import run_distributed
+from tests.fold_checks import steps_in_agreement
 
 pytest.importorskip("triton")
 
@@ -25,6 +34,8 @@ SHAPES = {"qwen3-30b-a3b": (32, 4, 128, True, False), "llama3-8b": (32, 8, 128, 
           "gpt-oss": (64, 8, 64, False, True)}
 CONTEXT = 700
 BF16_ULP = 2.0 ** -7
+MAX_REL_ERR = 2e-2
+PROMPTS, PROMPT_LEN, STEPS = 4, 9, 12
 
 
 def _case(shape: tuple, batch: int, seed: int) -> dict:
@@ -118,3 +129,47 @@ def test_graph_replays_give_the_eager_bits(name):
         eager = _fused(new, eager_k, eager_v)
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v), seed
+
+
+def _greedy(rank: int, world: int, model: str) -> dict:
+    """Greedy runs with the flag off and on: tokens, logits per step, fused launches counted."""
+    from arfusion.engine.runtime.model_runner import RunnerSettings
+    from arfusion.engine.runtime.rank_parts import build_runner
+    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
+    from arfusion.layers.kernels import triton_rotary_decode_attention as fused
+    from arfusion.layers.parallel_state import get_tp_group
+
+    calls = [0]
+    launch = fused.decode_attention_rotary
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return launch(*args, **kwargs)
+
+    fused.decode_attention_rotary = counted
+    out: dict = {}
+    for on in (False, True):
+        calls[0] = 0
+        settings = RunnerSettings(model_path=model, dtype="bfloat16", context_length=64, max_running_requests=PROMPTS,
+                                  cuda_graph_max_bs=PROMPTS, kv_slots=1024, rotary_into_attention=on)
+        runner = build_runner(settings, get_tp_group())
+        assert runner.graphs is not None
+        batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=5), STEPS + 1)
+        logits = [batch.prefill(gather_logits=True).full.clone()]
+        tokens = [logits[-1].argmax(-1).tolist()]
+        for _ in range(STEPS):
+            logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
+            tokens.append(logits[-1].argmax(-1).tolist())
+        out[on] = {"tokens": tokens, "logits": torch.stack(logits).cpu(), "calls": calls[0]}
+        runner.destroy()
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_greedy_tokens_with_the_flag_on_and_off_under_cuda_graphs(model):
+    result = run_distributed(_greedy, world_size=1, args=(model,), device_kind="cuda", timeout_s=500)[0]
+    off, on = result[False], result[True]
+    assert off["calls"] == 0 and on["calls"] > 0, "the fused launch runs with the flag on only"
+    compared = steps_in_agreement(off, on, MAX_REL_ERR)
+    print(f"\nrotary into attention, {model}: greedy tokens equal over {compared} of {len(off['tokens'])} steps")
