@@ -8,25 +8,27 @@ from typing import Any
 import torch
 
 
-def greedy_run(model_path: str, prompts: int, prompt_len: int, steps: int, **settings: Any) -> dict:
-    """``model_path`` (a built-in model) at TP1 with ``settings`` (`RunnerSettings` fields): greedy
-    tokens and every step's logits of ``prompts`` random prompts, ``reductions`` the fusion op
-    counted, ``config`` the runner's model config. Collective of the current TP group."""
+def greedy_run(model_path: str, prompts: int, prompt_len: int, steps: int, seed: int = 3, **settings: Any) -> dict:
+    """``model_path`` (a built-in model) at TP1 with ``settings`` (`RunnerSettings` fields, over a
+    context of 64, ``prompts`` running requests and 512 KV slots): greedy tokens and every step's
+    logits (on the CPU) of ``prompts`` random prompts (``seed``), ``reductions`` the fusion op
+    counted, ``config`` the runner's model config, ``graphs`` whether it captured CUDA graphs.
+    Collective of the current TP group."""
     from arfusion.engine.runtime.model_runner import RunnerSettings
     from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.layers.parallel_state import get_tp_group
 
-    runner = build_runner(RunnerSettings(model_path=model_path, context_length=64, max_running_requests=prompts,
-                                         kv_slots=512, **settings), get_tp_group())
-    batch = StaticBatch(runner, random_prompts(prompts, prompt_len, runner.config.vocab_size, seed=3), steps + 1)
-    logits = [batch.prefill(gather_logits=True).full]
+    settings = {"context_length": 64, "max_running_requests": prompts, "kv_slots": 512, **settings}
+    runner = build_runner(RunnerSettings(model_path=model_path, **settings), get_tp_group())
+    batch = StaticBatch(runner, random_prompts(prompts, prompt_len, runner.config.vocab_size, seed=seed), steps + 1)
+    logits = [batch.prefill(gather_logits=True).full.clone()]  # a graph's outputs are its static buffers
     tokens = [torch.argmax(logits[-1], -1).tolist()]
     for _ in range(steps):
-        logits.append(batch.decode(tokens[-1], gather_logits=True).full)
+        logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
         tokens.append(torch.argmax(logits[-1], -1).tolist())
-    out = {"tokens": tokens, "logits": torch.stack(logits), "reductions": sum(runner.fusion.counts.values()),
-           "config": runner.config}
+    out = {"tokens": tokens, "logits": torch.stack(logits).cpu(), "reductions": sum(runner.fusion.counts.values()),
+           "config": runner.config, "graphs": runner.graphs is not None}
     runner.destroy()
     return out
 

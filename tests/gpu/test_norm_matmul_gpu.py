@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.fold_checks import steps_in_agreement
+from tests.fold_checks import greedy_run, steps_in_agreement
 
 pytest.importorskip("triton")
 
@@ -116,28 +116,15 @@ PROMPTS, PROMPT_LEN, STEPS, MAX_REL_ERR = 3, 16, 24, 2e-2
 
 
 def _greedy(rank: int, world: int) -> dict:
-    from arfusion.engine.runtime.model_runner import RunnerSettings
-    from arfusion.engine.runtime.rank_parts import build_runner
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.layers.kernels.triton_norm_matmul import NORM_MATMUL_LAUNCHER
-    from arfusion.layers.parallel_state import get_tp_group
 
     out: dict = {}
     for on in (False, True):
         compiled_before = len(NORM_MATMUL_LAUNCHER)
-        settings = RunnerSettings(model_path="tiny", dtype="bfloat16", context_length=64, max_running_requests=4,
-                                  cuda_graph_max_bs=4, kv_slots=1024, norm_into_qkv=on)
-        runner = build_runner(settings, get_tp_group())
-        assert runner.graphs is not None
-        batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=5), STEPS + 1)
-        logits = [batch.prefill(gather_logits=True).full.clone()]
-        tokens = [logits[-1].argmax(-1).tolist()]
-        for _ in range(STEPS):
-            logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
-            tokens.append(logits[-1].argmax(-1).tolist())
-        out[on] = {"tokens": tokens, "logits": torch.stack(logits).cpu(),
-                   "launch_compiled": len(NORM_MATMUL_LAUNCHER) > compiled_before}
-        runner.destroy()
+        out[on] = greedy_run("tiny", PROMPTS, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=4,
+                             max_running_requests=4, kv_slots=1024, norm_into_qkv=on)
+        assert out[on]["graphs"]
+        out[on]["launch_compiled"] = len(NORM_MATMUL_LAUNCHER) > compiled_before
     return out
 
 

@@ -31,7 +31,7 @@ import torch
 
 from arfusion.fusion.tuning.timing import capture_cuda_graph
 from tests.dist_utils import run_distributed
-from tests.fold_checks import steps_in_agreement
+from tests.fold_checks import greedy_run, steps_in_agreement
 
 pytest.importorskip("triton")
 
@@ -136,11 +136,7 @@ PROMPTS, PROMPT_LEN, STEPS, MAX_REL_ERR = 3, 16, 24, 2e-2
 
 
 def _greedy(rank: int, world: int) -> dict:
-    from arfusion.engine.runtime.model_runner import RunnerSettings
-    from arfusion.engine.runtime.rank_parts import build_runner
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.layers.moe.kernels import triton_router
-    from arfusion.layers.parallel_state import get_tp_group
 
     normed_calls = [0]
     original = triton_router.route_triton
@@ -153,18 +149,10 @@ def _greedy(rank: int, world: int) -> dict:
     out: dict = {}
     for on in (False, True):
         normed_calls[0] = 0
-        settings = RunnerSettings(model_path="tiny-moe", dtype="bfloat16", context_length=64, max_running_requests=4,
-                                  cuda_graph_max_bs=4, kv_slots=1024, norm_into_route=on)
-        runner = build_runner(settings, get_tp_group())
-        assert runner.graphs is not None
-        batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=5), STEPS + 1)
-        logits = [batch.prefill(gather_logits=True).full.clone()]
-        tokens = [logits[-1].argmax(-1).tolist()]
-        for _ in range(STEPS):
-            logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
-            tokens.append(logits[-1].argmax(-1).tolist())
-        out[on] = {"tokens": tokens, "logits": torch.stack(logits).cpu(), "normed_calls": normed_calls[0]}
-        runner.destroy()
+        out[on] = greedy_run("tiny-moe", PROMPTS, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=4,
+                             max_running_requests=4, kv_slots=1024, norm_into_route=on)
+        assert out[on]["graphs"]
+        out[on]["normed_calls"] = normed_calls[0]
     return out
 
 

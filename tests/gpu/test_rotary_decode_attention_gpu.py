@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.fold_checks import steps_in_agreement
+from tests.fold_checks import greedy_run, steps_in_agreement
 
 pytest.importorskip("triton")
 
@@ -133,11 +133,7 @@ def test_graph_replays_give_the_eager_bits(name):
 
 def _greedy(rank: int, world: int, model: str) -> dict:
     """Greedy runs with the flag off and on: tokens, logits per step, fused launches counted."""
-    from arfusion.engine.runtime.model_runner import RunnerSettings
-    from arfusion.engine.runtime.rank_parts import build_runner
-    from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
     from arfusion.layers.kernels import triton_rotary_decode_attention as fused
-    from arfusion.layers.parallel_state import get_tp_group
 
     calls = [0]
     launch = fused.decode_attention_rotary
@@ -150,18 +146,10 @@ def _greedy(rank: int, world: int, model: str) -> dict:
     out: dict = {}
     for on in (False, True):
         calls[0] = 0
-        settings = RunnerSettings(model_path=model, dtype="bfloat16", context_length=64, max_running_requests=PROMPTS,
-                                  cuda_graph_max_bs=PROMPTS, kv_slots=1024, rotary_into_attention=on)
-        runner = build_runner(settings, get_tp_group())
-        assert runner.graphs is not None
-        batch = StaticBatch(runner, random_prompts(PROMPTS, PROMPT_LEN, runner.config.vocab_size, seed=5), STEPS + 1)
-        logits = [batch.prefill(gather_logits=True).full.clone()]
-        tokens = [logits[-1].argmax(-1).tolist()]
-        for _ in range(STEPS):
-            logits.append(batch.decode(tokens[-1], gather_logits=True).full.clone())
-            tokens.append(logits[-1].argmax(-1).tolist())
-        out[on] = {"tokens": tokens, "logits": torch.stack(logits).cpu(), "calls": calls[0]}
-        runner.destroy()
+        out[on] = greedy_run(model, PROMPTS, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=PROMPTS,
+                             kv_slots=1024, rotary_into_attention=on)
+        assert out[on]["graphs"]
+        out[on]["calls"] = calls[0]
     return out
 
 
