@@ -10,7 +10,9 @@ Per layer i (h_partial: a row-parallel output not yet summed over TP ranks):
                                     the q/k/v launch takes, the norm left pending for the
                                     attention's q/k/v projection (`layers.pending_norm`)
     prepare_mlp(h_partial, res)     all-reduce(o_proj) + add + post_attention_norm, by layer i's
-                                    strategy
+                                    strategy; with ``norm_into_route`` and a ``router`` (a MoE
+                                    block's `layers.moe.router.TopKRouter`) at TP1, for a batch its
+                                    routing launch takes, the norm left pending for that launch
     postprocess_layer(h_partial, r) the down_proj all-reduce, deferred as a `PartialSum` into
                                     the next norm
     prepare_final_norm(h, r, norm)  (last layer) the final norm, reducing a `PartialSum` into it
@@ -27,14 +29,18 @@ import torch
 
 from arfusion.fusion import AllReduceFusion, FusionInputError, PartialSum
 from arfusion.layers.layernorm import RMSNorm
-from arfusion.layers.pending_norm import AttentionInput, folds, input_norm
+from arfusion.layers.moe.router import TopKRouter
+from arfusion.layers.pending_norm import ROUTING, AttentionInput, MlpInput, folds, input_norm, post_attention_norm
 
 LayerOutput = Union[torch.Tensor, PartialSum]  # a layer's h: reduced, or its reduction deferred
 
 
 class LayerCommunicator:
     def __init__(self, layer_id: int, num_layers: int, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm,
-                 fusion: AllReduceFusion, norm_into_qkv: bool = False) -> None:
+                 fusion: AllReduceFusion, norm_into_qkv: bool = False, norm_into_route: bool = False,
+                 router: Optional[TopKRouter] = None) -> None:
+        """``router``: the layer's MoE router whose routing launch may take the post-attention
+        norm (``norm_into_route``); None for a dense MLP, or an MLP that takes tensors only."""
         if not 0 <= layer_id < num_layers:
             raise ValueError(f"layer_id {layer_id} is outside 0..{num_layers - 1}")
         self.layer_id = layer_id
@@ -43,6 +49,8 @@ class LayerCommunicator:
         self.post_attention_layernorm = post_attention_layernorm
         self.fusion = fusion
         self.norm_into_qkv = folds(norm_into_qkv, fusion.group.world_size)
+        folded = router is not None and folds(norm_into_route, fusion.group.world_size, ROUTING)
+        self.route_refusal = router.norm_deferral_refusal if folded else None
 
     def prepare_attn(self, hidden_states: LayerOutput,
                      residual: Optional[torch.Tensor]) -> tuple[AttentionInput, torch.Tensor]:
@@ -56,11 +64,13 @@ class LayerCommunicator:
             self._check_from(hidden_states, self.layer_id - 1)
         return input_norm(self.input_layernorm, hidden_states, residual, self.norm_into_qkv)
 
-    def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[MlpInput, torch.Tensor]:
         """Reduce the attention output (o_proj with ``reduce_results=False``) into the residual
-        and normalise: ``(normed input for the MLP, residual)``."""
+        and normalise: ``(normed input for the MLP, residual)``; the normed input may be a
+        `layers.pending_norm.PendingNorm` (with ``norm_into_route``), which the MoE block's router
+        runs inside its routing launch."""
         partial = PartialSum(pending=hidden_states, layer_id=self.layer_id, op=self.fusion)
-        return self.post_attention_layernorm(partial, residual)
+        return post_attention_norm(self.post_attention_layernorm, partial, residual, self.route_refusal)
 
     def postprocess_layer(self, hidden_states: torch.Tensor,
                           residual: torch.Tensor) -> tuple[LayerOutput, torch.Tensor]:

@@ -16,7 +16,8 @@ logits within 1e-4 relative (an element of the normed h may differ by an fp32 ul
 
 Units: `SparseMoeBlock` and gpt-oss's `GptOssMoeBlock` given a pending norm give the bits of
 the normed input, the new residual the reference's sum; a pending norm runs once; a dense layer,
-TP2, batch-invariant mode and the CPU keep the separate norm; the flag reaches the config."""
+TP2, batch-invariant mode and the CPU keep the separate norm; `LayerCommunicator.prepare_mlp`
+given the router hands the pending norm over at TP1; the flag reaches the config."""
 import pytest
 import torch
 
@@ -186,6 +187,35 @@ def test_batch_invariant_mode_and_the_cpu_keep_the_separate_norm(tp1):
     assert not isinstance(normed, PendingNorm)
     with batch_invariant.batch_invariant_mode(True):
         assert "batch-invariant" in refusal(x, residual, weight)
+
+
+def _communicator(rank: int, world: int) -> dict:
+    """A MoE layer's prepare_mlp at ``world`` ranks with norm_into_route and its router, every
+    batch deferred: what the MoE block makes of it, and the reference's."""
+    from arfusion.fusion import reference
+    from arfusion.layers.communicator import LayerCommunicator
+    from arfusion.layers.moe.router import TopKRouter
+    from arfusion.layers.pending_norm import PendingNorm
+
+    TopKRouter.norm_deferral_refusal = lambda self, x, residual, weight: None
+    fusion = make_fusion(HIDDEN)
+    moe = _moe_blocks()["qwen3-moe"]
+    x, residual, weight = _inputs()
+    comm = LayerCommunicator(1, 2, _norm(weight), _norm(weight), fusion, norm_into_route=True, router=moe.gate)
+    h, summed = comm.prepare_mlp(x.clone(), residual.clone())
+    normed_ref, summed_ref = reference.add_rms_norm(x * world, residual, weight, EPS)
+    out = {"pending": isinstance(h, PendingNorm), "out": moe(h), "expected": moe(normed_ref), "summed": summed,
+           "summed_ref": summed_ref}
+    fusion.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_layer_communicator_hands_the_pending_norm_to_the_router_at_tp1_only(world_size):
+    for r in run_distributed(_communicator, world_size=world_size, timeout_s=120):
+        assert r["pending"] == (world_size == 1)
+        torch.testing.assert_close(r["out"], r["expected"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["summed"], r["summed_ref"], rtol=1e-5, atol=1e-5)
 
 
 def test_the_flag_is_off_by_default_and_reaches_the_runner_and_the_benchmark():
