@@ -120,8 +120,12 @@ def test_graph_replays_give_the_eager_bits(name):
         out = _fused(c, k_cache, v_cache)
     for seed in range(5):
         new = _case(SHAPES[name], batch, seed=100 + seed)
-        for key in ("positions", "q", "k", "v", "slot_mapping", "req_to_token", "seq_lens"):
-            c[key].copy_(new[key])
+        for key in ("positions", "q", "k", "v", "slot_mapping", "req_to_token", "seq_lens", "sinks"):
+            if c[key] is not None:
+                c[key].copy_(new[key])
+        if c["head_norm"] is not None:
+            for weight, new_weight in zip(c["head_norm"][:2], new["head_norm"][:2]):
+                weight.copy_(new_weight)
         k_cache.copy_(new["k_cache"])
         v_cache.copy_(new["v_cache"])
         graph.replay()
