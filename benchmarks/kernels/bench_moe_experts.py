@@ -14,8 +14,7 @@ difference from the grouped launches' output; with ``--profile`` each launch's G
 
 ``--configs``: matrix-vector tiles, each
 ``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``, and
-then optionally ``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`)
-and ``,prefetch`` for the weights loaded one K step ahead (`MoEGemvConfig.prefetch`).
+``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`).
 Slot counts above the matrix-vector path's GEMV_MAX_SLOTS are timed too (to show where the
 grouped launches take over).
 """
@@ -42,11 +41,12 @@ MODELS = {  # (experts, hidden, intermediate per rank, top-k)
 def parse_config(text: str):
     from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig
 
-    fields, words = text.split(",")[:6], text.split(",")[6:]
-    if len(fields) != 6 or not all(v.isdigit() for v in fields) or not set(words) <= {"summed", "prefetch"}:
-        raise argparse.ArgumentTypeError("a config is 6 comma-separated integers, then optionally 'summed' and "
-                                         f"'prefetch', got {text!r}")
-    return MoEGemvConfig(*map(int, fields), sum_each_step="summed" in words, prefetch="prefetch" in words)
+    parts = text.split(",")
+    summed = parts[-1] == "summed"
+    fields = parts[:-1] if summed else parts
+    if len(fields) != 6 or not all(v.isdigit() for v in fields):
+        raise argparse.ArgumentTypeError(f"a config is 6 comma-separated integers, then optionally 'summed', got {text!r}")
+    return MoEGemvConfig(*map(int, fields), sum_each_step=summed)
 
 
 def time_calls(fn, profile: bool) -> tuple[float, dict]:
@@ -104,8 +104,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
                         help="more matrix-vector tiles: block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,"
-                             "num_warps_gate_up,num_warps_down[,summed][,prefetch] (summed: launch 1 sums each K "
-                             "step at once; prefetch: the weights loaded one K step ahead)")
+                             "num_warps_gate_up,num_warps_down[,summed] (summed: launch 1 sums each K step at once)")
     parser.add_argument("--profile", action="store_true", help="also print each launch's GPU µs per call")
     parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()

@@ -19,12 +19,6 @@ its token (``tl.sum`` over the slots). Each output is one program's, in
 a fixed order: deterministic run to run, and a token's result depends on its own row and routing
 only (but not the grouped launches' bits: other sums, other order).
 
-With `MoEGemvConfig.prefetch` both launches carry the next K step's weight tile through their K
-loop: it loads while the current step multiplies (Triton's software pipeliner leaves loads that
-feed no dot alone, so without it every step's loads wait at the top of the step); past the last
-step the load is masked off (no memory read). The same products in the same order: the same
-bits; more registers a thread.
-
 Why a separate path: at decode sizes the grouped launches give each expert a 16-row block of
 which one row is real (a tensor-core dot needs 16 rows), and move every weight tile into the
 MMA's operand layout through shared memory; here each weight is loaded in 16-byte vectors
@@ -54,8 +48,7 @@ class MoEGemvConfig:
     defaults: the fastest of a sweep at Qwen3-30B-A3B's expert shapes, 1 to 4 tokens; the
     numbers are in docs/results.md); a size that is no power of two is a ValueError naming it.
     ``sum_each_step``: launch 1's accumulators one per output instead of one per output and
-    column of a K step (module docstring); ``prefetch``: each K step's weights loaded one step
-    ahead (module docstring)."""
+    column of a K step (module docstring)."""
 
     block_n_gate_up: int = 8
     block_k_gate_up: int = 512
@@ -64,11 +57,10 @@ class MoEGemvConfig:
     num_warps_gate_up: int = 2
     num_warps_down: int = 4
     sum_each_step: bool = False
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if name not in ("sum_each_step", "prefetch") and (value < 1 or value & (value - 1)):
+            if name != "sum_each_step" and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 1 (tl.arange, warps), got {value}")
 
 
@@ -76,27 +68,9 @@ DEFAULT_GEMV_CONFIG = MoEGemvConfig()
 
 
 @triton.jit
-def _gate_up_tiles(gate_rows, up_rows, n_mask, k, hidden):
-    """Launch 1's weight tiles ``[BLOCK_N, BLOCK_K]`` at columns ``k`` (zeros, and no read, past
-    ``hidden``)."""
-    w_mask = n_mask[:, None] & (k < hidden)[None, :]
-    return (tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0),
-            tl.load(up_rows + k[None, :], mask=w_mask, other=0.0))
-
-
-@triton.jit
-def _down_tile(w_rows, j_mask, n_mask, k, inter):
-    """Launch 2's weight tile ``[J, BLOCK_N, BLOCK_K]`` at columns ``k`` (zeros, and no read, past
-    ``inter``)."""
-    w_mask = j_mask[:, None, None] & n_mask[None, :, None] & (k < inter)[None, None, :]
-    return tl.load(w_rows + k[None, None, :], mask=w_mask, other=0.0)
-
-
-@triton.jit
 def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, stride_x, stride_we, stride_wn,
                               stride_act, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              LIBDEVICE_EXP: tl.constexpr, SUM_EACH_STEP: tl.constexpr, PREFETCH: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+                              LIBDEVICE_EXP: tl.constexpr, SUM_EACH_STEP: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -114,20 +88,13 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
     else:
         acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:
-        gate_w, up_w = _gate_up_tiles(gate_rows, up_rows, n_mask, offs_k, hidden)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < hidden
         xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        if PREFETCH:
-            gate_next, up_next = _gate_up_tiles(gate_rows, up_rows, n_mask, k + BLOCK_K, hidden)
-        else:
-            gate_w, up_w = _gate_up_tiles(gate_rows, up_rows, n_mask, k, hidden)
-        gate_products = gate_w.to(tl.float32) * xk
-        up_products = up_w.to(tl.float32) * xk
-        if PREFETCH:
-            gate_w, up_w = gate_next, up_next
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        gate_products = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
+        up_products = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32) * xk
         if SUM_EACH_STEP:
             acc_gate += tl.sum(gate_products, axis=1)
             acc_up += tl.sum(up_products, axis=1)
@@ -151,8 +118,7 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
 @triton.jit
 def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
                               stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -168,19 +134,13 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
               + offs_n[None, :, None].to(tl.int64) * stride_wn)  # [J, N, 1]
     act_rows = act_ptr + slots[:, None] * stride_act  # [J, 1]
     acc = tl.zeros([TOPK_POW2, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
-        w = _down_tile(w_rows, j_mask, n_mask, offs_k, inter)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < inter
         a = tl.load(act_rows + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if PREFETCH:
-            w_next = _down_tile(w_rows, j_mask, n_mask, k + BLOCK_K, inter)
-        else:
-            w = _down_tile(w_rows, j_mask, n_mask, k, inter)
-        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
-        if PREFETCH:
-            w = w_next
+        w_mask = j_mask[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_rows + k[None, None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
     routing = tl.load(topk_weights_ptr + slots, mask=j_mask, other=0.0)
     total = tl.sum(acc * routing[:, None], axis=0)
     tl.store(out_ptr + token * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -211,13 +171,11 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     _gate_up_silu_gemv_kernel[(tokens * top_k, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
-        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, SUM_EACH_STEP=config.sum_each_step,
-        PREFETCH=config.prefetch, USE_PDL=use_pdl,
+        LIBDEVICE_EXP=not triton.knobs.runtime.interpret, SUM_EACH_STEP=config.sum_each_step, USE_PDL=use_pdl,
         num_warps=config.num_warps_gate_up, launch_pdl=use_pdl)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, PREFETCH=config.prefetch, USE_PDL=use_pdl, num_warps=config.num_warps_down,
-        launch_pdl=use_pdl)
+        BLOCK_K=config.block_k_down, USE_PDL=use_pdl, num_warps=config.num_warps_down, launch_pdl=use_pdl)
     return out
