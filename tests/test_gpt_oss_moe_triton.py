@@ -50,10 +50,7 @@ CONFIGS = {
     "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True),
     "gemv_residue": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32,
                          gemv=True, x_by_residue=True, num_warps=1),
-    "gemv_prefetch": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32,
-                          gemv=True, prefetch=True),
 }
-SAME_BITS_AS_GEMV = ("gemv_residue", "gemv_prefetch")  # variants that change where or when x and W are read
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
          (40, True, 64, 64, "default", False), (33, False, 64, 64, "default", False),
@@ -67,8 +64,6 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (33, False, 96, 96, "swap", False),
          (1, True, 160, 96, "gemv", False), (3, True, 96, 160, "gemv", True), (8, True, 160, 160, "gemv", False),
          (1, True, 160, 96, "gemv_residue", False), (3, True, 96, 160, "gemv_residue", True),
-         (1, True, 160, 96, "gemv_prefetch", False), (3, True, 96, 160, "gemv_prefetch", True),
-         (8, True, 160, 160, "gemv_prefetch", False),
          (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False)]
 
 def fill_experts(experts, seed: int) -> None:
@@ -112,7 +107,7 @@ def _interpreted(rank: int, world: int) -> dict:
         weights = torch.softmax(torch.randn(tokens, 4, generator=g), dim=-1)
         results[case] = (gpt_oss_experts_triton(x, experts, weights, ids, make_config(config)),
                          experts.forward_torch(x, weights, ids))
-        if config in SAME_BITS_AS_GEMV:
+        if config == "gemv_residue":  # the same inputs by x's column order: the same bits
             results[case, "gemv"] = gpt_oss_experts_triton(x, experts, weights, ids, make_config("gemv"))
     return results
 
@@ -132,10 +127,9 @@ def test_matches_torch_reference(interpreted, case):
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] in SAME_BITS_AS_GEMV], ids=str)
-def test_variants_give_the_same_bits(interpreted, case):
-    """`Mxfp4MoEConfig.x_by_residue` changes where x and the activations are read, ``prefetch``
-    when the words are: not the sums."""
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "gemv_residue"], ids=str)
+def test_activations_by_residue_give_the_same_bits(interpreted, case):
+    """`Mxfp4MoEConfig.x_by_residue` changes where x and the activations are read, not the sums."""
     assert torch.equal(interpreted[case][0], interpreted[case, "gemv"])
 
 
@@ -258,22 +252,3 @@ def test_sm90_activations_by_residue_in_one_warp_need_no_barrier(monkeypatch):
         with monkeypatch.context() as patch:
             barriers[name] = [len(re.findall(r"\bbar\.sync\b", ptx)) for ptx in _gemv_ptx(patch, config)]
     assert barriers["by residue"] == [0, 0] and min(barriers["default"]) > 0, barriers
-
-
-def test_sm90_prefetch_loads_the_first_words_before_the_loop(monkeypatch):
-    """With ``prefetch`` the first K step's words load before the K loop (the loop then loads the
-    next step's): the default loads every step's words inside its loop."""
-    import dataclasses
-    import re
-
-    from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
-
-    def word_loads_before_the_loop(ptx: str) -> int:
-        body = ptx[ptx.index("{", ptx.index(".entry")):]
-        return len(re.findall(r"ld\.global[.\w]*\.v4\.b32", body[:body.index("$L__BB0_")]))
-
-    before = {}
-    for name, config in (("default", GEMV_CONFIG), ("prefetch", dataclasses.replace(GEMV_CONFIG, prefetch=True))):
-        with monkeypatch.context() as patch:
-            before[name] = [word_loads_before_the_loop(ptx) for ptx in _gemv_ptx(patch, config)]
-    assert before["default"] == [0, 0] and min(before["prefetch"]) > 0, before

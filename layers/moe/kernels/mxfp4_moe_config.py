@@ -19,8 +19,7 @@ class Mxfp4MoEConfig:
     launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
     ``word_decode`` and the stages unused, no K splits; ``x_by_residue``: the activations read
-    residue-major, ``prefetch``: each K step's weight words loaded one step ahead, both MXFP4
-    only, the module docstring of triton_mxfp4_gemv.py)."""
+    residue-major, MXFP4 only, the module docstring of triton_mxfp4_gemv.py)."""
 
     block_m: int
     block_n_gate_up: int
@@ -36,7 +35,6 @@ class Mxfp4MoEConfig:
     num_stages_down: int = 0
     gemv: bool = False
     x_by_residue: bool = False
-    prefetch: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -142,9 +140,8 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
-    for name in ("x_by_residue", "prefetch"):
-        if getattr(cfg, name) and not (cfg.gemv and mxfp4):
-            raise ValueError(f"{name} is a variant of the gemv launches on MXFP4 weights")
+    if cfg.x_by_residue and not (cfg.gemv and mxfp4):
+        raise ValueError("x_by_residue is a variant of the gemv launches on MXFP4 weights")
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:

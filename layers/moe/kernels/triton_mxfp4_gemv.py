@@ -35,14 +35,6 @@ the same way, which launch 2 reads: each residue's activations are then contiguo
 thread, and with one warp a program their layout is the word tile's (no barrier in the loop).
 The same products and sums in the same order: the same bits.
 
-Words loaded one K step ahead (`Mxfp4MoEConfig.prefetch`, MXFP4 only): in the sm90 SASS of the
-default launch each K step issues its weight loads at the top of the loop and multiplies them a
-few hundred instructions later, with nothing in flight across steps (Triton's software pipeliner
-leaves loads that feed no dot alone, whatever ``num_stages``). With ``prefetch`` the loop carries
-the next step's words: they load while the current step multiplies (past the last step the load
-is masked off: no memory read). The same products in the same order: the same bits; more
-registers a thread.
-
 Deterministic run to run (each output one program, fixed order); a slot's result depends on its
 own token and routing only. Launch sizes depend on shapes only (CUDA-graph capturable).
 """
@@ -59,25 +51,15 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 
 @triton.jit
-def _step_words(w_ptr, rows, row_mask, k0, k_size, stride_wn, BLOCK_K: tl.constexpr):
-    """MXFP4: the 32-bit words of one K step (columns k0 .. k0 + BLOCK_K - 1) of ``rows``,
-    ``[N, BLOCK_K / 8]`` uint32, zeros (and no memory read) past ``k_size``."""
-    kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    return load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)[0]
-
-
-@triton.jit
-def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc, words,
-          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, X_BY_RESIDUE: tl.constexpr, HAS_WORDS: tl.constexpr):
+def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
+          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, X_BY_RESIDUE: tl.constexpr):
     """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
     ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N, BLOCK_K]`` by
     column; fp32, masked rows and columns past ``k_size`` add zeros. X_BY_RESIDUE (MXFP4): x is
-    laid out residue-major (module docstring). HAS_WORDS (MXFP4): the step's words are
-    ``words`` (`_step_words`, loaded ahead), else the step loads them."""
+    laid out residue-major (module docstring)."""
     if MXFP4:
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        if not HAS_WORDS:
-            words = _step_words(w_ptr, rows, row_mask, k0, k_size, stride_wn, BLOCK_K)
+        words, _ = load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)
         part = tl.zeros([rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
         for q in tl.static_range(4):
             pairs = word_pairs(words, q)
@@ -105,14 +87,12 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
 def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
                  stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                  X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BY_RESIDUE: tl.constexpr, PREFETCH: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BY_RESIDUE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
     activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
     n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``. With
     USE_PDL it waits for the previous kernel first: the weights it reads depend on the routing
-    (layers/kernels/pdl.py). PREFETCH (MXFP4): each K step's words are loaded one step ahead
-    (module docstring)."""
+    (layers/kernels/pdl.py)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -126,28 +106,12 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
     width: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K
     acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, width], dtype=tl.float32)
-    if PREFETCH:  # the words of step k0 + BLOCK_K load while step k0's multiply
-        first = tl.full([], 0, tl.int32)  # a tensor: `_step_words` hints its alignment
-        words = _step_words(w_e, rows, n_mask, first, k_size, stride_wn, BLOCK_K)
+    for k0 in range(0, k_size, BLOCK_K):
+        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4,
+                    X_BY_RESIDUE)
         if GATE_UP:
-            words_up = _step_words(w_e, rows + n_size, n_mask, first, k_size, stride_wn, BLOCK_K)
-        for k0 in range(0, k_size, BLOCK_K):
-            ahead = _step_words(w_e, rows, n_mask, k0 + BLOCK_K, k_size, stride_wn, BLOCK_K)
-            acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, words, BLOCK_K,
-                        MXFP4, X_BY_RESIDUE, True)
-            words = ahead
-            if GATE_UP:
-                ahead_up = _step_words(w_e, rows + n_size, n_mask, k0 + BLOCK_K, k_size, stride_wn, BLOCK_K)
-                acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
-                               words_up, BLOCK_K, MXFP4, X_BY_RESIDUE, True)
-                words_up = ahead_up
-    else:
-        for k0 in range(0, k_size, BLOCK_K):
-            acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, 0, BLOCK_K, MXFP4,
-                        X_BY_RESIDUE, False)
-            if GATE_UP:
-                acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up, 0,
-                               BLOCK_K, MXFP4, X_BY_RESIDUE, False)
+            acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
+                           BLOCK_K, MXFP4, X_BY_RESIDUE)
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
     if GATE_UP:
@@ -168,8 +132,7 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
     the combine (module docstring: launches 1 and 2), with the weights of ``experts`` (a
     `layers.moe.gpt_oss_moe.GptOssExperts`) and the tiles of ``config`` (an `Mxfp4MoEConfig`
     with ``gemv``: ``block_n_*`` rows per program, ``block_k_*`` columns per K step,
-    ``num_warps``; ``x_by_residue``: the activations residue-major, x copied so first; ``prefetch``:
-    each K step's words loaded one step ahead). The caller
+    ``num_warps``; ``x_by_residue``: the activations residue-major, x copied so first). The caller
     has checked x, the routing and the config."""
     tokens, top_k = topk_ids.shape
     hidden, inter, slots = experts.hidden_size, experts.local, tokens * top_k
@@ -186,14 +149,13 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
         X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
-        GATE_UP=True, HAS_BIAS=True, X_BY_RESIDUE=by_residue, PREFETCH=config.prefetch, USE_PDL=use_pdl,
-        num_warps=config.num_warps,
+        GATE_UP=True, HAS_BIAS=True, X_BY_RESIDUE=by_residue, USE_PDL=use_pdl, num_warps=config.num_warps,
         launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
         X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
-        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, X_BY_RESIDUE=by_residue, PREFETCH=config.prefetch, USE_PDL=use_pdl,
+        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, X_BY_RESIDUE=by_residue, USE_PDL=use_pdl,
         num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
     return partial
