@@ -48,8 +48,6 @@ CONFIGS = {
     "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                          swap=True, word_decode=True, split_k_down=2),
     "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True),
-    "gemv_residue": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32,
-                         gemv=True, x_by_residue=True, num_warps=1),
 }
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
@@ -63,7 +61,6 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
          (33, False, 96, 96, "swap", False),
          (1, True, 160, 96, "gemv", False), (3, True, 96, 160, "gemv", True), (8, True, 160, 160, "gemv", False),
-         (1, True, 160, 96, "gemv_residue", False), (3, True, 96, 160, "gemv_residue", True),
          (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False)]
 
 def fill_experts(experts, seed: int) -> None:
@@ -107,8 +104,6 @@ def _interpreted(rank: int, world: int) -> dict:
         weights = torch.softmax(torch.randn(tokens, 4, generator=g), dim=-1)
         results[case] = (gpt_oss_experts_triton(x, experts, weights, ids, make_config(config)),
                          experts.forward_torch(x, weights, ids))
-        if config == "gemv_residue":  # the same inputs by x's column order: the same bits
-            results[case, "gemv"] = gpt_oss_experts_triton(x, experts, weights, ids, make_config("gemv"))
     return results
 
 
@@ -124,13 +119,6 @@ def interpreted():
 def test_matches_torch_reference(interpreted, case):
     out, expected = interpreted[case]
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "gemv_residue"], ids=str)
-def test_activations_by_residue_give_the_same_bits(interpreted, case):
-    """`Mxfp4MoEConfig.x_by_residue` changes where x and the activations are read, not the sums."""
-    assert torch.equal(interpreted[case][0], interpreted[case, "gemv"])
 
 
 # TP shards: (configuration as above, hidden, full intermediate); each rank's share of the
@@ -208,47 +196,3 @@ def test_tp2_shards_sum_to_the_full_experts(interpreted_shards, case):
     total = sum(rank_partials[case] for rank_partials in interpreted_shards)
     torch.testing.assert_close(total, _full_reference(_full_checkpoint(case[1], case[2], seed), x, weights, ids),
                                rtol=RTOL, atol=ATOL)
-
-
-# --- compiled for sm90, no GPU needed --------------------------------------------------------
-
-def _gemv_ptx(monkeypatch, config) -> list[str]:
-    """The sm90 PTX of both matrix-vector launches at gpt-oss-20b's shapes with ``config``."""
-    from types import SimpleNamespace
-
-    offline = pytest.importorskip("tests.offline_triton")
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("triton's NVIDIA backend is not installed")
-    from arfusion.layers.moe.kernels import triton_mxfp4_gemv
-
-    recorder = offline.RecordedKernel(triton_mxfp4_gemv._gemv_kernel)
-    monkeypatch.setattr(triton_mxfp4_gemv, "_gemv_kernel", recorder)
-    monkeypatch.setattr(triton_mxfp4_gemv.triton.knobs.runtime, "interpret", False)
-    h = i = 2880
-    experts = SimpleNamespace(  # never read: nothing runs
-        hidden_size=h, local=i, alpha=1.702, limit=7.0, mxfp4=True, tp_rank=0,
-        w13_blocks=torch.empty(4, 2 * i, h // 32, 16, dtype=torch.uint8),
-        w13_scales=torch.empty(4, 2 * i, h // 32, dtype=torch.uint8),
-        w2_blocks=torch.empty(4, h, i // 32, 16, dtype=torch.uint8), w2_scales=torch.empty(4, h, i // 32, dtype=torch.uint8),
-        w13_bias=torch.empty(4, 2 * i, dtype=torch.bfloat16), w2_bias=torch.empty(4, h, dtype=torch.bfloat16))
-    triton_mxfp4_gemv.gemv_partials(torch.randn(1, h).bfloat16(), experts, torch.arange(4, dtype=torch.int32)[None],
-                                    config)
-    return [offline.compiled_asm(recorder.fn, args, kwargs)["ptx"] for args, kwargs in recorder.calls]
-
-
-def test_sm90_activations_by_residue_in_one_warp_need_no_barrier(monkeypatch):
-    """The default reads each residue's activations at a stride and moves them through shared
-    memory behind barriers; residue-major in one warp a program, their layout is the word tile's."""
-    import dataclasses
-    import re
-
-    from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
-
-    barriers = {}
-    for name, config in (("default", GEMV_CONFIG),
-                         ("by residue", dataclasses.replace(GEMV_CONFIG, x_by_residue=True, num_warps=1))):
-        with monkeypatch.context() as patch:
-            barriers[name] = [len(re.findall(r"\bbar\.sync\b", ptx)) for ptx in _gemv_ptx(patch, config)]
-    assert barriers["by residue"] == [0, 0] and min(barriers["default"]) > 0, barriers

@@ -18,8 +18,7 @@ class Mxfp4MoEConfig:
     ``num_warps_down`` / ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector
     launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
-    ``word_decode`` and the stages unused, no K splits; ``x_by_residue``: the activations read
-    residue-major, MXFP4 only, the module docstring of triton_mxfp4_gemv.py)."""
+    ``word_decode`` and the stages unused, no K splits)."""
 
     block_m: int
     block_n_gate_up: int
@@ -34,7 +33,6 @@ class Mxfp4MoEConfig:
     num_warps_down: int = 0
     num_stages_down: int = 0
     gemv: bool = False
-    x_by_residue: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -140,8 +138,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
-    if cfg.x_by_residue and not (cfg.gemv and mxfp4):
-        raise ValueError("x_by_residue is a variant of the gemv launches on MXFP4 weights")
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:

@@ -25,16 +25,6 @@ MXFP4: the products ``code * 2^-14 * x[k]`` of a scale group's 32 columns are su
 ``2^(scale - 127) * 2^14`` (a power of two: exact) and added to the group's accumulator: one
 scale load and multiply per 32 weights.
 
-Activations by residue (`Mxfp4MoEConfig.x_by_residue`, MXFP4 only): the eight codes of a word
-multiply x at columns 8w + r, r = 0 .. 7, so a K step reads x at a stride of 8 for each residue,
-a load whose layout (one value a thread) is not the word tile's (four words a thread): every
-residue's activations then go through shared memory behind a barrier (18 barriers a K step at 2
-warps, in the sm90 PTX). With ``x_by_residue`` launch 1 reads a copy of x laid out residue-major,
-``x_r[t, r * K/8 + w] = x[t, 8w + r]`` (one torch copy before it), and writes its activations
-the same way, which launch 2 reads: each residue's activations are then contiguous, loaded four a
-thread, and with one warp a program their layout is the word tile's (no barrier in the loop).
-The same products and sums in the same order: the same bits.
-
 Deterministic run to run (each output one program, fixed order); a slot's result depends on its
 own token and routing only. Launch sizes depend on shapes only (CUDA-graph capturable).
 """
@@ -52,11 +42,10 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 @triton.jit
 def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, X_BY_RESIDUE: tl.constexpr):
+          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
     ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N, BLOCK_K]`` by
-    column; fp32, masked rows and columns past ``k_size`` add zeros. X_BY_RESIDUE (MXFP4): x is
-    laid out residue-major (module docstring)."""
+    column; fp32, masked rows and columns past ``k_size`` add zeros."""
     if MXFP4:
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words, _ = load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)
@@ -64,12 +53,9 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
         for q in tl.static_range(4):
             pairs = word_pairs(words, q)
             for high in tl.static_range(2):
-                if X_BY_RESIDUE:
-                    xk = tl.load(x_row + (q + 4 * high) * (k_size // 8) + kw, mask=kw < k_size // 8, other=0.0)
-                else:
-                    k = 8 * kw + q + 4 * high
-                    xk = tl.load(x_row + k, mask=k < k_size, other=0.0)
-                part += fp16_half(pairs, high) * xk.to(tl.float32)[None, :]
+                k = 8 * kw + q + 4 * high
+                xk = tl.load(x_row + k, mask=k < k_size, other=0.0).to(tl.float32)
+                part += fp16_half(pairs, high) * xk[None, :]
         groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
                               row_mask[:, None] & (groups < k_size // 32)[None, :])
@@ -87,7 +73,7 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
 def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
                  stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                  X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BY_RESIDUE: tl.constexpr, USE_PDL: tl.constexpr):
+                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
     activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
     n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``. With
@@ -107,16 +93,13 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
     acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     for k0 in range(0, k_size, BLOCK_K):
-        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4,
-                    X_BY_RESIDUE)
+        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4)
         if GATE_UP:
             acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
-                           BLOCK_K, MXFP4, X_BY_RESIDUE)
+                           BLOCK_K, MXFP4)
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
     if GATE_UP:
-        if X_BY_RESIDUE:  # launch 2 reads the activations residue-major
-            out_row = out_ptr + slot.to(tl.int64) * stride_out + (offs_n % 8) * (n_size // 8) + offs_n // 8
         dtype = out_ptr.dtype.element_ty
         gate = (total + tl.load(b_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         up = tl.sum(acc_up, axis=1) + tl.load(b_e + n_size + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -132,30 +115,25 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
     the combine (module docstring: launches 1 and 2), with the weights of ``experts`` (a
     `layers.moe.gpt_oss_moe.GptOssExperts`) and the tiles of ``config`` (an `Mxfp4MoEConfig`
     with ``gemv``: ``block_n_*`` rows per program, ``block_k_*`` columns per K step,
-    ``num_warps``; ``x_by_residue``: the activations residue-major, x copied so first). The caller
-    has checked x, the routing and the config."""
+    ``num_warps``). The caller has checked x, the routing and the config."""
     tokens, top_k = topk_ids.shape
     hidden, inter, slots = experts.hidden_size, experts.local, tokens * top_k
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
-    by_residue = config.x_by_residue
-    if by_residue:  # x_r[t, r * H/8 + w] = x[t, 8w + r] (module docstring)
-        x = x.view(tokens, hidden // 8, 8).transpose(1, 2).reshape(tokens, hidden)
     act = x.new_empty(slots, inter)
     use_pdl = pdl.enabled()
     _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
         X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
-        GATE_UP=True, HAS_BIAS=True, X_BY_RESIDUE=by_residue, USE_PDL=use_pdl, num_warps=config.num_warps,
-        launch_pdl=use_pdl)
+        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
         X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
-        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, X_BY_RESIDUE=by_residue, USE_PDL=use_pdl,
+        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
         num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
     return partial
