@@ -14,7 +14,8 @@ difference from the grouped launches' output; with ``--profile`` each launch's G
 
 ``--configs``: matrix-vector tiles, each
 ``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``, and
-``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`).
+``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`, the
+default's way; a config without it keeps an accumulator per output and column).
 Slot counts above the matrix-vector path's GEMV_MAX_SLOTS are timed too (to show where the
 grouped launches take over).
 """
