@@ -239,7 +239,7 @@ def choose_launch(batch: int, num_kv_heads: int, context: int, num_sms: int) -> 
 
 
 def check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-           seq_lens: torch.Tensor, row_ids: Optional[torch.Tensor]) -> None:
+                   seq_lens: torch.Tensor, row_ids: Optional[torch.Tensor]) -> None:
     """Shape, dtype, device and layout checks (host metadata only: no sync)."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [B, H, D] and k/v caches [S, KVH, D] of one shape, got q {tuple(q.shape)}, "

@@ -152,7 +152,7 @@ def _rotary_kernel(positions_ptr, inv_freq_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, 
                         NUM_KV_HEADS, HEAD_DIM, HALF_PAD, BLOCK_H)
 
 
-def check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
+def _check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
     """Validates a [T, heads * head_dim] operand with a contiguous last dim; returns its head count."""
     if x.dim() != 2 or x.shape[0] != tokens or x.shape[1] % head_dim:
         raise ValueError(f"{name} must be [T={tokens}, heads * {head_dim}], got {tuple(x.shape)}")
@@ -161,26 +161,26 @@ def check_rows(name: str, x: torch.Tensor, tokens: int, head_dim: int) -> int:
     return x.shape[1] // head_dim
 
 
-def check_index(name: str, x: torch.Tensor, tokens: int) -> None:
+def _check_index(name: str, x: torch.Tensor, tokens: int) -> None:
     """Validates a contiguous ``[T]`` int32/int64 operand (the kernel reads it at offset t)."""
     if x.shape != (tokens,) or x.dtype not in (torch.int32, torch.int64) or not x.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D int32 or int64 tensor of T={tokens} entries, "
                          f"got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
 
 
-def check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               inv_freq: torch.Tensor) -> tuple[int, int, int, int]:
     """Validates the rotary operands; returns ``(T, head_dim, heads, kv_heads)``."""
     if positions.dim() != 1:
         raise ValueError(f"positions must be a 1-D int32 or int64 tensor, "
                          f"got {tuple(positions.shape)} {positions.dtype}")
-    check_index("positions", positions, positions.shape[0])
+    _check_index("positions", positions, positions.shape[0])
     if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
         raise ValueError(f"inv_freq must be a contiguous 1-D fp32 tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}")
     if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q and k must share one dtype of fp32/fp16/bf16, got {q.dtype} and {k.dtype}")
     tokens, head_dim = positions.shape[0], 2 * inv_freq.shape[0]
-    return tokens, head_dim, check_rows("q", q, tokens, head_dim), check_rows("k", k, tokens, head_dim)
+    return tokens, head_dim, _check_rows("q", q, tokens, head_dim), _check_rows("k", k, tokens, head_dim)
 
 
 def _output(name: str, out: Optional[torch.Tensor], x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -191,11 +191,11 @@ def _output(name: str, out: Optional[torch.Tensor], x: torch.Tensor, head_dim: i
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"{name} must match its input's shape and dtype {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    check_rows(name, out, x.shape[0], head_dim)
+    _check_rows(name, out, x.shape[0], head_dim)
     return out
 
 
-def check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def _check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Validates a ``[num_slots, KVH, d]`` cache of ``dtype`` whose slots are contiguous rows."""
     if cache.dim() != 3 or cache.shape[1:] != (kv_heads, head_dim) or cache.dtype != dtype:
         raise ValueError(f"{name} must be [num_slots, {kv_heads}, {head_dim}] {dtype}, "
@@ -205,7 +205,7 @@ def check_cache(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int, dt
                          f"got strides {cache.stride()}")
 
 
-def check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None:
+def _check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None:
     """Validates the norm weights (``[head_dim]`` of q's dtype or fp32, contiguous, on q's device)
     and eps (finite, >= 0)."""
     for name, weight in (("head_norm.q_weight", head_norm.q_weight), ("head_norm.k_weight", head_norm.k_weight)):
@@ -218,6 +218,24 @@ def check_head_norm(head_norm: HeadNorm, q: torch.Tensor, head_dim: int) -> None
             raise ValueError(f"{name} must be on q's device {q.device}, got {weight.device}")
     if not (math.isfinite(head_norm.eps) and head_norm.eps >= 0):
         raise ValueError(f"head_norm.eps must be finite and >= 0, got {head_norm.eps}")
+
+
+def check_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   inv_freq: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   head_norm: Optional[HeadNorm]) -> tuple[int, int, int, int]:
+    """`rotary_embedding_store_kv`'s operands checked (also the checks of the decode attention
+    that rotates, layers/kernels/triton_rotary_decode_attention.py): ValueError naming the
+    operand; returns ``(T, head_dim, heads, kv_heads)``."""
+    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v must match k's shape and dtype {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
+    _check_rows("v", v, tokens, head_dim)
+    _check_index("slot_mapping", slot_mapping, tokens)
+    _check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
+    _check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
+    if head_norm is not None:
+        _check_head_norm(head_norm, q, head_dim)
+    return tokens, head_dim, heads, kv_heads
 
 
 def _launch(positions: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -244,7 +262,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
     ``q_out``/``k_out``: where to write (same shape and dtype; may be q and k for an in-place
     rotation); new contiguous tensors when None. Launches one kernel; no host sync."""
-    tokens, head_dim, heads, kv_heads = check_qk(positions, q, k, inv_freq)
+    tokens, head_dim, heads, kv_heads = _check_qk(positions, q, k, inv_freq)
     q_out, k_out = _output("q_out", q_out, q, head_dim), _output("k_out", k_out, k, head_dim)
     if tokens:
         _launch(positions, inv_freq, positions, q, k, k, q_out, k_out, k_out, heads, kv_heads, head_dim, store_kv=False)
@@ -269,15 +287,8 @@ def rotary_embedding_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     twice, such as a padding slot, ends up with one of its tokens' values, as with index_copy_).
     Returns the rotated q: ``q_out`` (may be q itself for an in-place rotation), or a new
     contiguous tensor when None. Launches one kernel; no host sync."""
-    tokens, head_dim, heads, kv_heads = check_qk(positions, q, k, inv_freq)
-    if v.shape != k.shape or v.dtype != k.dtype:
-        raise ValueError(f"v must match k's shape and dtype {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
-    check_rows("v", v, tokens, head_dim)
-    check_index("slot_mapping", slot_mapping, tokens)
-    check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
-    check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
-    if head_norm is not None:
-        check_head_norm(head_norm, q, head_dim)
+    tokens, head_dim, heads, kv_heads = check_store_kv(positions, q, k, v, inv_freq, slot_mapping, k_cache, v_cache,
+                                                       head_norm)
     q_out = _output("q_out", q_out, q, head_dim)
     if tokens:
         _launch(positions, inv_freq, slot_mapping, q, k, v, q_out, k_cache, v_cache, heads, kv_heads, head_dim,

@@ -43,11 +43,10 @@ import triton.language as tl
 
 from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.kernels import pdl
-from arfusion.layers.kernels import triton_rotary as rotary
 from arfusion.layers.kernels.triton_decode_attention import (NUM_STAGES, NUM_WARPS, attend_keys, check_operands, check_sinks,
                                                              chunk_bounds, combine, dot_precision, group_pad,
                                                              plan_splits, write_split)
-from arfusion.layers.kernels.triton_rotary import normed_rotation
+from arfusion.layers.kernels.triton_rotary import check_store_kv, normed_rotation
 from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 
@@ -127,17 +126,10 @@ def decode_attention_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     `triton_decode_attention.decode_attention` takes them. Writes the new keys and values
     into the caches at ``slot_mapping`` (in place) and returns a new ``[B, H, d]`` of q's
     dtype. The checks are the two launches' own: ValueError naming the operand."""
-    batch, head_dim, heads, kv_heads = rotary.check_qk(positions, q, k, inv_freq)
-    if v.shape != k.shape or v.dtype != k.dtype:
-        raise ValueError(f"v must match k's shape and dtype {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
-    rotary.check_rows("v", v, batch, head_dim)
-    rotary.check_index("slot_mapping", slot_mapping, batch)
-    if head_norm is not None:
-        rotary.check_head_norm(head_norm, q, head_dim)
-    q_heads = q.view(batch, heads, head_dim) if q.is_contiguous() else q.unflatten(1, (heads, head_dim))
+    batch, head_dim, heads, kv_heads = check_store_kv(positions, q, k, v, inv_freq, slot_mapping, k_cache, v_cache,
+                                                      head_norm)
+    q_heads = q.unflatten(1, (heads, head_dim))
     check_operands(q_heads, k_cache, v_cache, req_to_token, seq_lens, row_ids)
-    rotary.check_cache("k_cache", k_cache, kv_heads, head_dim, k.dtype)
-    rotary.check_cache("v_cache", v_cache, kv_heads, head_dim, k.dtype)
     check_sinks(sinks, heads, q.device, window)
     context = req_to_token.shape[1]
     plan = plan_splits(q_heads, kv_heads, context, num_splits, block, None)
