@@ -43,9 +43,15 @@ def _block_results(rank: int, world: int, mxfp4: bool) -> dict:
     with torch.no_grad():
         block.router.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=g) / HIDDEN ** 0.5)
         block.router.bias.copy_(torch.randn(EXPERTS, generator=g) * 0.1)
-        for name in ("w13_weight", "w2_weight"):  # bf16 form: activations of order one, as in the model
+        # activations of order one, as in the model: bf16-form weights x 0.05, MXFP4 scales / 16
+        # (at fill_experts' scales the outputs' RMS is about 400, where a change in the order of
+        # the fp32 sums alone puts near-zero elements outside the bf16 tolerance)
+        for name in ("w13_weight", "w2_weight"):
             if hasattr(block.experts, name):
                 getattr(block.experts, name).mul_(0.05)
+        for name in ("w13_scales", "w2_scales"):
+            if hasattr(block.experts, name):
+                getattr(block.experts, name).sub_(4)
     h = torch.randn(max(TOKENS), HIDDEN, generator=g).bfloat16().cuda()
     out: dict = {"graph": {}, "us": {}}
     with torch.no_grad():
@@ -82,7 +88,9 @@ FORMS = pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "bf16form"
 @pytest.mark.parametrize("tokens", TOKENS[:-1])
 def test_a_token_has_the_same_bits_in_every_batch(mxfp4, tokens):
     rows = results(mxfp4)["rows"]
-    assert torch.equal(rows[tokens], rows[max(TOKENS)][:tokens]), tokens
+    differing = rows[tokens] != rows[max(TOKENS)][:tokens]
+    assert not differing.any(), (f"{int(differing.sum())} of {differing.numel()} elements differ, in tokens "
+                                 f"{differing.any(-1).nonzero().flatten().tolist()}")
 
 
 @FORMS
