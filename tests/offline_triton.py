@@ -28,14 +28,18 @@ class RecordedKernel:
 
 
 def compiled_asm(fn: Any, args: tuple, kwargs: dict, target: GPUTarget = SM90) -> dict[str, Any]:
-    """The stages (``"ttgir"``, ``"ptx"``, ...) of ``fn`` launched with ``args`` / ``kwargs``
+    """The stages (``"ttgir"``, ``"ptx"``, ...) of ``fn`` (``@triton.jit`` or ``@gluon.jit``) launched
+    with ``args`` / ``kwargs``
     (tensors may live on the CPU: only their dtypes and the alignment of their addresses matter),
     compiled for ``target``."""
     backend = make_backend(target)
     kwargs = {**kwargs, "debug": False}
     bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit function
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm
 
 
 def ttgir(fn: Any, args: tuple, kwargs: dict, target: GPUTarget = SM90) -> str:

@@ -43,10 +43,9 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _variant_rank(rank, world, mxfp4, variant):
     from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig, gpt_oss_experts_triton
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import Mxfp4MoEConfig
     from tests.test_gpt_oss_moe_triton import fill_experts
 
-    config = Mxfp4MoEConfig(**VARIANTS[variant])
     experts = GptOssExperts(8, 2880, 2880, 1.702, 7.0, mxfp4, torch.bfloat16, None)
     fill_experts(experts, 7)
     experts.cuda()
@@ -54,6 +53,16 @@ def _variant_rank(rank, world, mxfp4, variant):
         for name in ("w13_weight", "w2_weight"):
             if hasattr(experts, name):
                 getattr(experts, name).mul_(0.05)
+    return config_results(experts, Mxfp4MoEConfig(**VARIANTS[variant]), TOKENS)
+
+
+def config_results(experts, config, tokens_list: tuple[int, ...]) -> dict:
+    """``config`` on ``experts`` (8 experts on the GPU, top-4, seeded random bf16 activations and
+    routing): ``error`` (relative RMS against `GptOssExperts.forward_torch`) and ``deterministic``
+    (two eager calls equal) by token count, ``graph`` (a CUDA graph captured at 8 tokens and
+    replayed with new routing and activations gives the eager bits)."""
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+
     g = torch.Generator().manual_seed(11)
 
     def inputs(tokens):
@@ -62,7 +71,7 @@ def _variant_rank(rank, world, mxfp4, variant):
         return x, torch.softmax(torch.randn(tokens, 4, generator=g), -1).cuda(), ids
 
     out = {"error": {}, "deterministic": {}}
-    for tokens in TOKENS:
+    for tokens in tokens_list:
         x, weights, ids = inputs(tokens)
         fast = gpt_oss_experts_triton(x, experts, weights, ids, config)
         out["error"][tokens] = _rel_rms(fast, experts.forward_torch(x, weights, ids))

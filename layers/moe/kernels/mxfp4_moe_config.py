@@ -18,7 +18,10 @@ class Mxfp4MoEConfig:
     ``num_warps_down`` / ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector
     launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
-    ``word_decode`` and the stages unused, no K splits)."""
+    ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
+    layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
+    blocks of ``block_m`` = 8, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
+    ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused)."""
 
     block_m: int
     block_n_gate_up: int
@@ -33,6 +36,7 @@ class Mxfp4MoEConfig:
     num_warps_down: int = 0
     num_stages_down: int = 0
     gemv: bool = False
+    tensor_cores: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -129,7 +133,7 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         value = getattr(cfg, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    if not cfg.swap and not cfg.gemv and cfg.block_m < 16:
+    if not cfg.swap and not cfg.gemv and not cfg.tensor_cores and cfg.block_m < 16:
         raise ValueError(f"block_m below 16 ({cfg.block_m}) needs swap=True (the token rows are the MMA's M side)")
     if cfg.split_k_down < 1:
         raise ValueError(f"split_k_down must be at least 1, got {cfg.split_k_down}")
@@ -138,8 +142,25 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
+    if cfg.tensor_cores:
+        _check_tensor_cores(cfg, mxfp4)
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:
             raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"
                              f"{', word decoder' if mxfp4 and cfg.word_decode else ''}), got {getattr(cfg, name)}")
+
+
+def _check_tensor_cores(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
+    """ValueError naming what a ``tensor_cores`` configuration (`Mxfp4MoEConfig`) may not have."""
+    if not mxfp4:
+        raise ValueError("tensor_cores takes MXFP4 weights only")
+    if cfg.gemv or cfg.swap or cfg.word_decode or cfg.split_k_down != 1:
+        raise ValueError("tensor_cores has no gemv, swap, word_decode or K splits")
+    if cfg.block_k_gate_up > 128 or cfg.block_k_down > 128:
+        raise ValueError("tensor_cores takes K steps of 32, 64 or 128 (a thread's words within one scale group)")
+    if cfg.block_m != 8:
+        raise ValueError(f"tensor_cores groups rows in blocks of 8 (block_m must be 8), got {cfg.block_m}")
+    for name, warps in (("block_n_gate_up", cfg.num_warps), ("block_n_down", cfg.num_warps_down or cfg.num_warps)):
+        if getattr(cfg, name) % (16 * warps):
+            raise ValueError(f"{name} must be a multiple of 16 x its {warps} warps, got {getattr(cfg, name)}")

@@ -16,7 +16,8 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only. A configuration with
 ``gemv`` (MXFP4 at decode sizes, `experts_block_config`) runs launches 1 and 2 as matrix-vector
 products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert) and
-shares launch 3 with S = 1.
+shares launch 3 with S = 1; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
+decoded into the MMA's registers (layers/moe/kernels/gluon_mxfp4_experts.py), also with S = 1.
 
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
 operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
@@ -285,6 +286,8 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     check_config(cfg, experts.mxfp4)
     if cfg.gemv:
         partial = gemv_partials(x, experts, topk_ids, cfg)
+    elif cfg.tensor_cores:
+        partial = _tensor_core_partials(x, experts, topk_ids, cfg)
     else:
         partial = _grouped_partials(x, experts, topk_ids, cfg)
     out = x.new_empty(tokens, hidden)
@@ -292,6 +295,19 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
         out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, num_warps=4)
     return out
+
+
+def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:
+    """Launches 1 and 2 on tensor cores (layers/moe/kernels/gluon_mxfp4_experts.py): fp32 ``[1, T *
+    k, H]``; ValueError naming what they cannot take."""
+    from arfusion.layers.moe.kernels.gluon_mxfp4_experts import tensor_core_partials, tensor_core_refusal
+
+    refusal = tensor_core_refusal(x, experts, cfg)
+    if refusal is not None:
+        raise ValueError(f"Mxfp4MoEConfig.tensor_cores: {refusal}")
+    num_slots = topk_ids.numel()
+    align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
+    return tensor_core_partials(x, experts, topk_ids, align(topk_ids, experts.num_experts, cfg.block_m), cfg)
 
 
 def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:

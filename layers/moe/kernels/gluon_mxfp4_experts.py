@@ -1,0 +1,232 @@
+"""gpt-oss's MXFP4 experts for decode-sized batches on tensor cores (`Mxfp4MoEConfig.tensor_cores`),
+written in Gluon, triton's dialect with explicit layouts. The math is the grouped launches'
+(layers/moe/kernels/triton_mxfp4_moe.py, whose combine launch follows these two), rows grouped
+by expert (layers/moe/align.py) in blocks of ``BLOCK_T`` = 8 rows:
+
+    launch 1  block b of expert e, rows r (slots s = sorted_slots[r], token t = s // k):
+              gate = round(x[t] . W_gate[e, n] + b_gate[e, n]), up alike     one fp32 accumulator
+              act[r, n] = round((clamp(up, -L, L) + 1) * g * sigmoid(alpha * g))  each, rounded to
+              with g = clamp(gate, max=L)                                    the dtype
+    launch 2  p[s, n] = act[r] . W_down[e, n] (+ b_down[e, n] on rank 0)     fp32, to a scratch row
+
+Each program computes ``W[e, n0 : n0 + BLOCK_N] @ x[rows]^T`` with mma.sync (m16n8k16, bf16
+inputs, fp32 accumulation): the weight rows are the A operand (M side), the block's 8 rows of
+activations the B operand (N side). The A operand never leaves registers: of each K step
+(``BLOCK_K`` = 32 J columns, J = 1, 2 or 4) a thread loads a run of J consecutive 32-bit words of
+a row (all in one scale group of 32 codes, four words) and decodes each word into four bf16x2
+registers of mma.sync's A-operand layout (``k_width`` 8):
+
+    pair q of a word w (q = 0..3) = bf16 codes of nibbles q (low half) and q + 4 (high half):
+        ((w << (6 - 4q)) & 0x01C001C0) | ((w << (12 - 4q)) & 0x80008000)
+    that is the code's magnitude bits at 6..8 and its sign at 15: as a bf16 number the code's
+    e2m1 value times 2^-126 (the e2m1 subnormal 0.5 a bf16 subnormal), then one
+    ``mul.rn.bf16x2`` by the bf16 2^(scale - 1): the weight code * 2^(scale - 127), exact.
+
+So a thread's eight k of a word arrive in the order q, q + 4 (q = 0..3), and lane p (of the four
+that share a row) holds words p J .. p J + J - 1 where the operand layout expects words p, p + 4,
+.., p + 4 (J - 1): the dot's
+order of k is a fixed permutation of the columns, and the activations are loaded in the same
+permuted order (16-byte loads, then a register permutation). Every output is one fp32
+accumulator over K in a fixed order. Why Gluon: in Triton the decoded tile's layout is the
+compiler's choice, and moving it into the dot operand's layout went through shared memory every
+K step (a Triton variant of this measured slower than the CUDA-core launches: docs/notes.md).
+
+Limits (`tensor_core_refusal`): MXFP4 weights; K (hidden, and this rank's intermediate size) a
+multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128, checked once per experts
+object outside CUDA-graph capture: the bf16 factor 2^(scale - 1) must exist). Output rows past N
+load row N - 1 and are not stored. Deterministic run to run; a row's result does not depend on the
+other rows of its block. Launch sizes depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from arfusion.layers.moe.align import ExpertBlocks
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # triton without Gluon: `tensor_core_refusal` says so
+    gluon = None
+
+BLOCK_T = 8  # rows of activations a block (the MMA's N side)
+MAX_SCALE = 128  # the largest scale byte the decoder's bf16 factor 2^(scale - 1) can hold
+
+
+def tensor_core_refusal(x: torch.Tensor, experts, cfg) -> Optional[str]:
+    """Why these launches cannot run ``experts`` (a `GptOssExperts`) on ``x`` with ``cfg``, or
+    None (module docstring's limits). Reads the scales' maximum back to the host once per experts
+    object."""
+    if gluon is None:
+        return "this triton has no Gluon (triton.experimental.gluon)"
+    if not experts.mxfp4:
+        return "the tensor-core launches take MXFP4 weights only"
+    if x.dtype != torch.bfloat16:
+        return f"the tensor-core launches take bf16 activations, got {x.dtype}"
+    hidden, inter = experts.hidden_size, experts.local
+    for name, size, block in (("hidden size", hidden, cfg.block_k_gate_up), ("intermediate size", inter,
+                                                                              cfg.block_k_down)):
+        if size % block:
+            return f"the {name} {size} is not a multiple of the K step {block}"
+    top = getattr(experts, "_tensor_core_max_scale", None)
+    if top is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return "the scales' maximum is checked by an eager call before a CUDA graph captures these launches"
+        top = int(max(experts.w13_scales.max(), experts.w2_scales.max()))
+        experts._tensor_core_max_scale = top
+    if top > MAX_SCALE:
+        return f"a scale of 2^{top - 127} exceeds the decoder's 2^{MAX_SCALE - 127}"
+    return None
+
+
+if gluon is not None:
+    ROWS = gl.constexpr(BLOCK_T)
+    DECODE = gl.constexpr("""{
+    .reg .b32 a, b;
+    shl.b32 a, $4, 6; shl.b32 b, $4, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+    mul.rn.bf16x2 $0, a, $5;
+    shl.b32 a, $4, 2; shl.b32 b, $4, 8; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+    mul.rn.bf16x2 $1, a, $5;
+    shr.b32 a, $4, 2; shl.b32 b, $4, 4; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+    mul.rn.bf16x2 $2, a, $5;
+    shr.b32 a, $4, 6; and.b32 a, a, 0x01C001C0; and.b32 b, $4, 0x80008000; or.b32 a, a, b;
+    mul.rn.bf16x2 $3, a, $5;
+    }""")
+
+    @gluon.constexpr_function
+    def _layouts(num_warps, block_n, block_k):
+        """(words ``[BLOCK_N, 4 (p), J]``, activations ``[4 (p), J, 8 (k in a word), 8 (row)]``),
+        J = BLOCK_K / 32: the registers, lanes and warps of mma.sync's operands (module docstring)."""
+        steps = block_k // 32
+        words = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 2 ** i] for i in range(steps.bit_length() - 1)] + [[8, 0, 0]]
+            + [[16 * num_warps * 2 ** i, 0, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16 * 2 ** i, 0, 0] for i in range(num_warps.bit_length() - 1)], block_bases=[],
+            shape=[block_n, 4, steps])
+        acts = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + [[0, 2 ** i, 0, 0] for i in range(steps.bit_length() - 1)],
+            lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
+            warp_bases=[[0, 0, 0, 0] for _ in range(num_warps.bit_length() - 1)], block_bases=[], shape=[4, steps, 8, BLOCK_T])
+        return words, acts
+
+    @gluon.jit
+    def _as_bf16(pairs):
+        """uint32 bf16 pairs ``[...]`` -> bf16 ``[..., 2]``, the low half first (no instruction)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(pairs, pairs)], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _weights(w_ptr, s_ptr, rows, k0, stride_wn, stride_sn, WORDS: gl.constexpr, A: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The bf16 weights of ``rows`` over columns k0 .. k0 + BLOCK_K - 1, ``[BLOCK_N, BLOCK_K]``
+        in layout A, k in the permuted order (module docstring)."""
+        steps: gl.constexpr = BLOCK_K // 32
+        p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
+        j = gl.arange(0, steps, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
+        run = gl.max_contiguous(gl.multiple_of(p[None, :, None] * steps + j[None, None, :], [1, 1, steps]),
+                                [1, 1, steps])
+        words = gl.load(w_ptr.to(gl.pointer_type(gl.uint32)) + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + run)
+        rows2 = gl.convert_layout(rows, gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
+        # thread p's words p J .. p J + J - 1 lie in scale group (p J) / 4 of the step (J <= 4)
+        scale = gl.load(s_ptr + rows2[:, None] * stride_sn + k0 // 32 + (p * steps // 4)[None, :]).to(gl.uint32)
+        factor = ((scale + 126) << 7) * 0x10001  # bf16 2^(scale - 1), twice
+        factor = factor[:, :, None] + gl.zeros([BLOCK_N, 4, steps], gl.uint32, WORDS)
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [words, factor],
+                                                   dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
+                                                   pack=1)
+        tile = gl.join(gl.join(_as_bf16(p0), _as_bf16(p1)), gl.join(_as_bf16(p2), _as_bf16(p3)))  # [N, 4, J, h, b, c]
+        tile = gl.permute(tile, [0, 2, 1, 5, 4, 3])  # [N, J, p, c, b, h]: k = 8 (4 j + p) + 2 (2 c + b) + h
+        return gl.convert_layout(gl.reshape(tile, [BLOCK_N, BLOCK_K]), A)
+
+    @gluon.jit
+    def _experts_kernel(x_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+                        num_slots, K, N, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+                        stride_be, stride_out, TOPK: gl.constexpr, GATE_UP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Program (block of rows, BLOCK_N output rows): GATE_UP, launch 1 (x the activations by
+        token, ``out`` act by sorted row); else launch 2 (x act by sorted row, ``out`` fp32 by
+        slot, the bias when HAS_BIAS)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+        WORDS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K)[0]
+        ACTS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K)[1]
+        steps: gl.constexpr = BLOCK_K // 32
+        pid = gl.program_id(0)
+        num_n = gl.cdiv(N, BLOCK_N)
+        block = pid // num_n
+        if block * ROWS < gl.load(num_rows_ptr):
+            expert = gl.load(block_expert_ptr + block).to(gl.int64)
+            w_e = w_ptr + expert * stride_we
+            s_e = s_ptr + expert * stride_se
+            n0 = (pid % num_n) * BLOCK_N
+            rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WORDS))), N - 1)
+            # the activations: [p, j, k in the word, row of the block], 16-byte runs by thread
+            xp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ACTS))))
+            xj = gl.arange(0, steps, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, ACTS))))
+            xk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ACTS))))
+            xr = block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2,
+                                                                                                              ACTS))))
+            x_slots = gl.load(sorted_slots_ptr + xr)
+            x_rows = x_slots // TOPK if GATE_UP else xr
+            run = gl.max_contiguous(gl.multiple_of(8 * steps * xp[:, None, None] + 8 * xj[None, :, None]
+                                                   + xk[None, None, :], [1, 1, 8]), [1, 1, 8])
+            x_ptrs = x_ptr + x_rows.to(gl.int64)[None, None, None, :] * stride_x + run[:, :, :, None]
+            x_mask = (x_slots < num_slots)[None, None, None, :] & (run >= 0)[:, :, :, None]
+            acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+            acc_up = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+            for k0 in range(0, K, BLOCK_K):
+                acts = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)  # k in the word: q + 4 h
+                acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, ROWS]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
+                acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, ROWS]), B)
+                acc = mma_v2(_weights(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K), acts, acc)
+                if GATE_UP:
+                    acc_up = mma_v2(_weights(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K),
+                                    acts, acc_up)
+            n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+            r = block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+            slots = gl.load(sorted_slots_ptr + r)
+            store = (n < N)[:, None] & (slots < num_slots)[None, :]
+            n_ld = gl.minimum(n, N - 1)
+            b_e = b_ptr + expert * stride_be
+            if GATE_UP:
+                gate = (acc + gl.load(b_e + n_ld).to(gl.float32)[:, None]).to(gl.bfloat16).to(gl.float32)
+                up = (acc_up + gl.load(b_e + N + n_ld).to(gl.float32)[:, None]).to(gl.bfloat16).to(gl.float32)
+                gate = gl.minimum(gate, limit)
+                up = gl.minimum(gl.maximum(up, -limit), limit)
+                act = (up + 1.0) * gate / (1.0 + gl.exp(-alpha * gate))
+                gl.store(out_ptr + r.to(gl.int64)[None, :] * stride_out + n[:, None], act.to(gl.bfloat16), mask=store)
+            else:
+                if HAS_BIAS:
+                    acc += gl.load(b_e + n_ld).to(gl.float32)[:, None]
+                gl.store(out_ptr + slots.to(gl.int64)[None, :] * stride_out + n[:, None], acc, mask=store)
+
+
+def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks, cfg) -> torch.Tensor:
+    """Launches 1 and 2 (module docstring) on ``blocks`` (rows grouped by expert in blocks of
+    `BLOCK_T`): fp32 ``[1, T * k, H]``, each slot's expert output before the combine. ``x`` bf16
+    ``[T, H]``; the caller has checked x, the routing, the config and `tensor_core_refusal`."""
+    tokens, top_k = topk_ids.shape
+    hidden, inter, num_slots = experts.hidden_size, experts.local, tokens * top_k
+    w13, s13, w2, s2 = experts.w13_blocks, experts.w13_scales, experts.w2_blocks, experts.w2_scales
+    act = x.new_empty(blocks.sorted_slots.shape[0], inter)
+    warps_down = cfg.num_warps_down or cfg.num_warps
+    _experts_kernel[(blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up),)](
+        x, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, w13, s13, experts.w13_bias, act, num_slots,
+        hidden, inter, experts.alpha, experts.limit, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), experts.w13_bias.stride(0), act.stride(0), TOPK=top_k, GATE_UP=True, HAS_BIAS=True,
+        BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, NUM_WARPS=cfg.num_warps, num_warps=cfg.num_warps)
+    partial = torch.empty(1, num_slots, hidden, dtype=torch.float32, device=x.device)
+    _experts_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
+        act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, w2, s2, experts.w2_bias, partial, num_slots,
+        inter, hidden, experts.alpha, experts.limit, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), experts.w2_bias.stride(0), partial.stride(1), TOPK=top_k, GATE_UP=False,
+        HAS_BIAS=experts.tp_rank == 0, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, NUM_WARPS=warps_down,
+        num_warps=warps_down)
+    return partial
