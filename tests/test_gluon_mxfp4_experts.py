@@ -7,7 +7,7 @@
   bit (signs, zeros and the e2m1 subnormal 0.5 included); the kernel's integer factor
   ``((scale + 126) << 7) * 0x10001`` is bf16 2^(scale - 1) twice;
 - compiled for sm90 (tests/offline_triton.py) at gpt-oss-20b's expert shapes at TP1, TP2 and
-  TP4 and with K steps of 128, both launches take mma.sync m16n8k16 with bf16 operands and ``mul.rn.bf16x2``, and touch
+  TP4, with K steps of 128 and with blocks of 32 and 64 rows, both launches take mma.sync m16n8k16 with bf16 operands and ``mul.rn.bf16x2``, and touch
   no shared or local memory: the decoded weights go from the loads to the MMA in registers;
 - `Mxfp4MoEConfig` refuses what the launches cannot take, and `tensor_core_refusal` names
   bf16-form weights, other activations than bf16, a K that is not a multiple of the K step and
@@ -97,11 +97,13 @@ def _stand_in_experts(inter: int) -> SimpleNamespace:
 
 
 # gpt-oss-20b's experts at TP1, TP2 and TP4 (MXFP4 shares padded to whole groups of 32), and an
-# intermediate size of 3072 for the down launch's K steps of 128
+# intermediate size of 3072 for the down launch's K steps of 128; blocks of 8, 32 and 64 rows
 SHAPES = {"tp1": (2880, dict(TILES)),
           "tp2": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2)),
           "tp4": (736, dict(TILES, block_n_gate_up=32, block_k_down=32, num_warps=2)),
-          "k128": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128))}
+          "k128": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128)),
+          "m32": (2880, dict(TILES, block_m=32)), "m64": (2880, dict(TILES, block_m=64, num_warps=8, block_n_gate_up=128,
+                                                                     block_n_down=128))}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -132,7 +134,7 @@ def test_sm90_both_launches_keep_the_decoded_weights_in_registers(shape, monkeyp
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("block_m", 16, "block_m must be 8"), ("swap", True, "no gemv, swap"), ("word_decode", True, "no gemv, swap"),
+    ("block_m", 4, "blocks of 8 to 64"), ("block_m", 128, "blocks of 8 to 64"), ("swap", True, "no gemv, swap"), ("word_decode", True, "no gemv, swap"),
     ("split_k_down", 2, "no gemv, swap"), ("gemv", True, "no gemv, swap"), ("block_n_gate_up", 32, "multiple of 16 x"),
     ("block_k_down", 256, "K steps of 32, 64 or 128"),
 ])

@@ -1,7 +1,7 @@
 """gpt-oss's MXFP4 experts for decode-sized batches on tensor cores (`Mxfp4MoEConfig.tensor_cores`),
 written in Gluon, triton's dialect with explicit layouts. The math is the grouped launches'
 (layers/moe/kernels/triton_mxfp4_moe.py, whose combine launch follows these two), rows grouped
-by expert (layers/moe/align.py) in blocks of ``BLOCK_T`` = 8 rows:
+by expert (layers/moe/align.py) in blocks of ``block_m`` rows (8 to 64):
 
     launch 1  block b of expert e, rows r (slots s = sorted_slots[r], token t = s // k):
               gate = round(x[t] . W_gate[e, n] + b_gate[e, n]), up alike     one fp32 accumulator
@@ -10,9 +10,9 @@ by expert (layers/moe/align.py) in blocks of ``BLOCK_T`` = 8 rows:
     launch 2  p[s, n] = act[r] . W_down[e, n] (+ b_down[e, n] on rank 0)     fp32, to a scratch row
 
 Each program computes ``W[e, n0 : n0 + BLOCK_N] @ x[rows]^T`` with mma.sync (m16n8k16, bf16
-inputs, fp32 accumulation): the weight rows are the A operand (M side), the block's 8 rows of
-activations the B operand (N side). The A operand never leaves registers: of each K step
-(``BLOCK_K`` = 32 J columns, J = 1, 2 or 4) a thread loads a run of J consecutive 32-bit words of
+inputs, fp32 accumulation): the weight rows are the A operand (M side), the block's rows of
+activations the B operand (N side, eight a tile). The A operand never leaves registers: of each
+K step (``BLOCK_K`` = 32 J columns, J = 1, 2 or 4) a thread loads a run of J consecutive 32-bit words of
 a row (all in one scale group of 32 codes, four words) and decodes each word into four bf16x2
 registers of mma.sync's A-operand layout (``k_width`` 8):
 
@@ -53,7 +53,6 @@ try:
 except ImportError:  # triton without Gluon: `tensor_core_refusal` says so
     gluon = None
 
-BLOCK_T = 8  # rows of activations a block (the MMA's N side)
 MAX_SCALE = 128  # the largest scale byte the decoder's bf16 factor 2^(scale - 1) can hold
 
 
@@ -84,7 +83,6 @@ def tensor_core_refusal(x: torch.Tensor, experts, cfg) -> Optional[str]:
 
 
 if gluon is not None:
-    ROWS = gl.constexpr(BLOCK_T)
     DECODE = gl.constexpr("""{
     .reg .b32 a, b;
     shl.b32 a, $4, 6; shl.b32 b, $4, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 a, a, b;
@@ -98,8 +96,8 @@ if gluon is not None:
     }""")
 
     @gluon.constexpr_function
-    def _layouts(num_warps, block_n, block_k):
-        """(words ``[BLOCK_N, 4 (p), J]``, activations ``[4 (p), J, 8 (k in a word), 8 (row)]``),
+    def _layouts(num_warps, block_n, block_k, block_m):
+        """(words ``[BLOCK_N, 4 (p), J]``, activations ``[4 (p), J, 8 (k in a word), BLOCK_M (row)]``),
         J = BLOCK_K / 32: the registers, lanes and warps of mma.sync's operands (module docstring)."""
         steps = block_k // 32
         words = gl.DistributedLinearLayout(
@@ -109,9 +107,10 @@ if gluon is not None:
             warp_bases=[[16 * 2 ** i, 0, 0] for i in range(num_warps.bit_length() - 1)], block_bases=[],
             shape=[block_n, 4, steps])
         acts = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + [[0, 2 ** i, 0, 0] for i in range(steps.bit_length() - 1)],
+            reg_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]] + [[0, 2 ** i, 0, 0] for i in range(steps.bit_length() - 1)]
+            + [[0, 0, 0, 8 * 2 ** i] for i in range((block_m // 8).bit_length() - 1)],
             lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
-            warp_bases=[[0, 0, 0, 0] for _ in range(num_warps.bit_length() - 1)], block_bases=[], shape=[4, steps, 8, BLOCK_T])
+            warp_bases=[[0, 0, 0, 0] for _ in range(num_warps.bit_length() - 1)], block_bases=[], shape=[4, steps, 8, block_m])
         return words, acts
 
     @gluon.jit
@@ -147,7 +146,8 @@ if gluon is not None:
     def _experts_kernel(x_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                         num_slots, K, N, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                         stride_be, stride_out, TOPK: gl.constexpr, GATE_UP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
         """Program (block of rows, BLOCK_N output rows): GATE_UP, launch 1 (x the activations by
         token, ``out`` act by sorted row); else launch 2 (x act by sorted row, ``out`` fp32 by
         slot, the bias when HAS_BIAS)."""
@@ -155,13 +155,13 @@ if gluon is not None:
                                                       instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-        WORDS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K)[0]
-        ACTS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K)[1]
+        WORDS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K, BLOCK_M)[0]
+        ACTS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, BLOCK_K, BLOCK_M)[1]
         steps: gl.constexpr = BLOCK_K // 32
         pid = gl.program_id(0)
         num_n = gl.cdiv(N, BLOCK_N)
         block = pid // num_n
-        if block * ROWS < gl.load(num_rows_ptr):
+        if block * BLOCK_M < gl.load(num_rows_ptr):
             expert = gl.load(block_expert_ptr + block).to(gl.int64)
             w_e = w_ptr + expert * stride_we
             s_e = s_ptr + expert * stride_se
@@ -171,7 +171,7 @@ if gluon is not None:
             xp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ACTS))))
             xj = gl.arange(0, steps, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, ACTS))))
             xk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, ACTS))))
-            xr = block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2,
+            xr = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2,
                                                                                                               ACTS))))
             x_slots = gl.load(sorted_slots_ptr + xr)
             x_rows = x_slots // TOPK if GATE_UP else xr
@@ -179,18 +179,18 @@ if gluon is not None:
                                                    + xk[None, None, :], [1, 1, 8]), [1, 1, 8])
             x_ptrs = x_ptr + x_rows.to(gl.int64)[None, None, None, :] * stride_x + run[:, :, :, None]
             x_mask = (x_slots < num_slots)[None, None, None, :] & (run >= 0)[:, :, :, None]
-            acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
-            acc_up = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             for k0 in range(0, K, BLOCK_K):
                 acts = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)  # k in the word: q + 4 h
-                acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, ROWS]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
-                acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, ROWS]), B)
+                acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, BLOCK_M]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
+                acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
                 acc = mma_v2(_weights(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K), acts, acc)
                 if GATE_UP:
                     acc_up = mma_v2(_weights(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K),
                                     acts, acc_up)
             n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-            r = block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+            r = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             slots = gl.load(sorted_slots_ptr + r)
             store = (n < N)[:, None] & (slots < num_slots)[None, :]
             n_ld = gl.minimum(n, N - 1)
@@ -210,7 +210,7 @@ if gluon is not None:
 
 def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks, cfg) -> torch.Tensor:
     """Launches 1 and 2 (module docstring) on ``blocks`` (rows grouped by expert in blocks of
-    `BLOCK_T`): fp32 ``[1, T * k, H]``, each slot's expert output before the combine. ``x`` bf16
+    ``cfg.block_m``): fp32 ``[1, T * k, H]``, each slot's expert output before the combine. ``x`` bf16
     ``[T, H]``; the caller has checked x, the routing, the config and `tensor_core_refusal`."""
     tokens, top_k = topk_ids.shape
     hidden, inter, num_slots = experts.hidden_size, experts.local, tokens * top_k
@@ -221,12 +221,13 @@ def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, block
         x, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, w13, s13, experts.w13_bias, act, num_slots,
         hidden, inter, experts.alpha, experts.limit, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), experts.w13_bias.stride(0), act.stride(0), TOPK=top_k, GATE_UP=True, HAS_BIAS=True,
-        BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, NUM_WARPS=cfg.num_warps, num_warps=cfg.num_warps)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, NUM_WARPS=cfg.num_warps,
+        num_warps=cfg.num_warps)
     partial = torch.empty(1, num_slots, hidden, dtype=torch.float32, device=x.device)
     _experts_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
         act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, w2, s2, experts.w2_bias, partial, num_slots,
         inter, hidden, experts.alpha, experts.limit, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1), experts.w2_bias.stride(0), partial.stride(1), TOPK=top_k, GATE_UP=False,
-        HAS_BIAS=experts.tp_rank == 0, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, NUM_WARPS=warps_down,
-        num_warps=warps_down)
+        HAS_BIAS=experts.tp_rank == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
+        NUM_WARPS=warps_down, num_warps=warps_down)
     return partial

@@ -20,7 +20,7 @@ class Mxfp4MoEConfig:
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
     ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
-    blocks of ``block_m`` = 8, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
+    blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
     ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused)."""
 
     block_m: int
@@ -159,8 +159,8 @@ def _check_tensor_cores(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         raise ValueError("tensor_cores has no gemv, swap, word_decode or K splits")
     if cfg.block_k_gate_up > 128 or cfg.block_k_down > 128:
         raise ValueError("tensor_cores takes K steps of 32, 64 or 128 (a thread's words within one scale group)")
-    if cfg.block_m != 8:
-        raise ValueError(f"tensor_cores groups rows in blocks of 8 (block_m must be 8), got {cfg.block_m}")
+    if not 8 <= cfg.block_m <= 64:
+        raise ValueError(f"tensor_cores groups rows in blocks of 8 to 64 (block_m), got {cfg.block_m}")
     for name, warps in (("block_n_gate_up", cfg.num_warps), ("block_n_down", cfg.num_warps_down or cfg.num_warps)):
         if getattr(cfg, name) % (16 * warps):
             raise ValueError(f"{name} must be a multiple of 16 x its {warps} warps, got {getattr(cfg, name)}")
