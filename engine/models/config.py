@@ -68,6 +68,7 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit
     expert_format: str = "bf16"  # the checkpoint's experts: EXPERT_FORMATS
     keep_mxfp4: bool = False  # mxfp4 experts stay mxfp4 in memory (a weight-only MXFP4 MoE) instead of bf16
+    mxfp4_tensor_cores: bool = False  # kept mxfp4 experts run on the tensor-core launches (gluon_mxfp4_experts.py)
     norm_into_qkv: bool = False  # at TP1 a decode batch's input norm runs inside the q/k/v launch (layers/pending_norm.py)
     norm_into_route: bool = False  # at TP1 a decode batch's post-attention norm runs inside a MoE routing launch (the same)
     rotary_into_attention: bool = False  # a decode batch's rotary + KV write run inside its attention launch (layers/rotary_attention.py)
@@ -96,6 +97,8 @@ class ModelConfig:
             raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         if self.keep_mxfp4 and self.expert_format != "mxfp4":
             raise ValueError("keep_mxfp4 needs a checkpoint whose experts are mxfp4")
+        if self.mxfp4_tensor_cores and not self.keep_mxfp4:
+            raise ValueError("mxfp4_tensor_cores needs the mxfp4 experts kept (keep_mxfp4)")
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:

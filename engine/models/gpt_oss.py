@@ -66,7 +66,7 @@ class GptOssAttention(LlamaAttention):
 def gpt_oss_moe(config: ModelConfig, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
     return GptOssMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                           config.moe_intermediate_size, config.swiglu_alpha, config.swiglu_limit, config.keep_mxfp4,
-                          dtype, device)
+                          dtype, device, tensor_cores=config.mxfp4_tensor_cores)
 
 
 def gpt_oss_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -54,7 +54,7 @@ class RunnerSettings:
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
-    mxfp4_experts: str = "auto"  # MXFP4 experts: "keep", "dequantize" or "auto" (`keep_mxfp4`)
+    mxfp4_experts: str = "auto"  # MXFP4 experts: "keep", "dequantize", "tensor-cores" or "auto" (`keep_mxfp4`)
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -88,10 +88,11 @@ def keep_mxfp4(choice: str, device: torch.device) -> bool:
     """Whether MXFP4 experts stay MXFP4 in memory: "keep", "dequantize", or "auto": keep on a
     GPU with triton, where the weight-only MXFP4 MoE kernel runs (a rank's share of an expert is
     padded to whole groups of 32 where I / tp is not: `layers.moe.gpt_oss_moe.rank_share`); the
-    CPU path dequantizes each expert at every use, so there it pays to dequantize once at load."""
+    CPU path dequantizes each expert at every use, so there it pays to dequantize once at load.
+    "tensor-cores" keeps them too (`ModelConfig.mxfp4_tensor_cores`)."""
     if choice == "auto":
         return device.type == "cuda" and triton_available()
-    return choice == "keep"
+    return choice in ("keep", "tensor-cores")
 
 
 def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device: torch.device,
@@ -114,10 +115,11 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 
 def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
-    """``config`` with the run's choices: ``keep_mxfp4`` for MXFP4 experts, ``norm_into_qkv``,
-    ``norm_into_route``, ``rotary_into_attention``."""
+    """``config`` with the run's choices: ``keep_mxfp4`` and ``mxfp4_tensor_cores`` for MXFP4
+    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``."""
     if config.expert_format == "mxfp4":
-        config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device))
+        config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device),
+                                     mxfp4_tensor_cores=settings.mxfp4_experts == "tensor-cores")
     folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention")
     return dataclasses.replace(config, **{name: True for name in folds if getattr(settings, name)})
 

@@ -96,12 +96,17 @@ def enter_model(stack: ExitStack, settings: RunnerSettings, group: TensorParalle
 def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup, dtype: torch.dtype,
           peers_done: Callable[[], None], startup: StartupContext) -> LoadedModel:
     """This rank's config, context length, fusion op and model with its weights. ValueError
-    (`ModelFileError` for the files) for a model that cannot run, or for ``settings.enable_pdl``
-    on a device where the kernels cannot launch with PDL (`layers.kernels.pdl.require_supported`)."""
+    (`ModelFileError` for the files) for a model that cannot run, for ``settings.enable_pdl``
+    on a device where the kernels cannot launch with PDL (`layers.kernels.pdl.require_supported`),
+    or for MXFP4 experts on tensor cores (``--mxfp4-experts tensor-cores``) without a GPU and
+    triton or in deterministic mode."""
     device = group.device
     if settings.enable_pdl:
         pdl.require_supported(device)
     config, weights = load_config_and_weights(settings, dtype, device, startup.parsed)
+    if config.mxfp4_tensor_cores and (device.type != "cuda" or not triton_available() or settings.fusion.deterministic):
+        raise ValueError("--mxfp4-experts tensor-cores runs the experts on a GPU with triton outside deterministic "
+                         "mode; here use keep or dequantize")
     requested = settings.context_length or config.max_position_embeddings  # cut to the KV cache by `kv_slots`
     if requested > config.max_position_embeddings:
         raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")

@@ -106,11 +106,17 @@ def rank_share(intermediate_size: int, tp_size: int, mxfp4: bool) -> int:
 
 class GptOssExperts(nn.Module):
     """``forward(x [T, H], weights fp32 [T, k], ids [T, k]) ->`` this rank's partial MoE output
-    (a new ``[T, H]``), module docstring. ``mxfp4``: keep the weights in MXFP4."""
+    (a new ``[T, H]``), module docstring. ``mxfp4``: keep the weights in MXFP4; ``tensor_cores``:
+    on a GPU outside batch-invariant mode, run them on the tensor-core launches at every batch
+    (`mxfp4_moe_config.tensor_core_config`; MXFP4 only)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
-                 mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+                 mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device],
+                 tensor_cores: bool = False) -> None:
         super().__init__()
+        if tensor_cores and not mxfp4:
+            raise ValueError("tensor_cores runs MXFP4 experts only: keep them in MXFP4")
+        self.tensor_cores = tensor_cores
         group = get_tp_group()
         self.tp_rank, self.tp_size = group.rank, group.world_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -214,10 +220,12 @@ class GptOssMoeBlock(nn.Module):
     the router's Triton launch runs: `TopKRouter.route_normed`) -> this rank's partial output."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, alpha: float,
-                 limit: float, mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
+                 limit: float, mxfp4: bool, dtype: Optional[torch.dtype], device: Optional[torch.device],
+                 tensor_cores: bool = False) -> None:
         super().__init__()
         self.router = GptOssRouter(hidden_size, num_experts, top_k, dtype, device)
-        self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha, limit, mxfp4, dtype, device)
+        self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha, limit, mxfp4, dtype, device,
+                                     tensor_cores)
 
     def forward(self, hidden_states: MlpInput) -> torch.Tensor:
         if hidden_states.__class__ is PendingNorm:

@@ -58,7 +58,8 @@ from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
 from arfusion.layers.moe.kernels.mxfp4_decode import (byte_halves, expert_weight_operands, fp16_half, load_words,
                                                       word_pairs)
-from arfusion.layers.moe.kernels.mxfp4_moe_config import Mxfp4MoEConfig, check_config, experts_block_config
+from arfusion.layers.moe.kernels.mxfp4_moe_config import (Mxfp4MoEConfig, check_config, experts_block_config,
+                                                             tensor_core_config)
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
@@ -282,6 +283,8 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
     deterministic = batch_invariant.enabled()
+    if config is None and getattr(experts, "tensor_cores", False) and not deterministic:
+        config = tensor_core_config(num_slots / num_experts, hidden, experts.local)
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
     check_config(cfg, experts.mxfp4)
     if cfg.gemv:

@@ -1,0 +1,123 @@
+"""``--mxfp4-experts tensor-cores``: gpt-oss's kept MXFP4 experts on the tensor-core launches
+(layers/moe/kernels/gluon_mxfp4_experts.py) at every batch, from the flag to the kernel choice:
+
+- ServerArgs takes it, and refuses it with ``--device cpu`` or ``--deterministic``;
+- the runner's settings keep the experts in MXFP4 and mark the config (`ModelConfig.mxfp4_tensor_cores`,
+  which needs them kept); a GptOssExperts in bf16 form refuses ``tensor_cores``;
+- a runner on the CPU refuses it at start-up (a tiny gpt-oss MXFP4 checkpoint), naming the flag;
+- `tensor_core_config` gives valid tiles at gpt-oss's shapes (TP1, TP2, TP4) for every rows per
+  expert, K steps that divide K, blocks that hold the mean rows per expert;
+- `gpt_oss_experts_triton` (its launches recorded, nothing run) takes those tiles for experts
+  marked ``tensor_cores`` and the grouped batch-invariant tiles in batch-invariant mode.
+"""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from arfusion.engine.models.config import ModelConfig
+from arfusion.engine.runtime.model_runner import RunnerSettings, _run_form, keep_mxfp4
+from arfusion.layers import batch_invariant
+from arfusion.layers.moe.kernels.mxfp4_moe_config import check_config, tensor_core_config
+from arfusion.server_args import ServerArgs, ServerArgsError
+from tests.dist_utils import run_distributed
+
+
+def test_server_args_take_the_choice_and_refuse_it_where_it_cannot_run():
+    assert ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores"]).mxfp4_experts == "tensor-cores"
+    for argv, needle in ((["--device", "cpu"], "device cpu"), (["--deterministic"], "deterministic")):
+        with pytest.raises(ServerArgsError, match=needle):
+            ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores", *argv])
+
+
+def _mxfp4_config(**changes) -> ModelConfig:
+    from arfusion.engine.models.builtin import builtin_config
+
+    return dataclasses.replace(builtin_config("gpt-oss-20b"), **changes)
+
+
+def test_the_settings_keep_the_experts_and_mark_the_config():
+    cpu = torch.device("cpu")
+    assert keep_mxfp4("tensor-cores", cpu) and keep_mxfp4("keep", cpu) and not keep_mxfp4("dequantize", cpu)
+    config = _mxfp4_config()
+    marked = _run_form(config, RunnerSettings(model_path="gpt-oss-20b", mxfp4_experts="tensor-cores"), cpu)
+    assert marked.keep_mxfp4 and marked.mxfp4_tensor_cores
+    kept = _run_form(config, RunnerSettings(model_path="gpt-oss-20b", mxfp4_experts="keep"), cpu)
+    assert kept.keep_mxfp4 and not kept.mxfp4_tensor_cores
+    with pytest.raises(ValueError, match="needs the mxfp4 experts kept"):
+        _mxfp4_config(keep_mxfp4=False, mxfp4_tensor_cores=True)
+
+
+def test_bf16_form_experts_refuse_tensor_cores():
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
+
+    with pytest.raises(ValueError, match="MXFP4 experts only"):
+        GptOssExperts(4, 64, 64, 1.702, 7.0, False, torch.float32, None, tensor_cores=True)
+
+
+def _start_on_cpu(rank: int, world: int, path: str) -> str:
+    from arfusion.engine.runtime.rank_parts import build_runner
+    from arfusion.layers.parallel_state import get_tp_group
+
+    try:
+        build_runner(RunnerSettings(model_path=path, mxfp4_experts="tensor-cores", context_length=64, kv_slots=64,
+                                    max_running_requests=2), get_tp_group())
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.timeout(300)
+def test_a_runner_on_the_cpu_refuses_it_naming_the_flag(tmp_path):
+    from tests.gpt_oss_checkpoints import build_checkpoints
+
+    _, _, mxfp4_dir = build_checkpoints(tmp_path)
+    message = run_distributed(_start_on_cpu, world_size=1, args=(str(mxfp4_dir),), timeout_s=240)[0]
+    assert "--mxfp4-experts tensor-cores" in message and "keep or dequantize" in message, message
+
+
+@pytest.mark.parametrize("inter", [2880, 1440, 736])
+@pytest.mark.parametrize("rows_per_expert", [0.125, 1, 8, 9, 16, 17, 32, 33, 300])
+def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, rows_per_expert):
+    cfg = tensor_core_config(rows_per_expert, 2880, inter)
+    check_config(cfg, True)
+    assert cfg.tensor_cores and 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
+    assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)
+
+
+def _stand_in(tensor_cores: bool) -> SimpleNamespace:
+    """What `gpt_oss_experts_triton` reads of a `GptOssExperts` before its launches (CPU tensors)."""
+    return SimpleNamespace(hidden_size=2880, local=1440, num_experts=32, mxfp4=True, tensor_cores=tensor_cores)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_the_experts_launch_the_tiles_their_mark_and_the_mode_ask_for(monkeypatch, tensor_cores, deterministic):
+    pytest.importorskip("triton")
+    from arfusion.layers.moe.kernels import triton_mxfp4_moe
+    from tests.offline_triton import RecordedKernel
+
+    chosen = []
+
+    def record(name):
+        def partials(x, experts, topk_ids, cfg):
+            chosen.append((name, cfg))
+            return torch.zeros(1, topk_ids.numel(), x.shape[1])
+        return partials
+
+    for name in ("_tensor_core_partials", "_grouped_partials", "gemv_partials"):
+        monkeypatch.setattr(triton_mxfp4_moe, name, record(name))
+    monkeypatch.setattr(triton_mxfp4_moe, "_combine_kernel", RecordedKernel(triton_mxfp4_moe._combine_kernel))
+    tokens = 8
+    ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(tokens)]).int()
+    with batch_invariant.batch_invariant_mode(deterministic):
+        triton_mxfp4_moe.gpt_oss_experts_triton(torch.zeros(tokens, 2880, dtype=torch.bfloat16), _stand_in(tensor_cores),
+                                                torch.full((tokens, 4), 0.25), ids)
+    [(name, cfg)] = chosen
+    if tensor_cores and not deterministic:
+        assert name == "_tensor_core_partials" and cfg == tensor_core_config(1.0, 2880, 1440)
+    elif deterministic:
+        assert name == "_grouped_partials" and not cfg.tensor_cores and not cfg.gemv
+    else:
+        assert name == "gemv_partials"
