@@ -130,9 +130,8 @@ if gluon is not None:
         run = gl.max_contiguous(gl.multiple_of(p[None, :, None] * steps + j[None, None, :], [1, 1, steps]),
                                 [1, 1, steps])
         words = gl.load(w_ptr.to(gl.pointer_type(gl.uint32)) + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + run)
-        rows2 = gl.convert_layout(rows, gl.SliceLayout(1, gl.SliceLayout(2, WORDS)))
         # thread p's words p J .. p J + J - 1 lie in scale group (p J) / 4 of the step (J <= 4)
-        scale = gl.load(s_ptr + rows2[:, None] * stride_sn + k0 // 32 + (p * steps // 4)[None, :]).to(gl.uint32)
+        scale = gl.load(s_ptr + rows[:, None] * stride_sn + k0 // 32 + (p * steps // 4)[None, :]).to(gl.uint32)
         factor = ((scale + 126) << 7) * 0x10001  # bf16 2^(scale - 1), twice
         factor = factor[:, :, None] + gl.zeros([BLOCK_N, 4, steps], gl.uint32, WORDS)
         p0, p1, p2, p3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [words, factor],
@@ -178,7 +177,7 @@ if gluon is not None:
             run = gl.max_contiguous(gl.multiple_of(8 * steps * xp[:, None, None] + 8 * xj[None, :, None]
                                                    + xk[None, None, :], [1, 1, 8]), [1, 1, 8])
             x_ptrs = x_ptr + x_rows.to(gl.int64)[None, None, None, :] * stride_x + run[:, :, :, None]
-            x_mask = (x_slots < num_slots)[None, None, None, :] & (run >= 0)[:, :, :, None]
+            x_mask = (x_slots < num_slots)[None, None, None, :]
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             for k0 in range(0, K, BLOCK_K):

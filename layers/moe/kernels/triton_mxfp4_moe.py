@@ -283,7 +283,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
     deterministic = batch_invariant.enabled()
-    if config is None and getattr(experts, "tensor_cores", False) and not deterministic:
+    if config is None and experts.tensor_cores and not deterministic:
         config = tensor_core_config(num_slots / num_experts, hidden, experts.local)
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
     check_config(cfg, experts.mxfp4)
@@ -308,9 +308,14 @@ def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg:
     refusal = tensor_core_refusal(x, experts, cfg)
     if refusal is not None:
         raise ValueError(f"Mxfp4MoEConfig.tensor_cores: {refusal}")
-    num_slots = topk_ids.numel()
-    align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
-    return tensor_core_partials(x, experts, topk_ids, align(topk_ids, experts.num_experts, cfg.block_m), cfg)
+    return tensor_core_partials(x, experts, topk_ids, _expert_blocks(topk_ids, experts.num_experts, cfg.block_m), cfg)
+
+
+def _expert_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """The slots grouped by expert in blocks of ``block_m`` rows (layers/moe/align.py): the
+    Triton alignment launch up to its slot bound, the torch ops past it."""
+    align = align_by_expert_triton if topk_ids.numel() <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
+    return align(topk_ids, num_experts, block_m)
 
 
 def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:
@@ -319,8 +324,7 @@ def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxf
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
     num_slots, num_experts = tokens * top_k, experts.num_experts
-    align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert
-    blocks: ExpertBlocks = align(topk_ids, num_experts, cfg.block_m)
+    blocks = _expert_blocks(topk_ids, num_experts, cfg.block_m)
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=cfg.word_decode)
     w13_strides, s13_strides = (w13.stride(0), w13.stride(1)), (s13.stride(0), s13.stride(1))
     w2_strides, s2_strides = (w2.stride(0), w2.stride(1)), (s2.stride(0), s2.stride(1))
