@@ -38,7 +38,7 @@ from arfusion.engine.models.llama import LlamaAttention
 from arfusion.layers.attention import Attention
 from arfusion.layers.linear import check_shape
 from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
-from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from arfusion.layers.moe.mxfp4 import GROUP, NAN_SCALE, SCALE_BIAS, dequantize_mxfp4, scale_problem
 
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<part>gate_up|down)_proj(?P<kind>_bias|_blocks|_scales)?$")
 
@@ -118,7 +118,8 @@ class GptOssForCausalLM(BlockDecoderForCausalLM):
                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, each checked, in the form the parameters take: bf16 experts
         transposed to out-by-in; MXFP4 ones, unless kept, dequantized to the model's dtype once
-        their blocks and scales have both come (named then as the bf16 out-by-in tensor)."""
+        their blocks and scales have both come (named then as the bf16 out-by-in tensor, checked by
+        `_dequantized`)."""
         waiting: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             if not check.take(name, tuple(tensor.shape)):
@@ -133,6 +134,20 @@ class GptOssForCausalLM(BlockDecoderForCausalLM):
                     waiting[base] = tensor
                     continue
                 blocks, scales = (tensor, other) if m["kind"] == "_blocks" else (other, tensor)
-                yield base, dequantize_mxfp4(blocks, scales, self.dtype)
+                yield base, self._dequantized(base, blocks, scales)
             else:
                 yield name, tensor
+
+    def _dequantized(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``name``'s MXFP4 ``blocks`` and ``scales`` dequantized to the model's dtype; ValueError
+        naming the tensor for NaN scale bytes or weights past the dtype's range."""
+        problem = scale_problem(scales, NAN_SCALE - 1)
+        if problem is not None:
+            raise ValueError(f"tensor {name + '_scales'!r}: {problem}")
+        weights = dequantize_mxfp4(blocks, scales, self.dtype)
+        overflow = int((~torch.isfinite(weights)).sum())
+        if overflow:
+            raise ValueError(f"tensor {name + '_scales'!r}: its scales (largest 2^{int(scales.max()) - SCALE_BIAS}) put "
+                             f"{overflow} of the {weights.numel()} MXFP4 weights of {name!r} past the range of "
+                             f"{str(self.dtype).removeprefix('torch.')}; load it in a wider --dtype")
+        return weights

@@ -40,7 +40,8 @@ from torch import nn
 from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.linear import check_shape, divide
-from arfusion.layers.moe.mxfp4 import GROUP, dequantize_mxfp4
+from arfusion.layers.moe.mxfp4 import (GROUP, KEPT_MAX_SCALE, NAN_SCALE, TENSOR_CORE_MAX_SCALE, dequantize_mxfp4,
+                                      scale_problem)
 from arfusion.layers.moe.router import TopKRouter, router_logits_torch
 from arfusion.layers.moe.torch_experts import combine_topk
 from arfusion.layers.parallel_state import get_tp_group
@@ -149,11 +150,15 @@ class GptOssExperts(nn.Module):
         its out-by-in form): gate/up rows de-interleaved (gate_i = row 2i, up_i = row 2i + 1) and
         the rank's intermediate features taken; down's columns (its groups of 32 for blocks and
         scales) taken; down's bias whole. A share padded past the checkpoint's features (MXFP4,
-        `rank_share`) gets zeros there. ValueError with both shapes on a mismatch."""
+        `rank_share`) gets zeros there. ValueError with both shapes on a mismatch, and for scales
+        the kernels would decode wrong (`mxfp4.scale_problem`: NaN bytes, or past the limit of the
+        kernels these experts run, the tensor-core one's with ``tensor_cores``)."""
         e, h, full, local, held = self.num_experts, self.hidden_size, self.intermediate_size, self.local, self.held
         start = self.tp_rank * local
         if shard_id not in EXPERT_TENSORS:
             raise ValueError(f"expert tensor must be one of {EXPERT_TENSORS}, got {shard_id!r}")
+        if shard_id.endswith("_scales"):
+            self._check_scales(loaded)
         if shard_id == "down_bias":
             check_shape(loaded, (e, h))
             param.data.copy_(loaded)
@@ -172,6 +177,19 @@ class GptOssExperts(nn.Module):
             tail = {"down": (), "down_blocks": (GROUP // 2,), "down_scales": ()}[shard_id]
             check_shape(loaded, (e, h, full // per) + tail)
             param.data[:, :, :held // per].copy_(loaded.narrow(2, start // per, held // per))
+
+    def _check_scales(self, scales: torch.Tensor) -> None:
+        """ValueError when the kernels these experts run would decode ``scales`` wrong
+        (`mxfp4.scale_problem`), saying which form can serve them."""
+        largest = TENSOR_CORE_MAX_SCALE if self.tensor_cores else KEPT_MAX_SCALE
+        problem = scale_problem(scales, largest)
+        if problem is None:
+            return
+        if int(scales.max()) == NAN_SCALE:
+            raise ValueError(problem)
+        keep = self.tensor_cores and scale_problem(scales, KEPT_MAX_SCALE) is None
+        raise ValueError(f"{problem}; " + ("keep the experts in MXFP4 without tensor cores (--mxfp4-experts keep) or "
+                                           if keep else "") + "dequantize them at load (--mxfp4-experts dequantize)")
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [2I_r, H], w2 [H, I_r])`` of one expert in ``dtype`` (dequantized when MXFP4)."""

@@ -15,14 +15,26 @@ fp32 (every value is a 2-bit mantissa times a power of two, within range for the
 checkpoints hold). `quantize_mxfp4` is ours, for tests and dummy weights: the group's scale is
 the smallest power of two that brings its largest magnitude to at most 6 (E2M1's largest), and
 each value rounds to the nearest E2M1 value (ties to the smaller magnitude).
+
+The scale byte 255 is E8M0's NaN. The kernels that keep the weights in MXFP4 build each scale's
+power of two from its byte and so have a largest byte they decode exactly: `KEPT_MAX_SCALE`
+(the CUDA-core decoders' fp32 factor ``(scale + 14) << 23``, layers/moe/kernels/mxfp4_decode.py)
+and `TENSOR_CORE_MAX_SCALE` (the tensor-core decoder's bf16 factor 2^(scale - 1),
+layers/moe/kernels/gluon_mxfp4_experts.py). `scale_problem` names a scale tensor that breaks
+either rule, so that a checkpoint holding one is refused at load instead of served wrong.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 GROUP = 32  # weights per scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
+NAN_SCALE = 255  # E8M0's NaN
+KEPT_MAX_SCALE = 240  # 2^113: (scale + 14) << 23 is still a finite fp32
+TENSOR_CORE_MAX_SCALE = 128  # 2^1: 2^(scale - 1) is still a finite bf16
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -36,6 +48,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32]: low nibble first
     values = torch.ldexp(table[codes], (scales.to(torch.int32) - SCALE_BIAS).unsqueeze(-1).float())
     return values.flatten(-2).to(dtype)
+
+
+def scale_problem(scales: torch.Tensor, largest: int) -> Optional[str]:
+    """Why the scale bytes ``scales`` (uint8) cannot be served, or None: bytes of 255 (NaN), or
+    bytes above ``largest`` (the limit of the kernels that will decode them, module docstring).
+    Reads two reductions back to the host."""
+    top = int(scales.max()) if scales.numel() else 0
+    if top == NAN_SCALE:
+        return f"{int((scales == NAN_SCALE).sum())} of its {scales.numel()} scale bytes are 255, E8M0's NaN"
+    if top > largest:
+        return (f"its largest scale, 2^{top - SCALE_BIAS}, exceeds 2^{largest - SCALE_BIAS}, the largest the MXFP4 "
+                "kernels that will run it decode exactly")
+    return None
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,10 @@ compiler's choice, and moving it into the dot operand's layout went through shar
 K step (a Triton variant of this measured slower than the CUDA-core launches: docs/notes.md).
 
 Limits (`tensor_core_refusal`): MXFP4 weights; K (hidden, and this rank's intermediate size) a
-multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128, checked once per experts
-object outside CUDA-graph capture: the bf16 factor 2^(scale - 1) must exist). Output rows past N
+multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128,
+`mxfp4.TENSOR_CORE_MAX_SCALE`: the bf16 factor 2^(scale - 1) must exist; the experts' weight
+loader refuses larger ones when the experts are marked for these launches, and this module checks
+once per experts object, outside CUDA-graph capture, whatever wrote the scales). Output rows past N
 load row N - 1 and are not stored. Deterministic run to run; a row's result does not depend on the
 other rows of its block. Launch sizes depend on shapes only (CUDA-graph capturable).
 """
@@ -45,6 +47,7 @@ import torch
 import triton
 
 from arfusion.layers.moe.align import ExpertBlocks
+from arfusion.layers.moe.mxfp4 import SCALE_BIAS, TENSOR_CORE_MAX_SCALE
 
 try:
     from triton.experimental import gluon
@@ -52,8 +55,6 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 except ImportError:  # triton without Gluon: `tensor_core_refusal` says so
     gluon = None
-
-MAX_SCALE = 128  # the largest scale byte the decoder's bf16 factor 2^(scale - 1) can hold
 
 
 def tensor_core_refusal(x: torch.Tensor, experts, cfg) -> Optional[str]:
@@ -77,8 +78,8 @@ def tensor_core_refusal(x: torch.Tensor, experts, cfg) -> Optional[str]:
             return "the scales' maximum is checked by an eager call before a CUDA graph captures these launches"
         top = int(max(experts.w13_scales.max(), experts.w2_scales.max()))
         experts._tensor_core_max_scale = top
-    if top > MAX_SCALE:
-        return f"a scale of 2^{top - 127} exceeds the decoder's 2^{MAX_SCALE - 127}"
+    if top > TENSOR_CORE_MAX_SCALE:
+        return f"a scale of 2^{top - SCALE_BIAS} exceeds the decoder's 2^{TENSOR_CORE_MAX_SCALE - SCALE_BIAS}"
     return None
 
 

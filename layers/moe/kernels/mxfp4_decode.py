@@ -20,8 +20,9 @@ Two decoders (the kernel's `Mxfp4MoEConfig.word_decode`), both exact:
 
 Either way the fp32 whose bits are ``(scale + 14) << 23`` is 2^(scale - 127) * 2^14; the fp16
 weight widened to fp32 times it is the weight, exact (a 2-bit significand times a power of two),
-then cast to the activations' dtype for the dot, exact for every scale byte up to 240 (2^113),
-so all real ones; scale 0 (2^-127) gives subnormal fp32 weights, as the reference does. Weight
+then cast to the activations' dtype for the dot, exact for every scale byte up to 240 (2^113,
+`mxfp4.KEPT_MAX_SCALE`: the experts' weight loader refuses larger ones); scale 0 (2^-127) gives
+subnormal fp32 weights, as the reference does. Weight
 bytes read per expert: half a byte per weight and a byte per 32, about 3.8x fewer than bf16.
 """
 import torch
