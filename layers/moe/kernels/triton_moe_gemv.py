@@ -117,6 +117,17 @@ def _gate_up_silu_gemv_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, hidden, inter, s
 
 
 @triton.jit
+def token_slots(ids_ptr, token, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr):
+    """``(slots, mask, experts)`` of ``token``: its slots ``token * TOPK + j`` for j < TOPK_POW2
+    (int64), which of them are real (j < TOPK), and their experts from ``ids_ptr`` (int64; expert
+    0 for the padding)."""
+    offs_j = tl.arange(0, TOPK_POW2)
+    j_mask = offs_j < TOPK
+    slots = token * TOPK + offs_j
+    return slots, j_mask, tl.load(ids_ptr + slots, mask=j_mask, other=0).to(tl.int64)
+
+
+@triton.jit
 def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
                               stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -124,10 +135,7 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
-    offs_j = tl.arange(0, TOPK_POW2)
-    j_mask = offs_j < TOPK
-    slots = token * TOPK + offs_j
-    experts = tl.load(ids_ptr + slots, mask=j_mask, other=0).to(tl.int64)
+    slots, j_mask, experts = token_slots(ids_ptr, token, TOPK, TOPK_POW2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

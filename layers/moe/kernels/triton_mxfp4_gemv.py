@@ -48,6 +48,7 @@ from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_half, load_words_only, scale_factor,
                                                       word_pairs)
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
+from arfusion.layers.moe.kernels.triton_moe_gemv import token_slots
 
 
 @triton.jit
@@ -155,10 +156,7 @@ def _down_combine_kernel(act_ptr, ids_ptr, topk_weights_ptr, w_ptr, scales_ptr, 
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
-    offs_j = tl.arange(0, TOPK_POW2)
-    j_mask = offs_j < TOPK
-    slots = token * TOPK + offs_j
-    experts = tl.load(ids_ptr + slots, mask=j_mask, other=0).to(tl.int64)
+    slots, j_mask, experts = token_slots(ids_ptr, token, TOPK, TOPK_POW2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
     mask = j_mask[:, None] & n_mask[None, :]
