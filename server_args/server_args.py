@@ -45,7 +45,7 @@ class ServerArgs(BaseModel):
     tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory or tokenizer.json (default: from the model)")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field("auto", description="Weight format; dummy = seeded random weights from the config")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Activation and weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    mxfp4_experts: Literal["auto", "keep", "dequantize", "tensor-cores"] = Field("auto", description="MoE experts stored in MXFP4 (gpt-oss): keep them MXFP4 in memory (a weight-only MXFP4 MoE kernel, 4.25 bits a weight) or dequantize them to --dtype at load (auto: keep on a GPU with triton, dequantize elsewhere; a TP rank's share of an expert that is not whole groups of 32 is padded with zeros); tensor-cores: keep them and run them at every batch on the tensor-core launches of layers/moe/kernels/gluon_mxfp4_experts.py (GPU only, not with --deterministic; not yet measured, keep is the default's choice)")
+    mxfp4_experts: Literal["auto", "keep", "dequantize", "tensor-cores"] = Field("auto", description="MoE experts stored in MXFP4 (gpt-oss): keep them MXFP4 in memory (a weight-only MXFP4 MoE kernel, 4.25 bits a weight) or dequantize them to --dtype at load (auto: keep on a GPU with triton, dequantize elsewhere; a TP rank's share of an expert that is not whole groups of 32 is padded with zeros); tensor-cores: keep them and run them at every batch on the tensor-core launches of layers/moe/kernels/gluon_mxfp4_experts.py (GPU only; with --deterministic too, where a token's bits do not depend on its batch by construction; not yet measured, keep is the default's choice)")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to run (auto: cuda when available)")
     context_length: Optional[int] = Field(None, ge=16, description="Maximum tokens per sequence, prompt plus output (default: the model's maximum, cut to what the KV cache holds, with the reason logged)")
     served_model_name: Optional[str] = Field(None, description="Model name reported by the API (default: model_path)")
@@ -112,9 +112,8 @@ class ServerArgs(BaseModel):
             raise ValueError("allreduce_fusion_backend 'flashinfer' needs a GPU; with device cpu use 'torch'")
         if self.device == "cpu" and self.enable_pdl:
             raise ValueError("enable_pdl needs an NVIDIA GPU of sm90 or newer; with device cpu leave it off")
-        if self.mxfp4_experts == "tensor-cores" and (self.device == "cpu" or self.deterministic):
-            raise ValueError("mxfp4_experts 'tensor-cores' runs on a GPU outside deterministic mode; with "
-                             f"{'device cpu' if self.device == 'cpu' else 'deterministic'} use keep or dequantize")
+        if self.mxfp4_experts == "tensor-cores" and self.device == "cpu":
+            raise ValueError("mxfp4_experts 'tensor-cores' runs on a GPU; with device cpu use keep or dequantize")
         return self
 
     @property

@@ -1,14 +1,16 @@
 """``--mxfp4-experts tensor-cores``: gpt-oss's kept MXFP4 experts on the tensor-core launches
 (layers/moe/kernels/gluon_mxfp4_experts.py) at every batch, from the flag to the kernel choice:
 
-- ServerArgs takes it, and refuses it with ``--device cpu`` or ``--deterministic``;
+- ServerArgs takes it, with ``--deterministic`` too, and refuses it with ``--device cpu``;
 - the runner's settings keep the experts in MXFP4 and mark the config (`ModelConfig.mxfp4_tensor_cores`,
   which needs them kept); a GptOssExperts in bf16 form refuses ``tensor_cores``;
 - a runner on the CPU refuses it at start-up (a tiny gpt-oss MXFP4 checkpoint), naming the flag;
 - `tensor_core_config` gives valid tiles at gpt-oss's shapes (TP1, TP2, TP4) for every rows per
   expert, K steps that divide K, blocks that hold the mean rows per expert;
 - `gpt_oss_experts_triton` (its launches recorded, nothing run) takes those tiles for experts
-  marked ``tensor_cores`` and the grouped batch-invariant tiles in batch-invariant mode.
+  marked ``tensor_cores``, in batch-invariant mode too (the launches are batch-invariant by
+  construction), and otherwise the matrix-vector launches, or the grouped batch-invariant tiles
+  in batch-invariant mode.
 """
 import dataclasses
 from types import SimpleNamespace
@@ -26,9 +28,9 @@ from tests.dist_utils import run_distributed
 
 def test_server_args_take_the_choice_and_refuse_it_where_it_cannot_run():
     assert ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores"]).mxfp4_experts == "tensor-cores"
-    for argv, needle in ((["--device", "cpu"], "device cpu"), (["--deterministic"], "deterministic")):
-        with pytest.raises(ServerArgsError, match=needle):
-            ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores", *argv])
+    assert ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores", "--deterministic"]).deterministic
+    with pytest.raises(ServerArgsError, match="runs on a GPU; with device cpu use keep or dequantize"):
+        ServerArgs.from_cli(["--mxfp4-experts", "tensor-cores", "--device", "cpu"])
 
 
 def _mxfp4_config(**changes) -> ModelConfig:
@@ -86,6 +88,15 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, rows_per_expert):
     assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)
 
 
+@pytest.mark.parametrize("inter", [2880, 1440, 736])
+def test_tensor_core_sums_follow_the_shapes_only(inter):
+    """What orders a row's sums (the K steps; the launches, mma.sync m16n8k16 in every block) is
+    the same at every batch: batch-invariant mode may take these tiles at every batch."""
+    tiles = {tensor_core_config(rows, 2880, inter) for rows in (0.125, 1, 8, 9, 16, 33, 64, 300)}
+    assert len({(t.block_k_gate_up, t.block_k_down, t.tensor_cores, t.split_k_down) for t in tiles}) == 1
+    assert {t.block_m for t in tiles} == {8, 16, 64}
+
+
 def _stand_in(tensor_cores: bool) -> SimpleNamespace:
     """What `gpt_oss_experts_triton` reads of a `GptOssExperts` before its launches (CPU tensors)."""
     return SimpleNamespace(hidden_size=2880, local=1440, num_experts=32, mxfp4=True, tensor_cores=tensor_cores)
@@ -115,7 +126,7 @@ def test_the_experts_launch_the_tiles_their_mark_and_the_mode_ask_for(monkeypatc
         triton_mxfp4_moe.gpt_oss_experts_triton(torch.zeros(tokens, 2880, dtype=torch.bfloat16), _stand_in(tensor_cores),
                                                 torch.full((tokens, 4), 0.25), ids)
     [(name, cfg)] = chosen
-    if tensor_cores and not deterministic:
+    if tensor_cores:
         assert name == "_tensor_core_partials" and cfg == tensor_core_config(1.0, 2880, 1440)
     elif deterministic:
         assert name == "_grouped_partials" and not cfg.tensor_cores and not cfg.gemv

@@ -99,14 +99,14 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
     (`ModelFileError` for the files) for a model that cannot run, for ``settings.enable_pdl``
     on a device where the kernels cannot launch with PDL (`layers.kernels.pdl.require_supported`),
     or for MXFP4 experts on tensor cores (``--mxfp4-experts tensor-cores``) without a GPU and
-    triton or in deterministic mode."""
+    triton."""
     device = group.device
     if settings.enable_pdl:
         pdl.require_supported(device)
     config, weights = load_config_and_weights(settings, dtype, device, startup.parsed)
-    if config.mxfp4_tensor_cores and (device.type != "cuda" or not triton_available() or settings.fusion.deterministic):
-        raise ValueError("--mxfp4-experts tensor-cores runs the experts on a GPU with triton outside deterministic "
-                         "mode; here use keep or dequantize")
+    if config.mxfp4_tensor_cores and (device.type != "cuda" or not triton_available()):
+        raise ValueError("--mxfp4-experts tensor-cores runs the experts on a GPU with triton; here use keep or "
+                         "dequantize")
     requested = settings.context_length or config.max_position_embeddings  # cut to the KV cache by `kv_slots`
     if requested > config.max_position_embeddings:
         raise ValueError(f"context_length {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}")
@@ -120,13 +120,20 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
                         config.vocab_size - vocab, vocab)
     # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
     # gpt-oss's torch path and its Triton experts in bf16 form; with MXFP4 kept the GPU test
-    # (tests/gpu/test_gpt_oss_batch_invariant.py) finds bits that depend on the batch
+    # (tests/gpu/test_gpt_oss_batch_invariant.py) finds bits that depend on the batch on the
+    # grouped launches, and has not run the tensor-core ones yet
     if (settings.fusion.deterministic and config.architecture == "GptOssForCausalLM" and config.keep_mxfp4
             and device.type == "cuda" and triton_available() and group.rank == 0):
-        logger.warning("deterministic mode: gpt-oss's MXFP4 expert kernels on the GPU (layers/moe/kernels/"
-                       "triton_mxfp4_moe.py) do not yet give a token the same bits in every batch (measured), so "
-                       "this model's outputs may depend on the batch; --mxfp4-experts dequantize keeps the experts "
-                       "in bf16 form, which does")
+        if config.mxfp4_tensor_cores:
+            logger.warning("deterministic mode: gpt-oss's MXFP4 experts on the tensor-core launches (layers/moe/"
+                           "kernels/gluon_mxfp4_experts.py) are batch-invariant by construction, which the GPU test "
+                           "has not confirmed yet; --mxfp4-experts dequantize keeps the experts in bf16 form, "
+                           "measured batch-invariant")
+        else:
+            logger.warning("deterministic mode: gpt-oss's MXFP4 expert kernels on the GPU (layers/moe/kernels/"
+                           "triton_mxfp4_moe.py) do not yet give a token the same bits in every batch (measured), "
+                           "so this model's outputs may depend on the batch; --mxfp4-experts dequantize keeps the "
+                           "experts in bf16 form, which does")
     expected = type(model).hf_weight_shapes(config)
     total_bytes = sum(math.prod(shape) for shape in expected.values()) * dtype.itemsize
     progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=group.rank == 0)

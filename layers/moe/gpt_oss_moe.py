@@ -108,7 +108,7 @@ def rank_share(intermediate_size: int, tp_size: int, mxfp4: bool) -> int:
 class GptOssExperts(nn.Module):
     """``forward(x [T, H], weights fp32 [T, k], ids [T, k]) ->`` this rank's partial MoE output
     (a new ``[T, H]``), module docstring. ``mxfp4``: keep the weights in MXFP4; ``tensor_cores``:
-    on a GPU outside batch-invariant mode, run them on the tensor-core launches at every batch
+    on a GPU, run them on the tensor-core launches at every batch, in batch-invariant mode too
     (`mxfp4_moe_config.tensor_core_config`; MXFP4 only)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,

@@ -1,11 +1,12 @@
 """gpt-oss's MoE block (layers/moe/gpt_oss_moe.py: the Triton routing with its bias, then the
 Triton experts, layers/moe/kernels/triton_mxfp4_moe.py) in batch-invariant mode on one GPU, bf16,
 at gpt-oss-20b's TP1 shapes (32 experts of 2880, hidden 2880, top-4), MXFP4 and bf16-form experts,
-random weights.
+and MXFP4 experts on the tensor-core launches (layers/moe/kernels/gluon_mxfp4_experts.py, which
+are batch-invariant by construction whatever their row blocks), random weights.
 
 A token's output has the same bits in every batch: the first 1, 7, 64, 128 and 512 of one set of
 2048 random tokens each give the rows the batch of 2048 gives them. In this mode the grouped
-launches run at every batch (never the matrix-vector ones) with the K steps, decoder and
+launches of the first two forms run at every batch (never the matrix-vector ones) with the K steps, decoder and
 orientation pinned (layers/moe/kernels/mxfp4_moe_config.py); the rows per expert still move the
 tiles (16-row tiles up to 512 tokens, 64-row from 2048: mma.sync gives way to wgmma), so these
 comparisons are what shows that the two round the same k-chunks alike here. Eager and, at 7 and 128
@@ -30,14 +31,15 @@ GRAPH_TOKENS = (7, 128)
 TIMED_TOKENS = (1, 32, 128)
 
 
-def _block_results(rank: int, world: int, mxfp4: bool) -> dict:
+def _block_results(rank: int, world: int, form: str) -> dict:
     """One TP1 rank: the block's outputs per token count (batch-invariant mode), the graph
     replays, the default mode's output at the largest count, and the timings."""
     from arfusion.layers import batch_invariant
     from arfusion.layers.moe.gpt_oss_moe import GptOssMoeBlock
     from tests.test_gpt_oss_moe_triton import fill_experts
 
-    block = GptOssMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, 1.702, 7.0, mxfp4, torch.bfloat16, torch.device("cuda", 0))
+    block = GptOssMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, 1.702, 7.0, form != "bf16form", torch.bfloat16,
+                           torch.device("cuda", 0), tensor_cores=form == "tensor-cores")
     fill_experts(block.experts, 2)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -71,23 +73,24 @@ def _block_results(rank: int, world: int, mxfp4: bool) -> dict:
     return out
 
 
-_RESULTS: dict[bool, dict] = {}
+_RESULTS: dict[str, dict] = {}
+FORM_NAMES = ("mxfp4", "bf16form", "tensor-cores")
 
 
-def results(mxfp4: bool) -> dict:
-    if mxfp4 not in _RESULTS:
-        _RESULTS[mxfp4] = run_distributed(_block_results, world_size=1, args=(mxfp4,), device_kind="cuda",
-                                          timeout_s=800)[0]
-    return _RESULTS[mxfp4]
+def results(form: str) -> dict:
+    if form not in _RESULTS:
+        _RESULTS[form] = run_distributed(_block_results, world_size=1, args=(form,), device_kind="cuda",
+                                         timeout_s=800)[0]
+    return _RESULTS[form]
 
 
-FORMS = pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "bf16form"])
+FORMS = pytest.mark.parametrize("form", FORM_NAMES)
 
 
 @FORMS
 @pytest.mark.parametrize("tokens", TOKENS[:-1])
-def test_a_token_has_the_same_bits_in_every_batch(mxfp4, tokens):
-    rows = results(mxfp4)["rows"]
+def test_a_token_has_the_same_bits_in_every_batch(form, tokens):
+    rows = results(form)["rows"]
     differing = rows[tokens] != rows[max(TOKENS)][:tokens]
     assert not differing.any(), (f"{int(differing.sum())} of {differing.numel()} elements differ, in tokens "
                                  f"{differing.any(-1).nonzero().flatten().tolist()}")
@@ -95,23 +98,23 @@ def test_a_token_has_the_same_bits_in_every_batch(mxfp4, tokens):
 
 @FORMS
 @pytest.mark.parametrize("tokens", GRAPH_TOKENS)
-def test_a_cuda_graph_replay_gives_the_eager_bits(mxfp4, tokens):
-    replayed, eager = results(mxfp4)["graph"][tokens]
+def test_a_cuda_graph_replay_gives_the_eager_bits(form, tokens):
+    replayed, eager = results(form)["graph"][tokens]
     assert torch.equal(replayed, eager)
 
 
 @FORMS
-def test_the_mode_changes_only_the_order_of_sums(mxfp4):
-    r = results(mxfp4)
+def test_the_mode_changes_only_the_order_of_sums(form):
+    r = results(form)
     rtol, atol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(r["rows"][max(TOKENS)], r["default"], rtol=rtol, atol=atol)
 
 
 def test_timing_table():
     lines = []
-    for mxfp4 in (True, False):
-        us = results(mxfp4)["us"]
+    for form in FORM_NAMES:
+        us = results(form)["us"]
         for t in TIMED_TOKENS:
-            lines.append(f"{'mxfp4' if mxfp4 else 'bf16 form':9s} T={t:4d}  default {us[False, t]:8.1f} us  "
+            lines.append(f"{form:12s} T={t:4d}  default {us[False, t]:8.1f} us  "
                          f"batch-invariant {us[True, t]:8.1f} us  ({us[True, t] / us[False, t]:.2f}x)")
     print("\n" + "\n".join(lines))

@@ -36,8 +36,13 @@ multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128,
 `mxfp4.TENSOR_CORE_MAX_SCALE`: the bf16 factor 2^(scale - 1) must exist; the experts' weight
 loader refuses larger ones when the experts are marked for these launches, and this module checks
 once per experts object, outside CUDA-graph capture, whatever wrote the scales). Output rows past N
-load row N - 1 and are not stored. Deterministic run to run; a row's result does not depend on the
-other rows of its block. Launch sizes depend on shapes only (CUDA-graph capturable).
+load row N - 1 and are not stored. Launch sizes depend on shapes only (CUDA-graph capturable).
+
+Deterministic run to run, and batch-invariant for fixed K steps: an output of row r is the chain
+of mma.sync over r's own column of B, K step after K step in order, whatever the other rows of
+its block and whatever ``block_m`` (which sets how many eight-row tiles a block has, not what one
+tile computes), and launch 3 sums a token's slots in a fixed order. So batch-invariant mode takes
+these launches too (`tensor_core_config`: the K steps follow the shapes, the blocks the batch).
 """
 from __future__ import annotations
 

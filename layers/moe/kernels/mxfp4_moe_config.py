@@ -176,7 +176,9 @@ def tensor_core_config(rows_per_expert: float, hidden: int, inter: int) -> Mxfp4
     num_experts``) at a hidden size and a rank's intermediate size that are multiples of 32: rows
     grouped in blocks of 8, 16, 32 or 64 (the first that holds the mean rows per expert), 64 output
     rows a program on 4 warps, K steps of 64 where K allows, else 32 (the same at every batch).
-    Not measured yet: the GPU sweep of benchmarks/kernels/bench_mxfp4_moe.py chooses them."""
+    Batch-invariant mode takes them too: the blocks follow the batch but a row's sums do not
+    (layers/moe/kernels/gluon_mxfp4_experts.py). Not measured yet: the GPU sweep of
+    benchmarks/kernels/bench_mxfp4_moe.py chooses them."""
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True)

@@ -283,7 +283,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         return x.new_empty(0, hidden)
     num_slots, num_experts = tokens * top_k, experts.num_experts
     deterministic = batch_invariant.enabled()
-    if config is None and experts.tensor_cores and not deterministic:
+    if config is None and experts.tensor_cores:  # batch-invariant too (gluon_mxfp4_experts.py)
         config = tensor_core_config(num_slots / num_experts, hidden, experts.local)
     cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
     check_config(cfg, experts.mxfp4)
