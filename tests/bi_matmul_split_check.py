@@ -41,6 +41,6 @@ def split_sum_mismatches(device: torch.device, repeats: int = 1) -> list[str]:
             if not torch.equal(got, expected):
                 bad.append(f"{(m, n, k, block_m, block_n, block_k, splits)} repeat {r}: max |diff| "
                            f"{(got - expected).abs().max().item()}")
-        if bm.arrival_counters(x.device, 1).count_nonzero().item():
+        if bm.ARRIVALS.get(x.device, 1).count_nonzero().item():
             bad.append(f"{(m, n, k, splits)}: arrival counters left non-zero")
     return bad

@@ -20,19 +20,17 @@ def test_split_partials_are_summed_in_order_by_the_last_program():
     assert run_under_triton_interpreter(_interpreted, timeout_s=240) == []
 
 
-def test_outgrown_arrival_counters_stay_allocated(monkeypatch):
+def test_outgrown_arrival_counters_stay_allocated():
     """A larger counter buffer replaces the device's, and the smaller one is kept alive (a CUDA
     graph captured on it would otherwise launch on freed memory); both start at zero."""
     import torch
 
-    pytest.importorskip("triton")
-    from arfusion.layers.kernels import triton_bi_matmul as bm
+    from arfusion.layers.kernels.arrival_counters import ArrivalCounters
 
-    monkeypatch.setattr(bm, "_arrivals", {})
-    monkeypatch.setattr(bm, "_outgrown", [])
+    counters = ArrivalCounters("a test", minimum=16)
     device = torch.device("cpu")
-    small = bm.arrival_counters(device, 10)
-    assert small.numel() == bm.MIN_ARRIVAL_COUNTERS and bm.arrival_counters(device, 5) is small
-    large = bm.arrival_counters(device, bm.MIN_ARRIVAL_COUNTERS + 1)
-    assert large.numel() == bm.MIN_ARRIVAL_COUNTERS + 1 and not large.any()
-    assert bm._outgrown == [small] and bm.arrival_counters(device, 3) is large
+    small = counters.get(device, 10)
+    assert small.numel() == 16 and counters.get(device, 5) is small
+    large = counters.get(device, 17)
+    assert large.numel() == 17 and not large.any()
+    assert counters.outgrown == [small] and counters.get(device, 3) is large

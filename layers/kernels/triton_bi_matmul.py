@@ -31,8 +31,9 @@ H200's 132 SMs at N = 4096 (64 tiles of 64 columns), so it cannot reach the memo
 floor; a fixed S reduced in a fixed order keeps the result a function of (N, K) alone.
 
 Effects: reads x, W and b; returns a new ``[M, N]`` tensor of x's dtype; with S > 1 uses an fp32
-scratch ``[S, M, N]`` and the device's arrival counters (`arrival_counters`: zero before and
-after each call; calls that share a device run one at a time, as on one stream). Launch and
+scratch ``[S, M, N]`` and the device's arrival counters (`ARRIVALS`,
+layers/kernels/arrival_counters.py: zero before and after each call; calls that share a device
+run one at a time, as on one stream). Launch and
 buffers depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from arfusion.layers.kernels.arrival_counters import ArrivalCounters
 from arfusion.layers.kernels.bi_matmul_table import load_table
 from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 
@@ -138,29 +140,7 @@ def _matmul_kernel(X, W, Bias, Out, Part, Arrivals, M, N, K, split_k, stride_xm,
 
 
 MATMUL_LAUNCHER = CachedLauncher(_matmul_kernel, max_entries=256)
-MIN_ARRIVAL_COUNTERS = 1 << 16
-_arrivals: dict[torch.device, torch.Tensor] = {}  # per device: the zeroed int32 arrival counters of the tiles
-_outgrown: list[torch.Tensor] = []  # counters replaced by larger ones: kept, a captured CUDA graph may hold them
-
-
-def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's int32 counters (zero between calls) for a split launch of ``tiles`` tiles,
-    at least MIN_ARRIVAL_COUNTERS; a larger buffer is made when a call needs more (the smaller one
-    stays allocated: a CUDA graph captured before may launch on it), which a CUDA graph capture
-    cannot do (RuntimeError naming the sizes)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _arrivals.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"batch-invariant matmul: a split launch of {tiles} tiles needs more arrival counters "
-                               f"than the {0 if counters is None else counters.numel()} made so far, which cannot "
-                               f"be allocated during CUDA graph capture; run the shape once before capturing")
-        if counters is not None:
-            _outgrown.append(counters)
-        counters = torch.zeros(max(tiles, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
-        _arrivals[device] = counters
-    return counters
+ARRIVALS = ArrivalCounters("batch-invariant matmul")  # the split launches' per-tile counters
 
 
 class LaunchPlan(NamedTuple):
@@ -202,7 +182,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         part = arrivals = out
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(x.device, grid[0])
+        arrivals = ARRIVALS.get(x.device, grid[0])
     # out is a new contiguous [m, n]: its row stride is n
     MATMUL_LAUNCHER(grid, x, weight, bias if has_bias else out, out, part, arrivals, m, n, k, split_k, x.stride(0),
                     weight.stride(0), n, cfg.block_m, cfg.block_n, cfg.block_k, splits, has_bias, GROUP_M,

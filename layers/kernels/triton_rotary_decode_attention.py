@@ -86,7 +86,7 @@ def _rotary_split_kernel(Q, K, V, Positions, InvFreq, SlotMapping, QNorm, KNorm,
     if USE_PDL:  # everything below reads the step's data (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seq_len, start, end = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, 0)
+    seq_len, start, end, _ = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, 0)
     if start < seq_len:
         angle = tl.load(Positions + b).to(tl.float32) * inv_freq
         cos = tl.cos(angle)
