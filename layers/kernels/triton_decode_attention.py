@@ -194,23 +194,36 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
         m, l, acc = attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end, qk_scale_log2,
                                 stride_ks, stride_kh, stride_vs, stride_vh, 0, 0, 0, GROUP_PAD, HEAD_DIM, BLOCK,
                                 DOT_PRECISION, HAS_SINKS, False)
-        if COMBINE_IN_SPLIT and ran == 1:  # the row's only split: its output itself, the combine's bits
-            write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
-                        NUM_HEADS, 1)
-        else:
-            write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
-                        NUM_HEADS, NUM_SPLITS)
-            if COMBINE_IN_SPLIT:
-                tl.debug_barrier()  # every thread's partials are written before the counter announces them
-                counter = Arrivals + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ran - 1:
-                    tl.debug_barrier()  # the acquire above orders the peers' partials before this CTA's reads
-                    for g in range(GROUP):
-                        head = kvh * GROUP + g
-                        out = combine_splits(PartOut, PartLse, (b * NUM_HEADS + head) * NUM_SPLITS, ran, HEAD_DIM,
-                                             SPLITS_PAD, FIXED_CHUNK > 0, ".cg")
-                        tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # all arrived: zero for the next launch
+        finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob,
+                     stride_oh, GROUP, HEAD_DIM, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, FIXED_CHUNK > 0, COMBINE_IN_SPLIT)
+
+
+@triton.jit
+def finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob, stride_oh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 SPLITS_PAD: tl.constexpr, IN_ORDER: tl.constexpr, COMBINE_IN_SPLIT: tl.constexpr):
+    """A split program's end (row b, kv head kvh, ``ran`` splits of the row not empty): `write_split`;
+    with COMBINE_IN_SPLIT (module docstring) a row of one split writes its output (the combine's
+    bits), and otherwise the program counts its arrival and, when last, combines the group's
+    heads (`combine_splits`) and zeroes the counter."""
+    if COMBINE_IN_SPLIT and ran == 1:  # the row's only split: its output itself
+        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
+                    NUM_HEADS, 1)
+    else:
+        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
+                    NUM_HEADS, NUM_SPLITS)
+        if COMBINE_IN_SPLIT:
+            tl.debug_barrier()  # every thread's partials are written before the counter announces them
+            counter = Arrivals + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ran - 1:
+                tl.debug_barrier()  # the acquire above orders the peers' partials before this CTA's reads
+                offs_d = tl.arange(0, HEAD_DIM)
+                for g in range(GROUP):
+                    head = kvh * GROUP + g
+                    out = combine_splits(PartOut, PartLse, (b * NUM_HEADS + head) * NUM_SPLITS, ran, HEAD_DIM,
+                                         SPLITS_PAD, IN_ORDER, ".cg")
+                    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # all arrived: zero for the next launch
 
 
 @triton.jit
@@ -345,8 +358,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split)
-    in_split = plan.splits > 1 and (COMBINE_IN_SPLIT if combine_in_split is None else combine_in_split)
-    arrivals = ARRIVALS.get(q.device, batch * kv_heads) if in_split else seq_lens
+    in_split, arrivals = combine_choice(plan, combine_in_split, q.device, batch * kv_heads, seq_lens)
     use_pdl = pdl.enabled()
     _split_kernel[(batch, kv_heads, plan.splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, plan.part_out,
@@ -396,6 +408,15 @@ def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Option
         return SplitPlan(splits, block, out, out, out)
     return SplitPlan(splits, block, out, torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device),
                      torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device))
+
+
+def combine_choice(plan: SplitPlan, combine_in_split: Optional[bool], device: torch.device, groups: int,
+                   stand_in: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """``(in split, arrival counters)`` of a launch: whether ``plan``'s splits are combined in the
+    split launch (``combine_in_split``, None: `COMBINE_IN_SPLIT`; never with one split) and its
+    ``groups`` (rows x kv heads) counters, or ``stand_in`` (unused) when not."""
+    in_split = plan.splits > 1 and (COMBINE_IN_SPLIT if combine_in_split is None else combine_in_split)
+    return in_split, ARRIVALS.get(device, groups) if in_split else stand_in
 
 
 def group_pad(group: int) -> int:
