@@ -59,7 +59,9 @@ of [0, n_b).
 Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
 dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
 [B, H, NUM_SPLITS]) and, with the combine in the split launch, B x KVH arrival counters, zero
-again when it ends; nothing else is written. Launch and buffers depend on shapes only, never on
+again when it ends (so calls on one device run one at a time, as on one stream, and the first
+such call of a process is eager: the counters cannot be allocated during CUDA-graph capture);
+nothing else is written. Launch and buffers depend on shapes only, never on
 seq_lens, so a call is CUDA-graph capturable and a replay with other seq_lens re-splits each row
 on the device. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
 sync); seq_lens above C are clamped to C.
