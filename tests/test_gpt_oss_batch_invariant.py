@@ -121,7 +121,6 @@ def _expert_launches(offline, monkeypatch, tokens: int, on: bool, mxfp4: bool) -
     for name, recorder in kernels.items():
         monkeypatch.setattr(triton_mxfp4_moe, name, recorder)
     monkeypatch.setattr(triton_mxfp4_moe.triton.knobs.runtime, "interpret", False)
-    monkeypatch.setattr(triton_mxfp4_moe, "align_by_expert_triton", triton_mxfp4_moe.align_by_expert)  # torch: runs
     experts = _stand_in_experts(mxfp4)
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts_count, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
@@ -129,7 +128,9 @@ def _expert_launches(offline, monkeypatch, tokens: int, on: bool, mxfp4: bool) -
         config = experts_block_config(tokens * top_k, experts_count, mxfp4, deterministic=on)
         if config.gemv:
             return []
-        triton_mxfp4_moe._grouped_partials(torch.empty(tokens, hidden, dtype=torch.bfloat16), experts, ids, config)
+        blocks = triton_mxfp4_moe.align_by_expert(ids, experts_count, config.block_m)
+        triton_mxfp4_moe._grouped_partials(torch.empty(tokens, hidden, dtype=torch.bfloat16), experts, ids, blocks,
+                                           config)
     return [(recorder.fn, *call) for recorder in kernels.values() for call in recorder.calls]
 
 

@@ -112,13 +112,14 @@ def test_the_experts_launch_the_tiles_their_mark_and_the_mode_ask_for(monkeypatc
     chosen = []
 
     def record(name):
-        def partials(x, experts, topk_ids, cfg):
-            chosen.append((name, cfg))
+        def partials(x, experts, topk_ids, *blocks_and_cfg):
+            chosen.append((name, blocks_and_cfg[-1]))
             return torch.zeros(1, topk_ids.numel(), x.shape[1])
         return partials
 
     for name in ("_tensor_core_partials", "_grouped_partials", "gemv_partials"):
         monkeypatch.setattr(triton_mxfp4_moe, name, record(name))
+    monkeypatch.setattr(triton_mxfp4_moe, "_expert_blocks", lambda ids, experts, block_m: None)
     monkeypatch.setattr(triton_mxfp4_moe, "_combine_kernel", RecordedKernel(triton_mxfp4_moe._combine_kernel))
     tokens = 8
     ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(tokens)]).int()

@@ -40,6 +40,7 @@ from torch import nn
 from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.linear import check_shape, divide
+from arfusion.layers.moe.align import ExpertBlocks
 from arfusion.layers.moe.mxfp4 import (GROUP, KEPT_MAX_SCALE, NAN_SCALE, TENSOR_CORE_MAX_SCALE, dequantize_mxfp4,
                                       scale_problem)
 from arfusion.layers.moe.router import TopKRouter, router_logits_torch
@@ -198,11 +199,23 @@ class GptOssExperts(nn.Module):
                     dequantize_mxfp4(self.w2_blocks[expert], self.w2_scales[expert], dtype))
         return self.w13_weight[expert], self.w2_weight[expert]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def block_m(self, tokens: int, top_k: int) -> Optional[int]:
+        """The rows per block that the Triton launches group ``tokens * top_k`` slots into (for a
+        routing that groups them itself), or None where the torch reference runs or the launches
+        need no grouping (`triton_mxfp4_moe.grouping_block_m`)."""
+        if not (self.w13_bias.is_cuda and triton_available()):
+            return None
+        from arfusion.layers.moe.kernels.triton_mxfp4_moe import grouping_block_m
+
+        return grouping_block_m(self, tokens * top_k)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
+        """``blocks``: the slots already grouped by expert in `block_m` rows (or None)."""
         if x.is_cuda and triton_available():
             from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
-            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids)
+            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids, blocks=blocks)
         return self.forward_torch(x, topk_weights, topk_ids)
 
     def forward_torch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -246,7 +259,13 @@ class GptOssMoeBlock(nn.Module):
                                      tensor_cores)
 
     def forward(self, hidden_states: MlpInput) -> torch.Tensor:
+        """The routing groups the slots by expert for the experts' launches where they group them
+        (`GptOssExperts.block_m`), so that they skip their own grouping launch."""
         if hidden_states.__class__ is PendingNorm:
-            normed, weights, ids, _ = self.router.route_normed(hidden_states, None)
-            return self.experts(normed, weights, ids)
-        return self.experts(hidden_states, *self.router(hidden_states))
+            block_m = self.experts.block_m(hidden_states.residual.shape[0], self.router.top_k)
+            normed, weights, ids, blocks = self.router.route_normed(hidden_states, block_m)
+            return self.experts(normed, weights, ids, blocks)
+        block_m = self.experts.block_m(hidden_states.shape[0], self.router.top_k)
+        if block_m is None:
+            return self.experts(hidden_states, *self.router(hidden_states))
+        return self.experts(hidden_states, *self.router.route(hidden_states, block_m))

@@ -266,12 +266,33 @@ def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def default_config(experts, num_slots: int) -> Mxfp4MoEConfig:
+    """The launches' tiles and variant for ``num_slots`` slots when the caller gives none: the
+    tensor-core tiles (`tensor_core_config`) for experts marked ``tensor_cores``, else
+    `experts_block_config` (batch-invariant mode's when it is on)."""
+    if experts.tensor_cores:
+        return tensor_core_config(num_slots / experts.num_experts, experts.hidden_size, experts.local)
+    return experts_block_config(num_slots, experts.num_experts, experts.mxfp4, batch_invariant.enabled())
+
+
+def grouping_block_m(experts, num_slots: int) -> Optional[int]:
+    """The rows per block that `default_config`'s launches group ``num_slots`` slots into, or None
+    for the matrix-vector launches (no grouping): what a routing that groups the slots itself
+    needs to know (`layers.moe.router.TopKRouter.route`)."""
+    cfg = default_config(experts, num_slots)
+    return None if cfg.gemv else cfg.block_m
+
+
 def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           config: Optional[Mxfp4MoEConfig] = None) -> torch.Tensor:
+                           config: Optional[Mxfp4MoEConfig] = None,
+                           blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
-    variant (`experts_block_config` by default; limits in `Mxfp4MoEConfig`, checked)."""
+    variant (`default_config` by default; limits in `Mxfp4MoEConfig`, checked). ``blocks``: the
+    slots already grouped by expert (by the routing launch) in the config's ``block_m`` rows, used
+    by the launches that group them instead of grouping them again (ValueError for another
+    ``block_m``); None: they group them themselves."""
     tokens, top_k = topk_ids.shape
     hidden = experts.hidden_size
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -281,20 +302,19 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
                          f"[T, k], T = {x.shape[0]}")
     if tokens == 0:
         return x.new_empty(0, hidden)
-    num_slots, num_experts = tokens * top_k, experts.num_experts
-    deterministic = batch_invariant.enabled()
-    if config is None and experts.tensor_cores:  # batch-invariant too (gluon_mxfp4_experts.py)
-        config = tensor_core_config(num_slots / num_experts, hidden, experts.local)
-    cfg = config or experts_block_config(num_slots, num_experts, experts.mxfp4, deterministic)
+    cfg = config or default_config(experts, tokens * top_k)
     check_config(cfg, experts.mxfp4)
+    if blocks is not None and not cfg.gemv and blocks.block_m != cfg.block_m:
+        raise ValueError(f"the slots were grouped in blocks of {blocks.block_m} rows, the launches take {cfg.block_m}")
     if cfg.combine_in_down:
         return gemv_combined(x, experts, topk_weights.to(torch.float32).contiguous(), topk_ids, cfg)
     if cfg.gemv:
         partial = gemv_partials(x, experts, topk_ids, cfg)
-    elif cfg.tensor_cores:
-        partial = _tensor_core_partials(x, experts, topk_ids, cfg)
     else:
-        partial = _grouped_partials(x, experts, topk_ids, cfg)
+        if blocks is None:
+            blocks = _expert_blocks(topk_ids, experts.num_experts, cfg.block_m)
+        grouped = _tensor_core_partials if cfg.tensor_cores else _grouped_partials
+        partial = grouped(x, experts, topk_ids, blocks, cfg)
     out = x.new_empty(tokens, hidden)
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
@@ -302,15 +322,16 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     return out
 
 
-def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:
-    """Launches 1 and 2 on tensor cores (layers/moe/kernels/gluon_mxfp4_experts.py): fp32 ``[1, T *
-    k, H]``; ValueError naming what they cannot take."""
+def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks,
+                          cfg: Mxfp4MoEConfig) -> torch.Tensor:
+    """Launches 1 and 2 on tensor cores (layers/moe/kernels/gluon_mxfp4_experts.py) over ``blocks``:
+    fp32 ``[1, T * k, H]``; ValueError naming what they cannot take."""
     from arfusion.layers.moe.kernels.gluon_mxfp4_experts import tensor_core_partials, tensor_core_refusal
 
     refusal = tensor_core_refusal(x, experts, cfg)
     if refusal is not None:
         raise ValueError(f"Mxfp4MoEConfig.tensor_cores: {refusal}")
-    return tensor_core_partials(x, experts, topk_ids, _expert_blocks(topk_ids, experts.num_experts, cfg.block_m), cfg)
+    return tensor_core_partials(x, experts, topk_ids, blocks, cfg)
 
 
 def _expert_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -320,13 +341,14 @@ def _expert_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     return align(topk_ids, num_experts, block_m)
 
 
-def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, cfg: Mxfp4MoEConfig) -> torch.Tensor:
-    """Launches 1 and 2 (module docstring) on rows grouped by expert: fp32 ``[S, T * k, H]``, each
-    slot's expert output by K split of the down projection, before the combine."""
+def _grouped_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks,
+                      cfg: Mxfp4MoEConfig) -> torch.Tensor:
+    """Launches 1 and 2 (module docstring) on the rows of ``blocks`` (grouped by expert): fp32
+    ``[S, T * k, H]``, each slot's expert output by K split of the down projection, before the
+    combine."""
     tokens, top_k = topk_ids.shape
     hidden, inter = experts.hidden_size, experts.local
-    num_slots, num_experts = tokens * top_k, experts.num_experts
-    blocks = _expert_blocks(topk_ids, num_experts, cfg.block_m)
+    num_slots = tokens * top_k
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=cfg.word_decode)
     w13_strides, s13_strides = (w13.stride(0), w13.stride(1)), (s13.stride(0), s13.stride(1))
     w2_strides, s2_strides = (w2.stride(0), w2.stride(1)), (s2.stride(0), s2.stride(1))
