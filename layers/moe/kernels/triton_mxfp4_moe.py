@@ -39,9 +39,12 @@ batch-invariant; batch-invariant mode pins what orders an output element's sums
 (`mxfp4_moe_config.experts_block_config`).
 
 Why our own kernel and not FlashInfer's ``cutlass_fused_moe`` (bf16 activations x MXFP4
-weights): it is a JIT-built CUTLASS module that the GPU bundle's trimmed flashinfer (comm, norm,
-quant) does not ship, so every fresh machine would first build it for minutes; whether 0.7.2
-runs it on sm90 at these shapes is left to be measured. These launches depend on triton only.
+weights, ``use_w4_group_scaling``): flashinfer 0.7.2 has it for sm90 (its JIT module
+``fused_moe_90``: TensorRT-LLM's MoE GEMMs with a bf16 x fp4 instantiation among some thirty
+hand-written sources and the CUTLASS instantiations it generates), but it is a JIT build that the
+GPU bundle's trimmed flashinfer (comm, norm, quant) does not ship, so every fresh machine would
+first compile it for many minutes; how fast it runs at these shapes is left to be measured. These
+launches depend on triton only.
 
 Nothing is read back to the host and every size is a static bound (layers/moe/align.py): the
 launches can be captured in a CUDA graph.
