@@ -123,7 +123,7 @@ def test_sm90_both_launches_keep_the_decoded_weights_in_registers(shape, monkeyp
     experts = _stand_in_experts(inter)
     ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(5)]).int()
     x = torch.zeros(5, 2880, dtype=torch.bfloat16)
-    assert experts_module.tensor_core_refusal(x, experts, cfg) is None
+    assert experts_module.tensor_core_refusal(x.dtype, experts, cfg) is None
     experts_module.tensor_core_partials(x, experts, ids, align_by_expert(ids, 32, 8), cfg)
     assert [kwargs["GATE_UP"] for _, kwargs in recorder.calls] == [True, False]
     for args, kwargs in recorder.calls:
@@ -153,12 +153,12 @@ def test_the_refusal_names_each_limit():
     cfg = Mxfp4MoEConfig(**TILES)
     experts = _stand_in_experts(2880)
     x = torch.zeros(2, 2880, dtype=torch.bfloat16)
-    assert "bf16 activations" in experts_module.tensor_core_refusal(x.float(), experts, cfg)
-    assert "size 1440 is not a multiple of the K step 64" in experts_module.tensor_core_refusal(x, _stand_in_experts(1440), cfg)
+    assert "bf16 activations" in experts_module.tensor_core_refusal(torch.float32, experts, cfg)
+    assert "size 1440 is not a multiple of the K step 64" in experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(1440), cfg)
     big = _stand_in_experts(2880)
     big.w2_scales[3, 7, 1] = 129
-    assert "2^2 exceeds" in experts_module.tensor_core_refusal(x, big, cfg)
+    assert "2^2 exceeds" in experts_module.tensor_core_refusal(x.dtype, big, cfg)
     big.w2_scales[3, 7, 1] = 0  # read once per experts object
-    assert "2^2 exceeds" in experts_module.tensor_core_refusal(x, big, cfg)
-    assert experts_module.tensor_core_refusal(x, experts, cfg) is None
-    assert "MXFP4 weights only" in experts_module.tensor_core_refusal(x, SimpleNamespace(mxfp4=False), cfg)
+    assert "2^2 exceeds" in experts_module.tensor_core_refusal(x.dtype, big, cfg)
+    assert experts_module.tensor_core_refusal(x.dtype, experts, cfg) is None
+    assert "MXFP4 weights only" in experts_module.tensor_core_refusal(x.dtype, SimpleNamespace(mxfp4=False), cfg)

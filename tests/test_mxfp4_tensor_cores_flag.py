@@ -97,18 +97,35 @@ def test_tensor_core_sums_follow_the_shapes_only(inter):
     assert {t.block_m for t in tiles} == {8, 16, 64}
 
 
-def _stand_in(tensor_cores: bool) -> SimpleNamespace:
-    """What `gpt_oss_experts_triton` reads of a `GptOssExperts` before its launches (CPU tensors)."""
-    return SimpleNamespace(hidden_size=2880, local=1440, num_experts=32, mxfp4=True, tensor_cores=tensor_cores)
+def _stand_in(tensor_cores: bool, top_scale: int) -> SimpleNamespace:
+    """What `gpt_oss_experts_triton` reads of a `GptOssExperts` before its launches (CPU tensors,
+    scales of at most ``top_scale``)."""
+    scales = torch.full((4, 8), 120, dtype=torch.uint8)
+    scales[1, 2] = top_scale
+    return SimpleNamespace(hidden_size=2880, local=1440, num_experts=32, mxfp4=True, tensor_cores=tensor_cores,
+                           w13_scales=scales, w2_scales=scales)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_the_experts_launch_the_tiles_their_mark_and_the_mode_ask_for(monkeypatch, tensor_cores, deterministic):
+# (tokens, marked tensor_cores, batch-invariant mode, largest scale byte) -> the launches chosen
+CHOICES = {
+    (2, False, False, 120): "gemv_partials",  # 8 slots: the matrix-vector launches, faster there
+    (8, False, False, 120): "_tensor_core_partials",  # 32 slots: past TENSOR_CORE_MIN_SLOTS
+    (2, False, True, 120): "_tensor_core_partials",  # batch-invariant mode: at every batch
+    (8, True, False, 120): "_tensor_core_partials",
+    (2, True, True, 120): "_tensor_core_partials",
+    (8, False, False, 129): "gemv_partials",  # a scale the tensor-core decoder cannot hold: the launches before
+    (8, False, True, 129): "_grouped_partials",  # ... and batch-invariant mode's grouped tiles
+}
+
+
+@pytest.mark.parametrize("case", CHOICES, ids=lambda c: "tokens{}-{}-{}-scale{}".format(
+    c[0], "marked" if c[1] else "unmarked", "deterministic" if c[2] else "default", c[3]))
+def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monkeypatch, case):
     pytest.importorskip("triton")
     from arfusion.layers.moe.kernels import triton_mxfp4_moe
     from tests.offline_triton import RecordedKernel
 
+    tokens, tensor_cores, deterministic, top_scale = case
     chosen = []
 
     def record(name):
@@ -121,15 +138,13 @@ def test_the_experts_launch_the_tiles_their_mark_and_the_mode_ask_for(monkeypatc
         monkeypatch.setattr(triton_mxfp4_moe, name, record(name))
     monkeypatch.setattr(triton_mxfp4_moe, "_expert_blocks", lambda ids, experts, block_m: None)
     monkeypatch.setattr(triton_mxfp4_moe, "_combine_kernel", RecordedKernel(triton_mxfp4_moe._combine_kernel))
-    tokens = 8
     ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(tokens)]).int()
     with batch_invariant.batch_invariant_mode(deterministic):
-        triton_mxfp4_moe.gpt_oss_experts_triton(torch.zeros(tokens, 2880, dtype=torch.bfloat16), _stand_in(tensor_cores),
-                                                torch.full((tokens, 4), 0.25), ids)
+        triton_mxfp4_moe.gpt_oss_experts_triton(torch.zeros(tokens, 2880, dtype=torch.bfloat16),
+                                                _stand_in(tensor_cores, top_scale), torch.full((tokens, 4), 0.25), ids)
     [(name, cfg)] = chosen
-    if tensor_cores:
-        assert name == "_tensor_core_partials" and cfg == tensor_core_config(1.0, 2880, 1440)
-    elif deterministic:
-        assert name == "_grouped_partials" and not cfg.tensor_cores and not cfg.gemv
-    else:
-        assert name == "gemv_partials"
+    assert name == CHOICES[case]
+    if name == "_tensor_core_partials":
+        assert cfg == tensor_core_config(tokens * 4 / 32, 2880, 1440)
+    if name == "_grouped_partials":
+        assert cfg.block_k_gate_up == cfg.block_k_down == 128 and not cfg.swap  # batch-invariant mode's pins

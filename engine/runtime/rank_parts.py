@@ -119,21 +119,15 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
             logger.info("the LM head's %d rows past the tokenizer's %d ids are never sampled (logit -inf)",
                         config.vocab_size - vocab, vocab)
     # Qwen3-MoE's and Mixtral's MoE layers are batch-invariant in this mode (layers/moe/), so is
-    # gpt-oss's torch path and its Triton experts in bf16 form; with MXFP4 kept the GPU test
-    # (tests/gpu/test_gpt_oss_batch_invariant.py) finds bits that depend on the batch on the
-    # grouped launches, and has not run the tensor-core ones yet
+    # gpt-oss's torch path, its Triton experts in bf16 form and its MXFP4 experts on the tensor-core
+    # launches, which this mode takes for bf16 activations; the grouped launches that serve other
+    # dtypes give bits that depend on the batch (tests/gpu/test_gpt_oss_batch_invariant.py)
     if (settings.fusion.deterministic and config.architecture == "GptOssForCausalLM" and config.keep_mxfp4
-            and device.type == "cuda" and triton_available() and group.rank == 0):
-        if config.mxfp4_tensor_cores:
-            logger.warning("deterministic mode: gpt-oss's MXFP4 experts on the tensor-core launches (layers/moe/"
-                           "kernels/gluon_mxfp4_experts.py) are batch-invariant by construction, which the GPU test "
-                           "has not confirmed yet; --mxfp4-experts dequantize keeps the experts in bf16 form, "
-                           "measured batch-invariant")
-        else:
-            logger.warning("deterministic mode: gpt-oss's MXFP4 expert kernels on the GPU (layers/moe/kernels/"
-                           "triton_mxfp4_moe.py) do not yet give a token the same bits in every batch (measured), "
-                           "so this model's outputs may depend on the batch; --mxfp4-experts dequantize keeps the "
-                           "experts in bf16 form, which does")
+            and device.type == "cuda" and triton_available() and dtype != torch.bfloat16 and group.rank == 0):
+        logger.warning("deterministic mode: gpt-oss's MXFP4 experts in %s run the grouped launches (layers/moe/"
+                       "kernels/triton_mxfp4_moe.py; the tensor-core ones take bf16), which do not give a token the "
+                       "same bits in every batch (measured), so this model's outputs may depend on the batch; "
+                       "--dtype bfloat16 or --mxfp4-experts dequantize avoid it", str(dtype).removeprefix("torch."))
     expected = type(model).hf_weight_shapes(config)
     total_bytes = sum(math.prod(shape) for shape in expected.values()) * dtype.itemsize
     progress = Progress("loading weights", len(expected), "tensors", total_bytes, enabled=group.rank == 0)

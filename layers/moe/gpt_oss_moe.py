@@ -207,7 +207,7 @@ class GptOssExperts(nn.Module):
             return None
         from arfusion.layers.moe.kernels.triton_mxfp4_moe import grouping_block_m
 
-        return grouping_block_m(self, tokens * top_k)
+        return grouping_block_m(self, tokens * top_k, self.w13_bias.dtype)  # the activations' dtype
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:

@@ -62,16 +62,16 @@ except ImportError:  # triton without Gluon: `tensor_core_refusal` says so
     gluon = None
 
 
-def tensor_core_refusal(x: torch.Tensor, experts, cfg) -> Optional[str]:
-    """Why these launches cannot run ``experts`` (a `GptOssExperts`) on ``x`` with ``cfg``, or
-    None (module docstring's limits). Reads the scales' maximum back to the host once per experts
-    object."""
+def tensor_core_refusal(dtype: torch.dtype, experts, cfg) -> Optional[str]:
+    """Why these launches cannot run ``experts`` (a `GptOssExperts`) on activations of ``dtype``
+    with ``cfg``, or None (module docstring's limits). Reads the scales' maximum back to the host
+    once per experts object."""
     if gluon is None:
         return "this triton has no Gluon (triton.experimental.gluon)"
     if not experts.mxfp4:
         return "the tensor-core launches take MXFP4 weights only"
-    if x.dtype != torch.bfloat16:
-        return f"the tensor-core launches take bf16 activations, got {x.dtype}"
+    if dtype != torch.bfloat16:
+        return f"the tensor-core launches take bf16 activations, got {dtype}"
     hidden, inter = experts.hidden_size, experts.local
     for name, size, block in (("hidden size", hidden, cfg.block_k_gate_up), ("intermediate size", inter,
                                                                               cfg.block_k_down)):

@@ -63,6 +63,13 @@ GEMV_MAX_SLOTS = 32
 GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024, block_n_down=8, block_k_down=1024,
                              num_warps=2, gemv=True)
 
+# From this many slots MXFP4 experts take the tensor-core launches (`tensor_core_config`) where
+# they can run (bf16 activations, K steps dividing K, scales up to 2^1; else the launches above):
+# on the GPU benchmark of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss) they
+# were slower than the matrix-vector launches at 1 and 2 tokens (top-4: 4 and 8 slots), even at
+# 4 tokens, and faster from 8 tokens on, as against the grouped launches at every larger count.
+TENSOR_CORE_MIN_SLOTS = 17
+
 
 def decode_block_config(rows_per_expert: float) -> Optional[Mxfp4MoEConfig]:
     """The first entry of `DECODE_CONFIGS` whose bound is at least ``rows_per_expert`` (MXFP4
@@ -177,8 +184,8 @@ def tensor_core_config(rows_per_expert: float, hidden: int, inter: int) -> Mxfp4
     grouped in blocks of 8, 16, 32 or 64 (the first that holds the mean rows per expert), 64 output
     rows a program on 4 warps, K steps of 64 where K allows, else 32 (the same at every batch).
     Batch-invariant mode takes them too: the blocks follow the batch but a row's sums do not
-    (layers/moe/kernels/gluon_mxfp4_experts.py). Not measured yet: the GPU sweep of
-    benchmarks/kernels/bench_mxfp4_moe.py chooses them."""
+    (layers/moe/kernels/gluon_mxfp4_experts.py). Within a few % of the best of seven tiles on the
+    GPU benchmark at 16, 32 and 128 tokens (docs/results.md, gpt-oss)."""
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True)

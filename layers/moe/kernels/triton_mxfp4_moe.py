@@ -61,8 +61,8 @@ from arfusion.layers import batch_invariant
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
 from arfusion.layers.moe.kernels.mxfp4_decode import (byte_halves, expert_weight_operands, fp16_half, load_words,
                                                       word_pairs)
-from arfusion.layers.moe.kernels.mxfp4_moe_config import (Mxfp4MoEConfig, check_config, experts_block_config,
-                                                             tensor_core_config)
+from arfusion.layers.moe.kernels.mxfp4_moe_config import (TENSOR_CORE_MIN_SLOTS, Mxfp4MoEConfig, check_config,
+                                                             experts_block_config, tensor_core_config)
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
@@ -269,21 +269,35 @@ def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_config(experts, num_slots: int) -> Mxfp4MoEConfig:
-    """The launches' tiles and variant for ``num_slots`` slots when the caller gives none: the
-    tensor-core tiles (`tensor_core_config`) for experts marked ``tensor_cores``, else
-    `experts_block_config` (batch-invariant mode's when it is on)."""
-    if experts.tensor_cores:
-        return tensor_core_config(num_slots / experts.num_experts, experts.hidden_size, experts.local)
-    return experts_block_config(num_slots, experts.num_experts, experts.mxfp4, batch_invariant.enabled())
+def default_config(experts, num_slots: int, dtype: torch.dtype) -> Mxfp4MoEConfig:
+    """The launches' tiles and variant for ``num_slots`` slots of activations of ``dtype`` when the
+    caller gives none. MXFP4 weights take the tensor-core launches (`tensor_core_config`) from
+    `TENSOR_CORE_MIN_SLOTS` slots, and at every batch in batch-invariant mode (the
+    launches are batch-invariant by construction) or for experts marked ``tensor_cores``, wherever
+    `tensor_core_refusal` allows (experts marked ``tensor_cores`` take them regardless, and a
+    refusal is then an error); else `experts_block_config` (batch-invariant mode's when it is on).
+    Measured in docs/results.md (gpt-oss)."""
+    deterministic = batch_invariant.enabled()
+    if experts.mxfp4 and (experts.tensor_cores or deterministic or num_slots >= TENSOR_CORE_MIN_SLOTS):
+        tensor = tensor_core_config(num_slots / experts.num_experts, experts.hidden_size, experts.local)
+        if experts.tensor_cores or _tensor_core_refusal(dtype, experts, tensor) is None:
+            return tensor
+    return experts_block_config(num_slots, experts.num_experts, experts.mxfp4, deterministic)
 
 
-def grouping_block_m(experts, num_slots: int) -> Optional[int]:
+def grouping_block_m(experts, num_slots: int, dtype: torch.dtype) -> Optional[int]:
     """The rows per block that `default_config`'s launches group ``num_slots`` slots into, or None
     for the matrix-vector launches (no grouping): what a routing that groups the slots itself
     needs to know (`layers.moe.router.TopKRouter.route`)."""
-    cfg = default_config(experts, num_slots)
+    cfg = default_config(experts, num_slots, dtype)
     return None if cfg.gemv else cfg.block_m
+
+
+def _tensor_core_refusal(dtype: torch.dtype, experts, cfg: Mxfp4MoEConfig) -> Optional[str]:
+    """`gluon_mxfp4_experts.tensor_core_refusal` (imported on first use: Gluon loads with it)."""
+    from arfusion.layers.moe.kernels.gluon_mxfp4_experts import tensor_core_refusal
+
+    return tensor_core_refusal(dtype, experts, cfg)
 
 
 def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -305,7 +319,7 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
                          f"[T, k], T = {x.shape[0]}")
     if tokens == 0:
         return x.new_empty(0, hidden)
-    cfg = config or default_config(experts, tokens * top_k)
+    cfg = config or default_config(experts, tokens * top_k, x.dtype)
     check_config(cfg, experts.mxfp4)
     if blocks is not None and not cfg.gemv and blocks.block_m != cfg.block_m:
         raise ValueError(f"the slots were grouped in blocks of {blocks.block_m} rows, the launches take {cfg.block_m}")
@@ -329,9 +343,9 @@ def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, bloc
                           cfg: Mxfp4MoEConfig) -> torch.Tensor:
     """Launches 1 and 2 on tensor cores (layers/moe/kernels/gluon_mxfp4_experts.py) over ``blocks``:
     fp32 ``[1, T * k, H]``; ValueError naming what they cannot take."""
-    from arfusion.layers.moe.kernels.gluon_mxfp4_experts import tensor_core_partials, tensor_core_refusal
+    from arfusion.layers.moe.kernels.gluon_mxfp4_experts import tensor_core_partials
 
-    refusal = tensor_core_refusal(x, experts, cfg)
+    refusal = _tensor_core_refusal(x.dtype, experts, cfg)
     if refusal is not None:
         raise ValueError(f"Mxfp4MoEConfig.tensor_cores: {refusal}")
     return tensor_core_partials(x, experts, topk_ids, blocks, cfg)
