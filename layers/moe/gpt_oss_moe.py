@@ -43,10 +43,11 @@ from arfusion.layers.linear import check_shape, divide
 from arfusion.layers.moe.align import ExpertBlocks
 from arfusion.layers.moe.mxfp4 import (GROUP, KEPT_MAX_SCALE, NAN_SCALE, TENSOR_CORE_MAX_SCALE, dequantize_mxfp4,
                                       scale_problem)
+from arfusion.layers.moe.routed_experts import run_routed_experts
 from arfusion.layers.moe.router import TopKRouter, router_logits_torch
 from arfusion.layers.moe.torch_experts import combine_topk
 from arfusion.layers.parallel_state import get_tp_group
-from arfusion.layers.pending_norm import MlpInput, PendingNorm
+from arfusion.layers.pending_norm import MlpInput
 
 # shard ids of the checkpoint's expert tensors, all in their out-by-in form [E, out, in(...)]
 EXPERT_TENSORS = ("gate_up", "gate_up_bias", "down", "down_bias", "gate_up_blocks", "gate_up_scales",
@@ -259,13 +260,4 @@ class GptOssMoeBlock(nn.Module):
                                      tensor_cores)
 
     def forward(self, hidden_states: MlpInput) -> torch.Tensor:
-        """The routing groups the slots by expert for the experts' launches where they group them
-        (`GptOssExperts.block_m`), so that they skip their own grouping launch."""
-        if hidden_states.__class__ is PendingNorm:
-            block_m = self.experts.block_m(hidden_states.residual.shape[0], self.router.top_k)
-            normed, weights, ids, blocks = self.router.route_normed(hidden_states, block_m)
-            return self.experts(normed, weights, ids, blocks)
-        block_m = self.experts.block_m(hidden_states.shape[0], self.router.top_k)
-        if block_m is None:
-            return self.experts(hidden_states, *self.router(hidden_states))
-        return self.experts(hidden_states, *self.router.route(hidden_states, block_m))
+        return run_routed_experts(self.router, self.experts, hidden_states)

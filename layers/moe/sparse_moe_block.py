@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from arfusion.layers.moe.experts import MoEExperts
+from arfusion.layers.moe.routed_experts import run_routed_experts
 from arfusion.layers.moe.router import TopKRouter
-from arfusion.layers.pending_norm import MlpInput, PendingNorm
+from arfusion.layers.pending_norm import MlpInput
 
 
 class SparseMoeBlock(nn.Module):
@@ -34,11 +35,4 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: MlpInput) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which the routing runs:
         `TopKRouter.route_normed`) -> this rank's partial MoE output ``[T, hidden]``."""
-        if hidden_states.__class__ is PendingNorm:
-            block_m = self.experts.block_m(hidden_states.residual.shape[0], self.gate.top_k)
-            normed, weights, ids, blocks = self.gate.route_normed(hidden_states, block_m)
-            return self.experts(normed, weights, ids, blocks)
-        block_m = self.experts.block_m(hidden_states.shape[0], self.gate.top_k)
-        if block_m is None:
-            return self.experts(hidden_states, *self.gate(hidden_states))
-        return self.experts(hidden_states, *self.gate.route(hidden_states, block_m))
+        return run_routed_experts(self.gate, self.experts, hidden_states)

@@ -1,0 +1,45 @@
+"""`run_routed_experts`: a MoE block's hand-off from its router to its experts, shared by every
+block (`SparseMoeBlock`, `GptOssMoeBlock`).
+
+    block_m              = experts.block_m(T, k)     rows per block of the experts' grouped launch,
+                                                      None where they group nothing
+    w, ids[, blocks]     = router(h[, block_m])       the routing launch groups the slots by expert
+                                                      itself when block_m is given
+    h_partial            = experts(h, w, ids, blocks)
+
+Given the layer's norm left pending (`PendingNorm`), the routing launch runs that norm first
+(`TopKRouter.route_normed`) and the experts take its output. Nothing is written in place beyond
+what the router's and the experts' own docstrings say.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from arfusion.layers.moe.align import ExpertBlocks
+from arfusion.layers.moe.router import TopKRouter
+from arfusion.layers.pending_norm import MlpInput, PendingNorm
+
+
+class GroupedExperts(Protocol):
+    """Experts that say how they group their slots and take the groups made by the routing."""
+
+    def block_m(self, tokens: int, top_k: int) -> Optional[int]: ...
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 blocks: Optional[ExpertBlocks] = None) -> torch.Tensor: ...
+
+
+def run_routed_experts(router: TopKRouter, experts: GroupedExperts, hidden_states: MlpInput) -> torch.Tensor:
+    """``[T, hidden]`` (reduced, normed; or a `PendingNorm`) -> this rank's partial MoE output
+    ``[T, hidden]`` (module docstring): the routing groups the slots by expert where the experts'
+    launches group them, so that they skip their own grouping launch."""
+    if hidden_states.__class__ is PendingNorm:
+        block_m = experts.block_m(hidden_states.residual.shape[0], router.top_k)
+        normed, weights, ids, blocks = router.route_normed(hidden_states, block_m)
+        return experts(normed, weights, ids, blocks)
+    block_m = experts.block_m(hidden_states.shape[0], router.top_k)
+    if block_m is None:
+        return experts(hidden_states, *router(hidden_states))
+    return experts(hidden_states, *router.route(hidden_states, block_m))
