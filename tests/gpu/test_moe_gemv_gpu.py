@@ -6,8 +6,8 @@ Against a float64 truth from the same bf16 inputs and routing, by RMS error over
 most 1.25x the torch reference's (layers/moe/torch_experts.py: the same roundings plus one per
 expert row, so this path should be below it); the same bits from run to run, and replayed in a
 CUDA graph with new inputs and routing, the bits of eager calls; `fused_moe` without a config
-takes this path where `uses_gemv` holds (the same bits). Both forms of launch 1's sums
-(`MoEGemvConfig.sum_each_step`)."""
+takes this path where `uses_gemv` holds (the bits of `DEFAULT_GEMV_CONFIG`'s form). Both forms of
+launch 1's sums (`MoEGemvConfig.sum_each_step`)."""
 import pytest
 import torch
 
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from arfusion.fusion.tuning.timing import capture_cuda_graph  # noqa: E402
 from arfusion.layers.moe.kernels.triton_fused_moe import fused_moe, uses_gemv  # noqa: E402
-from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig, moe_gemv  # noqa: E402
+from arfusion.layers.moe.kernels.triton_moe_gemv import DEFAULT_GEMV_CONFIG, MoEGemvConfig, moe_gemv  # noqa: E402
 from arfusion.layers.moe.router import select_experts  # noqa: E402
 from arfusion.layers.moe.torch_experts import expert_outputs, moe_experts_torch  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_against_float64_truth(shape, tokens, summed):
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert error <= 1.25 * reference
     assert torch.equal(moe_gemv(x, w13, w2, weights, ids, config), out), "deterministic"
-    if uses_gemv(ids.numel(), w13.shape[0]) and not summed:
+    if uses_gemv(ids.numel(), w13.shape[0]) and config == DEFAULT_GEMV_CONFIG:
         assert torch.equal(fused_moe(x, w13, w2, weights, ids), out), "fused_moe's dispatch"
 
 
