@@ -12,8 +12,7 @@ the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and 
 down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
 96 or 160 (two K-tiles of 128, the second masked); the matrix-vector launches (gemv: MXFP4's default
 at 5 tokens, and small tiles at 1 / 3 / 8 tokens over several K steps with a masked tail
-and several row tiles with a masked last one; the same with the combine in the down launch,
-``combine_in_down``, also at TP2). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
+and several row tiles with a masked last one). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
 with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
@@ -49,8 +48,6 @@ CONFIGS = {
     "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                          swap=True, word_decode=True, split_k_down=2),
     "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True),
-    "gemv_fold": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=64, gemv=True,
-                      combine_in_down=True),
 }
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
@@ -64,8 +61,7 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
          (33, False, 96, 96, "swap", False),
          (1, True, 160, 96, "gemv", False), (3, True, 96, 160, "gemv", True), (8, True, 160, 160, "gemv", False),
-         (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False),
-         (1, True, 160, 96, "gemv_fold", False), (3, True, 96, 160, "gemv_fold", True)]
+         (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False)]
 
 def fill_experts(experts, seed: int) -> None:
     """Seeded random weights in place: bf16-form weights N(0, 0.5) on gate/up, N(0, 0.1) on down;
@@ -129,7 +125,7 @@ def test_matches_torch_reference(interpreted, case):
 # intermediate is a multiple of 32, one group (32) or several (64, 96), or not (80, 48: padded
 # with zeros to 96 and 64, `layers.moe.gpt_oss_moe.rank_share`)
 TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128), ("gemv", 96, 192),
-            ("default", 64, 160), ("gemv", 96, 96), ("gemv_fold", 96, 160)]
+            ("default", 64, 160), ("gemv", 96, 96)]
 
 
 def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:

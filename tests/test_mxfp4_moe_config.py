@@ -41,14 +41,6 @@ def test_matrix_vector_launches_have_no_k_splits():
     mc.check_config(mc.GEMV_CONFIG, mxfp4=True)  # block_m 1 without swap is fine for gemv
 
 
-def test_the_combine_folds_into_the_matrix_vector_down_launch_of_mxfp4_weights_only():
-    fold = mc.Mxfp4MoEConfig(**{**mc.GEMV_CONFIG.__dict__, "combine_in_down": True})
-    mc.check_config(fold, mxfp4=True)
-    for config, mxfp4 in ((fold, False), (mc.Mxfp4MoEConfig(**BYTES, combine_in_down=True), True)):
-        with pytest.raises(ValueError, match="combine_in_down is a variant of gemv's down launch for MXFP4"):
-            mc.check_config(config, mxfp4)
-
-
 @pytest.mark.parametrize(("fields", "message"), [
     (dict(split_k_down=0), "split_k_down must be at least 1"),
     (dict(num_stages_down=-1), "num_stages_down must be at least 0"),

@@ -27,7 +27,6 @@ tails.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -42,12 +41,10 @@ from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
 LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel"}
-# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down;
-# then gate/up again and the down launch with the combine in it, `Mxfp4MoEConfig.combine_in_down`)
+# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
             "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
-            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
-            "_gemv_kernel gate/up", "_down_combine_kernel")
+            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
 BF16 = torch.bfloat16
 
 
@@ -73,7 +70,7 @@ def _decode_step_calls() -> None:
     from arfusion.layers.kernels.triton_skinny_matmul import skinny_linear
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
     from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
-    from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_combined, gemv_partials
+    from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
     from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
     from arfusion.layers.moe.kernels.triton_router import route_triton
 
@@ -110,8 +107,6 @@ def _decode_step_calls() -> None:
         w13_bias=torch.empty(4, 2 * local, dtype=BF16), w2_bias=torch.empty(4, hidden, dtype=BF16))
     gemv_partials(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.arange(4, dtype=torch.int32)[None],
                   GEMV_CONFIG)
-    gemv_combined(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.rand(1, 4, generator=g),
-                  torch.arange(4, dtype=torch.int32)[None], replace(GEMV_CONFIG, combine_in_down=True, block_k_down=256))
 
 
 def _label(fn: Any, kwargs: dict) -> str:
@@ -140,7 +135,7 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
               "_combine_kernel": triton_decode_attention, "_rotary_split_kernel": triton_rotary_decode_attention,
               "_route_kernel": triton_router,
               "_gate_up_silu_gemv_kernel": triton_moe_gemv, "_down_combine_gemv_kernel": triton_moe_gemv,
-              "_gemv_kernel": triton_mxfp4_gemv, "_down_combine_kernel": triton_mxfp4_gemv}
+              "_gemv_kernel": triton_mxfp4_gemv}
     out = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
@@ -298,9 +293,7 @@ def _moe_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
     return {"routing (bias, grouped by expert)": routing,
             "routing with the norm inside (bias, grouped by expert)": lambda: routing(norm=True),
             "experts, matrix-vector": lambda: moe_gemv(h, w13, w2, weights, ids, gemv),
-            "MXFP4 experts, matrix-vector": lambda: gpt_oss_experts_triton(x96, mxfp4, weights, ids, mx_config),
-            "MXFP4 experts, matrix-vector, the combine in the down launch": lambda: gpt_oss_experts_triton(
-                x96, mxfp4, weights, ids, replace(mx_config, combine_in_down=True))}
+            "MXFP4 experts, matrix-vector": lambda: gpt_oss_experts_triton(x96, mxfp4, weights, ids, mx_config)}
 
 
 def _interpreted(rank: int, world: int) -> dict[bool, dict[str, Any]]:
@@ -330,7 +323,7 @@ CASE_NAMES = ["skinny m3 n40 k80", "skinny m5 n64 k128", "skinny m1 n16 k32", "r
               "decode attention, 3 splits", "decode attention with rotary, q/k norm and KV store inside, 3 splits",
               "routing (bias, grouped by expert)",
               "routing with the norm inside (bias, grouped by expert)", "experts, matrix-vector",
-              "MXFP4 experts, matrix-vector", "MXFP4 experts, matrix-vector, the combine in the down launch"]
+              "MXFP4 experts, matrix-vector"]
 
 
 @pytest.mark.timeout(700)

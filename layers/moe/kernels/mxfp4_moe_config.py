@@ -18,9 +18,7 @@ class Mxfp4MoEConfig:
     ``num_warps_down`` / ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector
     launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
-    ``word_decode`` and the stages unused, no K splits); with ``combine_in_down`` (MXFP4 only) its
-    down launch takes a program per token and ``block_n_down`` rows over the token's k slots at
-    once and sums them itself (no combine launch after it). ``tensor_cores``: the grouped launches of
+    ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
     blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
     ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused)."""
@@ -39,7 +37,6 @@ class Mxfp4MoEConfig:
     num_stages_down: int = 0
     gemv: bool = False
     tensor_cores: bool = False
-    combine_in_down: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -152,8 +149,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
-    if cfg.combine_in_down and not (cfg.gemv and mxfp4):
-        raise ValueError("combine_in_down is a variant of gemv's down launch for MXFP4 weights")
     if cfg.tensor_cores:
         _check_tensor_cores(cfg, mxfp4)
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16

@@ -9,17 +9,7 @@ in fp32, no tensor cores, no grouping of the rows by expert. The math is the gro
               g = clamp(gate, max=L)                                      columns (tl.sum)
     launch 2  p[s, n] = act[s] . W_down[e, n] (+ b_down[e, n] on rank 0)  fp32, to a scratch row
 
-(round: to the activations' dtype). With `Mxfp4MoEConfig.combine_in_down` (MXFP4 only) launch 2
-also does the combine that otherwise follows it, so no scratch rows are written or read:
-
-    launch 2' program (token t, BLOCK_N output rows), its k slots at once ([k, BLOCK_N] rows):
-              out[t, n] = round(sum_j w[t, j] * round(act[t k + j] . W_down[e_j, n] (+ b_down[e_j, n])))
-
-the per-slot sums as launch 2's (by scale group, per K step), then the k weighted expert rows
-summed with ``tl.sum`` (another order than the combine launch's loop over j: other bits). It
-saves the combine launch but has k times fewer programs, each reading its k slots' rows at once;
-`GEMV_CONFIG` does not take it until the GPU benchmark (benchmarks/kernels/bench_mxfp4_moe.py)
-says which is faster.
+(round: to the activations' dtype).
 
 Why a separate path: at decode sizes (a handful of slots) the grouped launches give each expert
 a 16-row token block of which one row is real, and their tensor-core dots need the decoded
@@ -48,7 +38,6 @@ from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_half, load_words_only, scale_factor,
                                                       word_pairs)
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
-from arfusion.layers.moe.kernels.triton_moe_gemv import token_slots
 
 
 @triton.jit
@@ -121,103 +110,6 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
         tl.store(out_row, total, mask=n_mask)
 
 
-@triton.jit
-def _slots_step(act_rows, j_mask, word_rows, scale_rows, mask, k0, k_size, acc, BLOCK_K: tl.constexpr):
-    """``acc [J, N, BLOCK_K / 32]`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of each slot's
-    ``W_j[n, k] * act_j[k]`` by scale group (`_step`'s MXFP4 sums, a slot a leading row):
-    ``act_rows [J]`` the slots' activation rows, ``word_rows`` / ``scale_rows [J, N]`` offsets of
-    the weight rows in 32-bit words (a multiple of 4) and of their scale rows, ``mask [J, N]``;
-    masked rows and columns past ``k_size`` add zeros."""
-    kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    in_k = (kw < (k_size // 32) * 4)[None, None, :]
-    words = tl.load(word_rows[:, :, None] + kw[None, None, :], mask=mask[:, :, None] & in_k, other=0)
-    part = tl.zeros(words.shape, dtype=tl.float32)
-    for q in tl.static_range(4):
-        pairs = word_pairs(words, q)
-        for high in tl.static_range(2):
-            k = 8 * kw + q + 4 * high
-            xk = tl.load(act_rows[:, None] + k[None, :], mask=j_mask[:, None] & (k < k_size)[None, :], other=0.0)
-            part += fp16_half(pairs, high) * xk.to(tl.float32)[:, None, :]
-    groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    in_groups = (groups < k_size // 32)[None, None, :]
-    factor = scale_factor(scale_rows[:, :, None], 0, groups[None, None, :], mask[:, :, None] & in_groups)
-    return acc + tl.sum(tl.reshape(part, [part.shape[0], part.shape[1], BLOCK_K // 32, 4]), axis=3) * factor
-
-
-@triton.jit
-def _down_combine_kernel(act_ptr, ids_ptr, topk_weights_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size,
-                         stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
-                         TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (token, column tile): launch 2' (module docstring), MXFP4 weights; ``out`` ``[T,
-    n_size]`` of the activations' dtype, the bias when HAS_BIAS. With USE_PDL it waits for the
-    previous kernel first (its activations and routing)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
-    slots, j_mask, experts = token_slots(ids_ptr, token, TOPK, TOPK_POW2)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_size
-    mask = j_mask[:, None] & n_mask[None, :]
-    rows = offs_n.to(tl.int64)
-    # rows start on 16 bytes (`expert_weight_operands`): offsets in words, multiples of 4
-    word_rows = (experts * (stride_we // 16))[:, None] * 4 + (rows * (stride_wn // 16))[None, :] * 4
-    scale_rows = experts[:, None] * stride_se + rows[None, :] * stride_sn
-    act_rows = act_ptr + slots * stride_act
-    acc = tl.zeros([TOPK_POW2, BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-    for k0 in range(0, k_size, BLOCK_K):
-        acc = _slots_step(act_rows, j_mask, w_ptr.to(tl.pointer_type(tl.uint32)) + word_rows, scales_ptr + scale_rows,
-                          mask, k0, k_size, acc, BLOCK_K)
-    expert_out = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        expert_out += tl.load(bias_ptr + experts[:, None] * stride_be + offs_n[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    routing = tl.load(topk_weights_ptr + slots, mask=j_mask, other=0.0)
-    total = tl.sum(expert_out.to(dtype).to(tl.float32) * routing[:, None], axis=0)
-    tl.store(out_ptr + token * stride_out + offs_n, total.to(dtype), mask=n_mask)
-
-
-def _activations(x: torch.Tensor, experts, ids: torch.Tensor, top_k: int, config, use_pdl: bool) -> torch.Tensor:
-    """Launch 1: ``act [T * k, I_r]`` of x's dtype, the clamped SwiGLU of each slot's gate/up."""
-    hidden, inter, slots = experts.hidden_size, experts.local, ids.numel()
-    w13, s13, _, _ = expert_weight_operands(experts, word_reads=True)
-    act = x.new_empty(slots, inter)
-    _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
-        x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
-        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
-        X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
-        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
-    return act
-
-
-def _slot_ids(topk_ids: torch.Tensor) -> torch.Tensor:
-    """``topk_ids [T, k]`` flattened to the slots' experts ``[T * k]``, contiguous."""
-    ids = topk_ids.reshape(-1)
-    return ids if ids.is_contiguous() else ids.contiguous()
-
-
-def gemv_combined(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor, config
-                  ) -> torch.Tensor:
-    """Launches 1 and 2' (module docstring, ``config.combine_in_down``): this rank's partial output,
-    a new ``[T, H]`` of x's dtype, from ``x [T, H]`` and the routing ``[T, k]`` (weights fp32),
-    with MXFP4 ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`) and the tiles of
-    ``config`` (`gemv_partials`'). The caller has checked x, the routing and the config."""
-    tokens, top_k = topk_ids.shape
-    ids, use_pdl = _slot_ids(topk_ids), pdl.enabled()
-    act = _activations(x, experts, ids, top_k, config, use_pdl)
-    _, _, w2, s2 = expert_weight_operands(experts, word_reads=True)
-    out = x.new_empty(tokens, experts.hidden_size)
-    _down_combine_kernel[(tokens, triton.cdiv(experts.hidden_size, config.block_n_down))](
-        act, ids, topk_weights, w2, s2, experts.w2_bias, out, experts.local, experts.hidden_size, act.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), out.stride(0),
-        TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
-        num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
-    return out
-
-
 def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> torch.Tensor:
     """``x [T, H]``, ``topk_ids [T, k]`` -> fp32 ``[1, T * k, H]``: each slot's expert output before
     the combine (module docstring: launches 1 and 2), with the weights of ``experts`` (a
@@ -226,9 +118,17 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
     ``num_warps``). The caller has checked x, the routing and the config."""
     tokens, top_k = topk_ids.shape
     hidden, inter, slots = experts.hidden_size, experts.local, tokens * top_k
-    ids, use_pdl = _slot_ids(topk_ids), pdl.enabled()
-    act = _activations(x, experts, ids, top_k, config, use_pdl)
-    _, _, w2, s2 = expert_weight_operands(experts, word_reads=True)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
+    act = x.new_empty(slots, inter)
+    use_pdl = pdl.enabled()
+    _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
+        x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
+        X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
+        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),

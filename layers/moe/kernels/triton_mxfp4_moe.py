@@ -16,7 +16,7 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only. A configuration with
 ``gemv`` (MXFP4 at decode sizes, `experts_block_config`) runs launches 1 and 2 as matrix-vector
 products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert) and
-shares launch 3 with S = 1, or, with ``combine_in_down``, does launch 3's sums in its launch 2; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
+shares launch 3 with S = 1; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
 decoded into the MMA's registers (layers/moe/kernels/gluon_mxfp4_experts.py), also with S = 1.
 
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
@@ -66,7 +66,7 @@ from arfusion.layers.moe.kernels.mxfp4_moe_config import (TENSOR_CORE_MIN_SLOTS,
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
-from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_combined, gemv_partials
+from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
 
 COMBINE_BLOCK = 512  # output columns per program of the combine launch
 
@@ -323,8 +323,6 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     check_config(cfg, experts.mxfp4)
     if blocks is not None and not cfg.gemv and blocks.block_m != cfg.block_m:
         raise ValueError(f"the slots were grouped in blocks of {blocks.block_m} rows, the launches take {cfg.block_m}")
-    if cfg.combine_in_down:
-        return gemv_combined(x, experts, topk_weights.to(torch.float32).contiguous(), topk_ids, cfg)
     if cfg.gemv:
         partial = gemv_partials(x, experts, topk_ids, cfg)
     else:
