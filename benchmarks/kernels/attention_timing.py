@@ -20,12 +20,10 @@ ExtendAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def time_decode_attention(batch: int, context: int, num_heads: int = 16, num_kv_heads: int = 4, head_dim: int = 128,
                           dtype: torch.dtype = torch.bfloat16, attention_fn: AttentionFn = decode_attention,
-                          calls_per_graph: int = 32, repeats: int = 10, seed: int = 0,
-                          seq_len: Optional[int] = None, ragged: bool = False) -> float:
+                          calls_per_graph: int = 32, repeats: int = 10, seed: int = 0) -> float:
     """Microseconds per call of ``attention_fn(q, k_cache, v_cache, req_to_token, seq_lens, scale)``
-    (default: ``decode_attention``) with a table ``context`` slots wide whose every row attends to
-    ``seq_len`` keys (default: all ``context``; ``ragged``: rows spread evenly from 1 key to
-    ``seq_len``) in scattered slots, on the current CUDA device.
+    (default: ``decode_attention``) at full context (every row attends to ``context`` keys in
+    scattered slots), on the current CUDA device.
 
     One CUDA graph of ``calls_per_graph`` calls is captured and replayed ``repeats`` times, each
     replay timed with CUDA events; returns the median / calls_per_graph. The calls cycle over
@@ -40,9 +38,7 @@ def time_decode_attention(batch: int, context: int, num_heads: int = 16, num_kv_
               for _ in range(num_caches)]
     q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     req_to_token = torch.randperm(slots, generator=gen, device=device).view(batch, context)
-    longest = seq_len or context
-    seq_lens = (torch.linspace(1, longest, batch, device=device).round().to(torch.int64) if ragged
-                else torch.full((batch,), longest, dtype=torch.int64, device=device))
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     scale = head_dim ** -0.5
 
     def calls() -> None:

@@ -31,14 +31,6 @@ Combine kernel, grid (B, H), over the ceil(n_b / chunk_b) <= NUM_SPLITS splits t
 
 (every w_s lies in (0, 1] and one is 1: no overflow, no 0/0).
 
-Or the combine in the split launch (``combine_in_split``), which saves its launch: a row whose
-length gives it one split writes its output directly (what the combine of one split gives); with
-more, each program of (b, kv head) writes its partials, then, after a CTA barrier, adds one to the
-pair's arrival counter (release/acquire at GPU scope, layers/kernels/arrival_counters.py), and the
-program that arrives last combines the G heads' splits (read past L1), as the combine kernel does
-(the same `combine_splits`, so batch-invariant mode keeps its in-order sums), and sets the counter
-back to zero.
-
 Batch-invariant mode passes ``keys_per_split``: chunk_b is that fixed size, so row b takes
 ceil(n_b / keys_per_split) splits (fewer for short rows, more for long ones; never a function
 of the batch), the grid is ceil(C / keys_per_split) splits, and the combine adds splits 0, 1,
@@ -58,10 +50,7 @@ of [0, n_b).
 
 Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
 dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
-[B, H, NUM_SPLITS]) and, with the combine in the split launch, B x KVH arrival counters, zero
-again when it ends (so calls on one device run one at a time, as on one stream, and the first
-such call of a process is eager: the counters cannot be allocated during CUDA-graph capture);
-nothing else is written. Launch and buffers depend on shapes only, never on
+[B, H, NUM_SPLITS]); nothing else is written. Launch and buffers depend on shapes only, never on
 seq_lens, so a call is CUDA-graph capturable and a replay with other seq_lens re-splits each row
 on the device. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
 sync); seq_lens above C are clamped to C.
@@ -77,7 +66,6 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.kernels import pdl
-from arfusion.layers.kernels.arrival_counters import ArrivalCounters
 from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
@@ -87,11 +75,6 @@ WAVES = 4  # target programs per call: WAVES * SM count
 MID_BLOCK_N, MID_WAVES = 128, 2  # mid-size batches: 64 <= B * KVH <= MID_WAVES * SM count
 MID_MIN_ROWS = 64
 MAX_SPLITS = 64
-# the combine done by each (sequence, kv head)'s last split program instead of a launch of its own
-# (`decode_attention`'s ``combine_in_split``): off until the GPU benchmark
-# (benchmarks/kernels/sweep_decode_attention.py ``--combine-in-split``) shows it faster
-COMBINE_IN_SPLIT = False
-ARRIVALS = ArrivalCounters("decode attention")  # a counter per (sequence, kv head) of a launch
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -170,22 +153,21 @@ def write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, strid
 
 
 @triton.jit
-def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, Arrivals, qk_scale_log2,
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
                   context, window,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, FIXED_CHUNK: tl.constexpr, COMBINE_IN_SPLIT: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  FIXED_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # everything below reads the step's data (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len, start, end, ran = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW,
-                                            FIXED_CHUNK)
+    seq_len, start, end, _ = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW,
+                                          FIXED_CHUNK)
     if start < seq_len:
         slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
         offs_g = tl.arange(0, GROUP_PAD)
@@ -196,64 +178,8 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
         m, l, acc = attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end, qk_scale_log2,
                                 stride_ks, stride_kh, stride_vs, stride_vh, 0, 0, 0, GROUP_PAD, HEAD_DIM, BLOCK,
                                 DOT_PRECISION, HAS_SINKS, False)
-        finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob,
-                     stride_oh, GROUP, HEAD_DIM, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, FIXED_CHUNK > 0, COMBINE_IN_SPLIT)
-
-
-@triton.jit
-def finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob, stride_oh,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 SPLITS_PAD: tl.constexpr, IN_ORDER: tl.constexpr, COMBINE_IN_SPLIT: tl.constexpr):
-    """A split program's end (row b, kv head kvh, ``ran`` splits of the row not empty): `write_split`;
-    with COMBINE_IN_SPLIT (module docstring) a row of one split writes its output (the combine's
-    bits), and otherwise the program counts its arrival and, when last, combines the group's
-    heads (`combine_splits`) and zeroes the counter."""
-    if COMBINE_IN_SPLIT and ran == 1:  # the row's only split: its output itself
-        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
-                    NUM_HEADS, 1)
-    else:
         write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
                     NUM_HEADS, NUM_SPLITS)
-        if COMBINE_IN_SPLIT:
-            tl.debug_barrier()  # every thread's partials are written before the counter announces them
-            counter = Arrivals + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == ran - 1:
-                tl.debug_barrier()  # the acquire above orders the peers' partials before this CTA's reads
-                offs_d = tl.arange(0, HEAD_DIM)
-                for g in range(GROUP):
-                    head = kvh * GROUP + g
-                    out = combine_splits(PartOut, PartLse, (b * NUM_HEADS + head) * NUM_SPLITS, ran, HEAD_DIM,
-                                         SPLITS_PAD, IN_ORDER, ".cg")
-                    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # all arrived: zero for the next launch
-
-
-@triton.jit
-def combine_splits(PartOut, PartLse, first, ran, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   IN_ORDER: tl.constexpr, CACHE: tl.constexpr):
-    """fp32 ``[HEAD_DIM]``: one head's output from its ``ran`` split partials at rows ``first``,
-    ``first + 1``, .. of PartOut / PartLse (module docstring's combine), loaded with the cache
-    modifier CACHE. IN_ORDER (batch-invariant mode): a loop adding splits 0, 1, .. in order;
-    else one reduction over a SPLITS_PAD tile (masked past ``ran``)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    if IN_ORDER:  # splits 0, 1, ..., ran - 1 added in that order: the grid's size changes no bit
-        top = tl.load(PartLse + first, cache_modifier=CACHE)
-        for s in range(1, ran):
-            top = tl.maximum(top, tl.load(PartLse + first + s, cache_modifier=CACHE))
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        den = tl.zeros([HEAD_DIM], tl.float32)
-        for s in range(0, ran):
-            w = tl.exp2(tl.load(PartLse + first + s, cache_modifier=CACHE) - top)
-            acc += w * tl.load(PartOut + (first + s) * HEAD_DIM + offs_d, cache_modifier=CACHE)
-            den += w
-        return acc / den
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < ran
-    lse = tl.load(PartLse + first + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
-    o = tl.load(PartOut + (first + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-                cache_modifier=CACHE)
-    return tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
 
 
 @triton.jit
@@ -267,9 +193,27 @@ def _combine_kernel(PartOut, PartLse, SeqLens, Out, stride_ob, stride_oh, contex
     b = tl.program_id(0)
     h = tl.program_id(1)
     _, _, _, ran = chunk_bounds(SeqLens, b, 0, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW, FIXED_CHUNK)
-    out = combine_splits(PartOut, PartLse, (b * NUM_HEADS + h) * NUM_SPLITS, ran, HEAD_DIM, SPLITS_PAD,
-                         FIXED_CHUNK > 0, "")
+    first = (b * NUM_HEADS + h) * NUM_SPLITS
     offs_d = tl.arange(0, HEAD_DIM)
+    if FIXED_CHUNK > 0:  # splits 0, 1, ..., ran - 1 added in that order: the grid's size changes no bit
+        top = tl.load(PartLse + first)
+        for s in range(1, ran):
+            top = tl.maximum(top, tl.load(PartLse + first + s))
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        den = tl.zeros([HEAD_DIM], tl.float32)
+        for s in range(0, ran):
+            w = tl.exp2(tl.load(PartLse + first + s) - top)
+            acc += w * tl.load(PartOut + (first + s) * HEAD_DIM + offs_d)
+            den += w
+        out = acc / den
+    else:
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < ran
+        row = first + offs_s
+        lse = tl.load(PartLse + row, mask=s_mask, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # 0 for splits that did not run
+        o = tl.load(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
@@ -339,7 +283,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                      row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None,
                      keys_per_split: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-                     window: int = 0, combine_in_split: Optional[bool] = None) -> torch.Tensor:
+                     window: int = 0) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
@@ -351,29 +295,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combine adds the splits one by one in order. ``sinks [H]`` (fp32 logits) join every head's
     softmax denominator as a key of value 0 (split 0 starts its sums with it); ``window`` W > 0
     keeps the last W keys only (the splits cut ``[max(n_b - W, 0), n_b)``):
-    layers/sink_attention.py's math. ``combine_in_split`` (None: `COMBINE_IN_SPLIT`): with several
-    splits, each (sequence, kv head)'s last split program does the combine, no combine launch
-    (module docstring). Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
-    sync); values of seq_lens above C are clamped to C."""
+    layers/sink_attention.py's math. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not
+    checked: that would sync); values of seq_lens above C are clamped to C."""
     check_operands(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split)
-    in_split, arrivals = combine_choice(plan, combine_in_split, q.device, batch * kv_heads, seq_lens)
     use_pdl = pdl.enabled()
     _split_kernel[(batch, kv_heads, plan.splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, plan.part_out,
-        plan.part_lse, plan.out, seq_lens if sinks is None else sinks, arrivals, scale * math.log2(math.e),
+        plan.part_lse, plan.out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), plan.out.stride(0), plan.out.stride(1), req_to_token.shape[1], window,
         GROUP=heads // kv_heads, GROUP_PAD=group_pad(heads // kv_heads), HEAD_DIM=dim, NUM_HEADS=heads,
-        NUM_SPLITS=plan.splits, SPLITS_PAD=triton.next_power_of_2(plan.splits), BLOCK=plan.block,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None,
-        HAS_WINDOW=window > 0, FIXED_CHUNK=keys_per_split or 0, COMBINE_IN_SPLIT=in_split, USE_PDL=use_pdl,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=use_pdl,
+        NUM_SPLITS=plan.splits, BLOCK=plan.block, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
+        FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        launch_pdl=use_pdl,
     )
-    return plan.out if in_split else combine(plan, seq_lens, req_to_token.shape[1], window, keys_per_split)
+    return combine(plan, seq_lens, req_to_token.shape[1], window, keys_per_split)
 
 
 class SplitPlan(NamedTuple):
@@ -410,15 +351,6 @@ def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Option
         return SplitPlan(splits, block, out, out, out)
     return SplitPlan(splits, block, out, torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device),
                      torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device))
-
-
-def combine_choice(plan: SplitPlan, combine_in_split: Optional[bool], device: torch.device, groups: int,
-                   stand_in: torch.Tensor) -> tuple[bool, torch.Tensor]:
-    """``(in split, arrival counters)`` of a launch: whether ``plan``'s splits are combined in the
-    split launch (``combine_in_split``, None: `COMBINE_IN_SPLIT`; never with one split) and its
-    ``groups`` (rows x kv heads) counters, or ``stand_in`` (unused) when not."""
-    in_split = plan.splits > 1 and (COMBINE_IN_SPLIT if combine_in_split is None else combine_in_split)
-    return in_split, ARRIVALS.get(device, groups) if in_split else stand_in
 
 
 def group_pad(group: int) -> int:
