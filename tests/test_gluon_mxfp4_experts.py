@@ -97,13 +97,18 @@ def _stand_in_experts(inter: int) -> SimpleNamespace:
 
 
 # gpt-oss-20b's experts at TP1, TP2 and TP4 (MXFP4 shares padded to whole groups of 32), and an
-# intermediate size of 3072 for the down launch's K steps of 128; blocks of 8, 32 and 64 rows
+# intermediate size of 3072 for the down launch's K steps of 128; blocks of 8, 32 and 64 rows; the
+# prefetching variant
 SHAPES = {"tp1": (2880, dict(TILES)),
           "tp2": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2)),
           "tp4": (736, dict(TILES, block_n_gate_up=32, block_k_down=32, num_warps=2)),
           "k128": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128)),
           "m32": (2880, dict(TILES, block_m=32)), "m64": (2880, dict(TILES, block_m=64, num_warps=8, block_n_gate_up=128,
-                                                                     block_n_down=128))}
+                                                                     block_n_down=128)),
+          # a K step's loads issued before the step before is multiplied (`Mxfp4MoEConfig.prefetch`)
+          "tp1-prefetch1": (2880, dict(TILES, prefetch=1)), "m32-prefetch2": (2880, dict(TILES, block_m=32, prefetch=2)),
+          "tp2-prefetch2": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=2)),
+          "k128-prefetch2": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128, prefetch=2))}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -144,6 +149,13 @@ def test_the_config_refuses_what_the_launches_cannot_take(field, value, message)
         check_config(cfg, True)
 
 
+def test_the_config_refuses_prefetch_outside_the_tensor_core_launches():
+    with pytest.raises(ValueError, match="prefetch is a variant of the tensor-core launches"):
+        check_config(Mxfp4MoEConfig(**dict(TILES, block_m=16, tensor_cores=False, prefetch=1)), True)
+    with pytest.raises(ValueError, match="prefetch loads 0, 1 or 2 K steps ahead, got 3"):
+        check_config(Mxfp4MoEConfig(**dict(TILES, prefetch=3)), True)
+
+
 def test_the_config_refuses_bf16_form_weights():
     with pytest.raises(ValueError, match="MXFP4 weights only"):
         check_config(Mxfp4MoEConfig(**TILES), False)
@@ -162,3 +174,7 @@ def test_the_refusal_names_each_limit():
     assert "2^2 exceeds" in experts_module.tensor_core_refusal(x.dtype, big, cfg)
     assert experts_module.tensor_core_refusal(x.dtype, experts, cfg) is None
     assert "MXFP4 weights only" in experts_module.tensor_core_refusal(x.dtype, SimpleNamespace(mxfp4=False), cfg)
+    ahead = Mxfp4MoEConfig(**dict(TILES, block_k_down=32, prefetch=2))
+    assert "intermediate size 32 is shorter than the 2 K steps of 32" in experts_module.tensor_core_refusal(
+        x.dtype, _stand_in_experts(32), ahead)
+    assert experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(64), ahead) is None

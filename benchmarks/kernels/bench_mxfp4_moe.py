@@ -3,7 +3,8 @@
 bf16 activations, MXFP4 weights kept (``--weights bf16`` for the bf16 form). Random weights
 (MXFP4 bytes uniform, scales 2^-9 .. 2^-5; bf16 N(0, 0.02)), random biases and top-4 routing.
 
-For each token count and each configuration (the default, `experts_block_config`, first): µs per
+For each token count and each configuration (the default, `triton_mxfp4_moe.default_config`,
+first): µs per
 call, the median of 10 replays of a CUDA graph of CALLS calls, each with its own routing, so
 consecutive calls mostly read other experts' weights (no L2 reuse from the call before); the
 weight bytes a call reads (its active experts' weights, biases and scales, the mean over the
@@ -113,8 +114,7 @@ def bench(experts, tokens: int, seed: int, configs: list, profile: bool = False)
     """Rows at ``tokens`` (module docstring), one per configuration in ``configs`` (None: the
     kernel's default; else a `Mxfp4MoEConfig`), on the same inputs; with ``profile`` each row
     also has ``kernels``: µs per call of each of its launches (`kernel_us_per_op`)."""
-    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
-    from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import default_config, gpt_oss_experts_triton
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = experts.num_experts
@@ -129,7 +129,7 @@ def bench(experts, tokens: int, seed: int, configs: list, profile: bool = False)
     floor_us = nbytes / HBM_BYTES_PER_S * 1e6
     rows = []
     for config in configs:
-        used = config or experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
+        used = config or default_config(experts, tokens * TOP_K, xs[0].dtype)
         row = {"tokens": tokens, "default": config is None, "config": dataclasses.asdict(used),
                "active_experts": active, "bytes": nbytes, "floor_us": floor_us}
         try:
@@ -167,7 +167,7 @@ def describe(row: dict) -> str:
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
              "split_k_down": "split", "num_warps_down": "w2", "num_stages_down": "st2", "gemv": "gemv",
-             "tensor_cores": "tc"}
+             "tensor_cores": "tc", "prefetch": "pre"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mxfp4_moe needs a CUDA GPU")
-    from arfusion.layers.moe.kernels.mxfp4_moe_config import experts_block_config
+    from arfusion.layers.moe.kernels.triton_mxfp4_moe import default_config
     from arfusion.layers.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(1, 0, device=torch.device("cuda", 0))
@@ -197,7 +197,7 @@ def main() -> None:
         for model in args.models:
             experts = make_experts(MODELS[model], args.weights == "mxfp4", seed=0)
             for tokens in args.tokens:
-                base = experts_block_config(tokens * TOP_K, experts.num_experts, experts.mxfp4)
+                base = default_config(experts, tokens * TOP_K, torch.bfloat16)
                 overrides = list(args.configs) + (sweep_candidates(tokens) if args.sweep else [])
                 configs = [None] + [dataclasses.replace(base, **o) for o in overrides]
                 default_us = None

@@ -27,7 +27,9 @@ that share a row) holds words p J .. p J + J - 1 where the operand layout expect
 .., p + 4 (J - 1): the dot's
 order of k is a fixed permutation of the columns, and the activations are loaded in the same
 permuted order (16-byte loads, then a register permutation). Every output is one fp32
-accumulator over K in a fixed order. Why Gluon: in Triton the decoded tile's layout is the
+accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` = d (1 or 2) a K step's
+words, scales and activations are loaded d steps ahead, before the steps between are decoded and
+multiplied (the same products in the same order: the same bits; K of at least d steps). Why Gluon: in Triton the decoded tile's layout is the
 compiler's choice, and moving it into the dot operand's layout went through shared memory every
 K step (a Triton variant of this measured slower than the CUDA-core launches: docs/notes.md).
 
@@ -77,6 +79,8 @@ def tensor_core_refusal(dtype: torch.dtype, experts, cfg) -> Optional[str]:
                                                                               cfg.block_k_down)):
         if size % block:
             return f"the {name} {size} is not a multiple of the K step {block}"
+        if size < cfg.prefetch * block:
+            return f"the {name} {size} is shorter than the {cfg.prefetch} K steps of {block} that prefetch loads ahead"
     top = getattr(experts, "_tensor_core_max_scale", None)
     if top is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -126,10 +130,10 @@ if gluon is not None:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _weights(w_ptr, s_ptr, rows, k0, stride_wn, stride_sn, WORDS: gl.constexpr, A: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-        """The bf16 weights of ``rows`` over columns k0 .. k0 + BLOCK_K - 1, ``[BLOCK_N, BLOCK_K]``
-        in layout A, k in the permuted order (module docstring)."""
+    def _words(w_ptr, s_ptr, rows, k0, stride_wn, stride_sn, WORDS: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr):
+        """The 32-bit words of ``rows`` over columns k0 .. k0 + BLOCK_K - 1 (``[BLOCK_N, 4 (p), J]``
+        in layout WORDS) and each run's scale byte (``[BLOCK_N, 4]``), as loaded."""
         steps: gl.constexpr = BLOCK_K // 32
         p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, WORDS)))
         j = gl.arange(0, steps, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
@@ -137,8 +141,15 @@ if gluon is not None:
                                 [1, 1, steps])
         words = gl.load(w_ptr.to(gl.pointer_type(gl.uint32)) + rows[:, None, None] * (stride_wn // 4) + k0 // 8 + run)
         # thread p's words p J .. p J + J - 1 lie in scale group (p J) / 4 of the step (J <= 4)
-        scale = gl.load(s_ptr + rows[:, None] * stride_sn + k0 // 32 + (p * steps // 4)[None, :]).to(gl.uint32)
-        factor = ((scale + 126) << 7) * 0x10001  # bf16 2^(scale - 1), twice
+        scale = gl.load(s_ptr + rows[:, None] * stride_sn + k0 // 32 + (p * steps // 4)[None, :])
+        return words, scale
+
+    @gluon.jit
+    def _decoded(words, scale, WORDS: gl.constexpr, A: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """`_words`' words and scales -> the bf16 weights ``[BLOCK_N, BLOCK_K]`` in layout A, k in the
+        permuted order (module docstring)."""
+        steps: gl.constexpr = BLOCK_K // 32
+        factor = ((scale.to(gl.uint32) + 126) << 7) * 0x10001  # bf16 2^(scale - 1), twice
         factor = factor[:, :, None] + gl.zeros([BLOCK_N, 4, steps], gl.uint32, WORDS)
         p0, p1, p2, p3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [words, factor],
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
@@ -148,11 +159,36 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(tile, [BLOCK_N, BLOCK_K]), A)
 
     @gluon.jit
+    def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
+                    WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Everything one K step reads, as loaded: (words and scales of W's rows, of the up rows
+        ``rows + N`` with GATE_UP (else the same again, not reloaded), the activations)."""
+        words, scale = _words(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+        up_words, up_scale = words, scale
+        if GATE_UP:
+            up_words, up_scale = _words(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+        acts = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)  # [p, j, k in the word: q + 4 h, row]
+        return words, scale, up_words, up_scale, acts
+
+    @gluon.jit
+    def _step_mma(words, scale, up_words, up_scale, acts, acc, acc_up, GATE_UP: gl.constexpr, WORDS: gl.constexpr,
+                  A: gl.constexpr, B: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr):
+        """One K step's products added to ``acc`` (and ``acc_up`` with GATE_UP) from `_step_loads`."""
+        steps: gl.constexpr = BLOCK_K // 32
+        acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, BLOCK_M]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
+        acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
+        acc = mma_v2(_decoded(words, scale, WORDS, A, BLOCK_N, BLOCK_K), acts, acc)
+        if GATE_UP:
+            acc_up = mma_v2(_decoded(up_words, up_scale, WORDS, A, BLOCK_N, BLOCK_K), acts, acc_up)
+        return acc, acc_up
+
+    @gluon.jit
     def _experts_kernel(x_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                         num_slots, K, N, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                         stride_be, stride_out, TOPK: gl.constexpr, GATE_UP: gl.constexpr, HAS_BIAS: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
+                        NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr):
         """Program (block of rows, BLOCK_N output rows): GATE_UP, launch 1 (x the activations by
         token, ``out`` act by sorted row); else launch 2 (x act by sorted row, ``out`` fp32 by
         slot, the bias when HAS_BIAS)."""
@@ -186,14 +222,37 @@ if gluon is not None:
             x_mask = (x_slots < num_slots)[None, None, None, :]
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            for k0 in range(0, K, BLOCK_K):
-                acts = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)  # k in the word: q + 4 h
-                acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, BLOCK_M]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
-                acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
-                acc = mma_v2(_weights(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K), acts, acc)
-                if GATE_UP:
-                    acc_up = mma_v2(_weights(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, A, BLOCK_N, BLOCK_K),
-                                    acts, acc_up)
+            if PREFETCH == 2:  # steps k + 1 and k + 2 loaded before step k's products (K >= 2 steps)
+                gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn, GATE_UP,
+                                                 WORDS, BLOCK_N, BLOCK_K)
+                gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, BLOCK_K, N, stride_wn,
+                                                      stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
+                for k0 in range(2 * BLOCK_K, K, BLOCK_K):
+                    gw2, gs2, uw2, us2, xa2 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn,
+                                                          stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
+                    acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                            BLOCK_K)
+                    gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
+                    gw1, gs1, uw1, us1, xa1 = gw2, gs2, uw2, us2, xa2
+                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc, acc_up = _step_mma(gw1, gs1, uw1, us1, xa1, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                        BLOCK_K)
+            elif PREFETCH == 1:  # step k + 1 loaded before step k's products
+                gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn, GATE_UP,
+                                                 WORDS, BLOCK_N, BLOCK_K)
+                for k0 in range(BLOCK_K, K, BLOCK_K):
+                    gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn,
+                                                          stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
+                    acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                            BLOCK_K)
+                    gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
+                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn,
+                                                     GATE_UP, WORDS, BLOCK_N, BLOCK_K)
+                    acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                            BLOCK_K)
             n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
             r = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             slots = gl.load(sorted_slots_ptr + r)
@@ -227,12 +286,12 @@ def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, block
         hidden, inter, experts.alpha, experts.limit, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), experts.w13_bias.stride(0), act.stride(0), TOPK=top_k, GATE_UP=True, HAS_BIAS=True,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, NUM_WARPS=cfg.num_warps,
-        num_warps=cfg.num_warps)
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     partial = torch.empty(1, num_slots, hidden, dtype=torch.float32, device=x.device)
     _experts_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
         act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, w2, s2, experts.w2_bias, partial, num_slots,
         inter, hidden, experts.alpha, experts.limit, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1), experts.w2_bias.stride(0), partial.stride(1), TOPK=top_k, GATE_UP=False,
         HAS_BIAS=experts.tp_rank == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        NUM_WARPS=warps_down, num_warps=warps_down)
+        NUM_WARPS=warps_down, PREFETCH=cfg.prefetch, num_warps=warps_down)
     return partial

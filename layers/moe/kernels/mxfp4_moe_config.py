@@ -21,7 +21,9 @@ class Mxfp4MoEConfig:
     ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
     blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
-    ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused)."""
+    ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused).
+    ``prefetch`` (``tensor_cores`` only; 0, 1 or 2): each K step's weights, scales and activations
+    loaded that many steps ahead, while the steps before are decoded and multiplied."""
 
     block_m: int
     block_n_gate_up: int
@@ -37,6 +39,7 @@ class Mxfp4MoEConfig:
     num_stages_down: int = 0
     gemv: bool = False
     tensor_cores: bool = False
+    prefetch: int = 0
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -151,6 +154,10 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
     if cfg.tensor_cores:
         _check_tensor_cores(cfg, mxfp4)
+    elif cfg.prefetch:
+        raise ValueError("prefetch is a variant of the tensor-core launches (tensor_cores=True)")
+    if cfg.prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch loads 0, 1 or 2 K steps ahead, got {cfg.prefetch}")
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:
