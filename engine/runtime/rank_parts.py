@@ -152,7 +152,7 @@ def kv_slots(settings: RunnerSettings, group: TensorParallelGroup, loaded: Loade
              max_rows: int) -> tuple[int, int]:
     """(slots, context length): the slots every rank can afford (the minimum over ranks, so all
     agree). On a GPU the KV cache gets ``mem_fraction_static`` of the device's memory, less what
-    is in use; ranks sharing one GPU split that budget evenly (they measure together, before any
+    is in use once the caching allocator's unused blocks are released; ranks sharing one GPU split that budget evenly (they measure together, before any
     of them allocates its cache). A context length the user did not set (the model's) is cut to
     what the slots hold, with the reason logged. RuntimeError on every rank, naming the rank,
     when some rank has room for fewer than 2 slots."""
@@ -162,9 +162,13 @@ def kv_slots(settings: RunnerSettings, group: TensorParallelGroup, loaded: Loade
     if settings.kv_slots is not None:
         slots, source = settings.kv_slots, f"kv_slots {settings.kv_slots}"
     elif device.type == "cuda":
+        # What the caching allocator still holds of the load's freed temporaries (a full tensor
+        # drawn or read before its rank's share is copied out: GiBs for gpt-oss-120b) counts as
+        # used to mem_get_info: hand it back first, on every rank before any of them measures.
+        torch.cuda.empty_cache()
         sharers = group.ranks_on_this_gpu
         if group.shares_gpu:  # the same on every rank: a collective for all or none
-            group.all_agree(True)  # every rank's weights are loaded, no KV cache yet
+            group.all_agree(True)  # every rank's weights are loaded and its cache emptied, no KV cache yet
         free, total = torch.cuda.mem_get_info(device)
         budget = (total * settings.mem_fraction_static - (total - free)) / sharers
         slots = int(budget // per_slot)
