@@ -52,3 +52,17 @@ def test_device_fed_greedy_decoding_matches_the_host_fed_loop_on_every_rank():
             assert r[f"overlap={overlap}"] == reference, (rank, overlap)
             assert r[f"arrivals_sorted={overlap}"]
         assert r["other_tokens_refused"], rank
+
+
+def test_a_batch_past_the_kv_cache_is_refused_with_the_slots_it_needs():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from arfusion.engine.scheduling.static_batch import StaticBatch
+
+    runner = SimpleNamespace(max_rows=8, num_kv_slots=100)  # slot 0 is scratch: 99 for tokens
+    StaticBatch(runner, [[1] * 30, [2] * 28], 20)  # 50 + 48 slots fit
+    with pytest.raises(ValueError, match=r"100 slots\) cannot hold this batch: its 3 sequences .* need 180 slots; "
+                                         r"lower the batch"):
+        StaticBatch(runner, [[1] * 40] * 3, 20)

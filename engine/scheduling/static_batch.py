@@ -30,7 +30,10 @@ class StaticBatch:
         for p in prompts:
             taken = slots.allocate(len(p) + max_new_tokens)
             if taken is None:
-                raise ValueError(f"the KV cache ({runner.num_kv_slots} slots) cannot hold this batch")
+                need = sum(len(q) + max_new_tokens for q in prompts)
+                raise ValueError(f"the KV cache ({runner.num_kv_slots} slots) cannot hold this batch: its "
+                                 f"{len(prompts)} sequences of prompt + new tokens need {need} slots; lower the "
+                                 "batch or the lengths, or give the cache more memory (--mem-fraction-static)")
             self.slots.append(taken)
 
     def prefill(self, gather_logits: bool = False) -> StepLogits:
