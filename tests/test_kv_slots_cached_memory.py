@@ -4,6 +4,7 @@ read before a rank's share is copied out) are handed back (``torch.cuda.empty_ca
 ``mem_get_info`` measures, on every rank before any of them measures when ranks share a GPU.
 No GPU: ``torch.cuda`` is replaced by a model of one device whose cache holds ``CACHED`` bytes
 until emptied."""
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -54,7 +55,8 @@ def _loaded() -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("sharers", [1, 2])
-def test_the_cached_blocks_of_the_load_go_to_the_kv_cache(monkeypatch, sharers):
+def test_the_cached_blocks_of_the_load_go_to_the_kv_cache(monkeypatch, caplog, sharers):
+    caplog.set_level(logging.INFO, logger=rank_parts.__name__)
     fake = FakeDevice()
     monkeypatch.setattr(torch.cuda, "empty_cache", fake.empty_cache)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake.mem_get_info)
@@ -65,3 +67,4 @@ def test_the_cached_blocks_of_the_load_go_to_the_kv_cache(monkeypatch, sharers):
     assert slots > 2 * int((TOTAL * 0.85 - USED - CACHED) / sharers // per_slot)  # 8 GiB rather than 3
     expected = ["empty_cache", "all_agree", "mem_get_info"] if sharers > 1 else ["empty_cache", "mem_get_info"]
     assert fake.calls == expected, "every rank empties its cache before any measures"
+    assert f"KV cache: {slots} token slots" in caplog.text and "GiB free of 80.0 GiB" in caplog.text

@@ -190,6 +190,9 @@ def kv_slots(settings: RunnerSettings, group: TensorParallelGroup, loaded: Loade
             logger.warning("context length cut from the model's %d to %d tokens: %s (--context-length sets it)",
                            context_len, slots - 1, why)
         context_len = slots - 1
+    if group.rank == 0:
+        logger.info("KV cache: %d token slots (%.2f GiB a rank) from %s", slots, slots * per_slot / 2**30,
+                    offers[0][1])
     return slots, context_len
 
 
