@@ -28,9 +28,9 @@ that share a row) holds words p J .. p J + J - 1 where the operand layout expect
 order of k is a fixed permutation of the columns, and the activations are loaded in the same
 permuted order (16-byte loads, then a register permutation). Every output is one fp32
 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` = d (1 or 2) a K step's
-words, scales and activations are loaded d steps ahead, before the steps between are decoded and
-multiplied (the same products in the same order: the same bits; K of at least d steps). Why Gluon: in Triton the decoded tile's layout is the
-compiler's choice, and moving it into the dot operand's layout went through shared memory every
+words, scales and activations are loaded d steps ahead, before the steps between are decoded
+and multiplied (the same products in the same order: the same bits; K of at least d steps).
+Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it into the dot operand's layout went through shared memory every
 K step (a Triton variant of this measured slower than the CUDA-core launches: docs/notes.md).
 
 Limits (`tensor_core_refusal`): MXFP4 weights; K (hidden, and this rank's intermediate size) a
@@ -159,6 +159,14 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(tile, [BLOCK_N, BLOCK_K]), A)
 
     @gluon.jit
+    def _acts_operand(acts, B: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+        """A K step's activations as loaded (``[4 (p), J, 8 (k in the word: q + 4 h), BLOCK_M]``)
+        -> mma.sync's B operand ``[BLOCK_K, BLOCK_M]``, k in the weights' permuted order."""
+        steps: gl.constexpr = BLOCK_K // 32
+        acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, BLOCK_M]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
+        return gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
+
+    @gluon.jit
     def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
                     WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
         """Everything one K step reads, as loaded: (words and scales of W's rows, of the up rows
@@ -167,17 +175,14 @@ if gluon is not None:
         up_words, up_scale = words, scale
         if GATE_UP:
             up_words, up_scale = _words(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
-        acts = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)  # [p, j, k in the word: q + 4 h, row]
-        return words, scale, up_words, up_scale, acts
+        return words, scale, up_words, up_scale, gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
 
     @gluon.jit
     def _step_mma(words, scale, up_words, up_scale, acts, acc, acc_up, GATE_UP: gl.constexpr, WORDS: gl.constexpr,
                   A: gl.constexpr, B: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr):
         """One K step's products added to ``acc`` (and ``acc_up`` with GATE_UP) from `_step_loads`."""
-        steps: gl.constexpr = BLOCK_K // 32
-        acts = gl.permute(gl.reshape(acts, [4, steps, 2, 4, BLOCK_M]), [1, 0, 3, 2, 4])  # [j, p, q, h, row]
-        acts = gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
+        acts = _acts_operand(acts, B, BLOCK_M, BLOCK_K)
         acc = mma_v2(_decoded(words, scale, WORDS, A, BLOCK_N, BLOCK_K), acts, acc)
         if GATE_UP:
             acc_up = mma_v2(_decoded(up_words, up_scale, WORDS, A, BLOCK_N, BLOCK_K), acts, acc_up)
@@ -247,12 +252,14 @@ if gluon is not None:
                                             BLOCK_K)
                     gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
                 acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
-            else:
+            else:  # each load where its step uses it
                 for k0 in range(0, K, BLOCK_K):
-                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn,
-                                                     GATE_UP, WORDS, BLOCK_N, BLOCK_K)
-                    acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
-                                            BLOCK_K)
+                    xa = _acts_operand(gl.load(x_ptrs + k0, mask=x_mask, other=0.0), B, BLOCK_M, BLOCK_K)
+                    gw, gs = _words(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+                    acc = mma_v2(_decoded(gw, gs, WORDS, A, BLOCK_N, BLOCK_K), xa, acc)
+                    if GATE_UP:
+                        uw, us = _words(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+                        acc_up = mma_v2(_decoded(uw, us, WORDS, A, BLOCK_N, BLOCK_K), xa, acc_up)
             n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
             r = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             slots = gl.load(sorted_slots_ptr + r)
