@@ -4,15 +4,14 @@ bf16 activations, MXFP4 weights kept (``--weights bf16`` for the bf16 form). Ran
 (MXFP4 bytes uniform, scales 2^-9 .. 2^-5; bf16 N(0, 0.02)), random biases and top-4 routing.
 
 For each token count and each configuration (the default, `triton_mxfp4_moe.default_config`,
-first): µs per
-call, the median of 10 replays of a CUDA graph of CALLS calls, each with its own routing, so
-consecutive calls mostly read other experts' weights (no L2 reuse from the call before); the
-weight bytes a call reads (its active experts' weights, biases and scales, the mean over the
-CALLS routings); the time that takes at 4.8 TB/s and the share of 4.8 TB/s reached; the speed-up
-over the default; against `GptOssExperts.forward_torch` on the same weights, the relative RMS
-error of the first call's output (bf16 roundings in another order: about 5e-3); and whether two
-eager calls gave the same bits ("det"). A configuration that fails to compile or run prints its
-error in its row and the run goes on.
+first): µs per call, the median of 10 replays of a CUDA graph of CALLS calls, each with its own
+routing, so consecutive calls mostly read other experts' weights (no L2 reuse from the call
+before); the weight bytes a call reads (its active experts' weights, biases and scales, the mean
+over the CALLS routings); the time that takes at 4.8 TB/s and the share of 4.8 TB/s reached; the
+speed-up over the default; against `GptOssExperts.forward_torch` on the same weights, the relative
+RMS error of the first call's output (bf16 roundings in another order: about 5e-3); and whether
+two eager calls gave the same bits ("det"). A configuration that fails to compile or run prints
+its error in its row and the run goes on.
 
     python -m arfusion.benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --out out/bench_mxfp4_moe.json
 
@@ -20,12 +19,12 @@ error in its row and the run goes on.
 fields that replace the default's at each token count (from 5 tokens the tensor-core launches'
 tiles, below them the matrix-vector launches'), e.g. ``block_m=16`` or ``prefetch=2`` for the
 tensor-core launches, ``tensor_cores=0,swap=1,word_decode=1,block_m=8`` for the grouped ones, or
-``tensor_cores=0,block_n_down=64,split_k_down=2,num_stages=4`` (booleans as 0 / 1; every field
-of `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K splits of the down
-projection). A configuration the default's launches cannot take prints its refusal in its row. ``--sweep`` adds this file's candidate list (`sweep_candidates`:
-the variants by token count) after them. ``--profile`` prints under each row its launches
-(align, gate/up, down, combine, ...) with their GPU µs per call, from the torch profiler's
-records of the graph's replays.
+``tensor_cores=0,block_n_down=64,split_k_down=2,num_stages=4`` (booleans as 0 / 1; every field of
+`Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K splits of the down
+projection). A configuration the default's launches cannot take prints its refusal in its row.
+``--sweep`` adds this file's candidate list (`sweep_candidates`: the variants by token count)
+after them. ``--profile`` prints under each row its launches (align, gate/up, down, combine, ...)
+with their GPU µs per call, from the torch profiler's records of the graph's replays.
 
 Time: each configuration compiles its gate/up and down launches for each token count whose
 slot count differs in divisibility by 16 (triton specialises integer arguments on it), seconds

@@ -152,10 +152,11 @@ def kv_slots(settings: RunnerSettings, group: TensorParallelGroup, loaded: Loade
              max_rows: int) -> tuple[int, int]:
     """(slots, context length): the slots every rank can afford (the minimum over ranks, so all
     agree). On a GPU the KV cache gets ``mem_fraction_static`` of the device's memory, less what
-    is in use once the caching allocator's unused blocks are released; ranks sharing one GPU split that budget evenly (they measure together, before any
-    of them allocates its cache). A context length the user did not set (the model's) is cut to
-    what the slots hold, with the reason logged. RuntimeError on every rank, naming the rank,
-    when some rank has room for fewer than 2 slots."""
+    is in use once the caching allocator's unused blocks are released; ranks sharing one GPU split
+    that budget evenly (they measure together, before any of them allocates its cache). A context
+    length the user did not set (the model's) is cut to what the slots hold, with the reason
+    logged. RuntimeError on every rank, naming the rank, when some rank has room for fewer than 2
+    slots."""
     config, dtype, device, context_len = loaded.config, loaded.dtype, group.device, loaded.context_len
     per_slot = KVCache.bytes_per_slot(config.num_hidden_layers, loaded.model.num_kv_heads_local, config.head_dim, dtype)
     want = max_rows * context_len + 1

@@ -43,9 +43,9 @@ import triton.language as tl
 
 from arfusion.layers.head_norm import HeadNorm
 from arfusion.layers.kernels import pdl
-from arfusion.layers.kernels.triton_decode_attention import (NUM_STAGES, NUM_WARPS, attend_keys, check_operands, check_sinks,
-                                                             chunk_bounds, combine, dot_precision, group_pad,
-                                                             plan_splits, write_split)
+from arfusion.layers.kernels.triton_decode_attention import (NUM_STAGES, NUM_WARPS, attend_keys, check_operands,
+                                                             check_sinks, chunk_bounds, combine, dot_precision,
+                                                             group_pad, plan_splits, write_split)
 from arfusion.layers.kernels.triton_rotary import check_store_kv, normed_rotation
 from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 

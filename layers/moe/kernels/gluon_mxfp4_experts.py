@@ -24,14 +24,14 @@ registers of mma.sync's A-operand layout (``k_width`` 8):
 
 So a thread's eight k of a word arrive in the order q, q + 4 (q = 0..3), and lane p (of the four
 that share a row) holds words p J .. p J + J - 1 where the operand layout expects words p, p + 4,
-.., p + 4 (J - 1): the dot's
-order of k is a fixed permutation of the columns, and the activations are loaded in the same
-permuted order (16-byte loads, then a register permutation). Every output is one fp32
-accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` = d (1 or 2) a K step's
-words, scales and activations are loaded d steps ahead, before the steps between are decoded
-and multiplied (the same products in the same order: the same bits; K of at least d steps).
-Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it into the dot operand's layout went through shared memory every
-K step (a Triton variant of this measured slower than the CUDA-core launches: docs/notes.md).
+.., p + 4 (J - 1): the dot's order of k is a fixed permutation of the columns, and the activations
+are loaded in the same permuted order (16-byte loads, then a register permutation). Every output
+is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` = d (1 or 2) a K
+step's words, scales and activations are loaded d steps ahead, before the steps between are
+decoded and multiplied (the same products in the same order: the same bits; K of at least d
+steps). Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it
+into the dot operand's layout went through shared memory every K step (a Triton variant of this
+measured slower than the CUDA-core launches: docs/notes.md).
 
 Limits (`tensor_core_refusal`): MXFP4 weights; K (hidden, and this rank's intermediate size) a
 multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128,
@@ -239,7 +239,8 @@ if gluon is not None:
                                             BLOCK_K)
                     gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
                     gw1, gs1, uw1, us1, xa1 = gw2, gs2, uw2, us2, xa2
-                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                        BLOCK_K)
                 acc, acc_up = _step_mma(gw1, gs1, uw1, us1, xa1, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
                                         BLOCK_K)
             elif PREFETCH == 1:  # step k + 1 loaded before step k's products
@@ -251,7 +252,8 @@ if gluon is not None:
                     acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
                                             BLOCK_K)
                     gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
-                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
+                                        BLOCK_K)
             else:  # each load where its step uses it
                 for k0 in range(0, K, BLOCK_K):
                     xa = _acts_operand(gl.load(x_ptrs + k0, mask=x_mask, other=0.0), B, BLOCK_M, BLOCK_K)
