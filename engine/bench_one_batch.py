@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from arfusion.engine.common.startup import LOG_FORMAT
+
 if TYPE_CHECKING:
     from arfusion.engine.runtime.launch import LaunchConfig
 
@@ -251,6 +253,8 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
 
 
 def _worker(rank: int, server: Any, args: argparse.Namespace, launch: "LaunchConfig", queue: Any) -> None:
+    # a spawned process starts without the parent's logging set-up: the rank's own, as a server's
+    logging.basicConfig(level=server.log_level.upper(), format=LOG_FORMAT.format(rank=rank))
     try:
         queue.put((rank, run_rank(server, args, rank, launch), None))
     except Exception as exc:

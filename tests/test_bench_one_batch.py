@@ -59,6 +59,8 @@ def test_bench_one_batch_without_overlap_records_it(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no overlap" in proc.stdout
+    # the spawned rank logs as a server's rank does (its INFO lines, e.g. the KV cache's size)
+    assert re.search(r"\[tp0\] INFO arfusion\.engine\.runtime\.rank_parts: KV cache: \d+ token slots", proc.stderr), proc.stderr[-3000:]
     (row,) = json.loads(out.read_text().splitlines()[-1])["results"]
     assert row["overlap"] is False and row["tpot_ms"] > 0
 
