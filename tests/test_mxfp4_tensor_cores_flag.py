@@ -21,7 +21,7 @@ import torch
 from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.runtime.model_runner import RunnerSettings, _run_form, keep_mxfp4
 from arfusion.layers import batch_invariant
-from arfusion.layers.moe.kernels.mxfp4_moe_config import check_config, tensor_core_config
+from arfusion.layers.moe.kernels.mxfp4_moe_config import PREFETCH_MIN_SLOTS, check_config, tensor_core_config
 from arfusion.server_args import ServerArgs, ServerArgsError
 from tests.dist_utils import run_distributed
 
@@ -80,19 +80,21 @@ def test_a_runner_on_the_cpu_refuses_it_naming_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize("inter", [2880, 1440, 736])
-@pytest.mark.parametrize("rows_per_expert", [0.125, 1, 8, 9, 16, 17, 32, 33, 300])
-def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, rows_per_expert):
-    cfg = tensor_core_config(rows_per_expert, 2880, inter)
+@pytest.mark.parametrize("num_slots", [4, 32, 47, 48, 64, 256, 288, 512, 544, 1024, 1056, 9600])
+def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
+    cfg = tensor_core_config(num_slots, 32, 2880, inter)
     check_config(cfg, True)
+    rows_per_expert = num_slots / 32
     assert cfg.tensor_cores and 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
     assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)
+    assert cfg.prefetch == (1 if num_slots >= PREFETCH_MIN_SLOTS else 0)
 
 
 @pytest.mark.parametrize("inter", [2880, 1440, 736])
 def test_tensor_core_sums_follow_the_shapes_only(inter):
     """What orders a row's sums (the K steps; the launches, mma.sync m16n8k16 in every block) is
     the same at every batch: batch-invariant mode may take these tiles at every batch."""
-    tiles = {tensor_core_config(rows, 2880, inter) for rows in (0.125, 1, 8, 9, 16, 33, 64, 300)}
+    tiles = {tensor_core_config(slots, 32, 2880, inter) for slots in (4, 32, 256, 288, 512, 1056, 2048, 9600)}
     assert len({(t.block_k_gate_up, t.block_k_down, t.tensor_cores, t.split_k_down) for t in tiles}) == 1
     assert {t.block_m for t in tiles} == {8, 16, 64}
 
@@ -145,6 +147,6 @@ def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monke
     [(name, cfg)] = chosen
     assert name == CHOICES[case]
     if name == "_tensor_core_partials":
-        assert cfg == tensor_core_config(tokens * 4 / 32, 2880, 1440)
+        assert cfg == tensor_core_config(tokens * 4, 32, 2880, 1440)
     if name == "_grouped_partials":
         assert cfg.block_k_gate_up == cfg.block_k_down == 128 and not cfg.swap  # batch-invariant mode's pins
