@@ -70,11 +70,19 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
 # 4 tokens, and faster from 8 tokens on, as against the grouped launches at every larger count.
 TENSOR_CORE_MIN_SLOTS = 17
 
-# From this many slots the tensor-core launches load each K step one step ahead (``prefetch=1``):
-# on the GPU benchmark (docs/results.md, gpt-oss) 1.06-1.09x faster from 12 tokens of gpt-oss-20b
-# (48 slots) to 256, equal at 5 and 6 tokens and 6 % slower at 8; gpt-oss-120b 1.02-1.05x faster
-# from 16 tokens (and 1.10x at 8 tokens, 32 slots, which this bound leaves without it).
-PREFETCH_MIN_SLOTS = 48
+# The tensor-core launches load each K step one step ahead (``prefetch=1``) where the slots are
+# expected to reach at least this many experts (`expected_active_experts`). On the GPU benchmark
+# (docs/results.md, gpt-oss) it was 1.04-1.10x faster at every batch past the bound (gpt-oss-20b
+# from 12 tokens, 25.0 experts expected; gpt-oss-120b from 8 tokens, 28.4) and 3-9 % slower or
+# equal at every batch below it (gpt-oss-20b at 5-10 tokens, up to 23.0 experts; gpt-oss-120b at 5
+# and 6 tokens, up to 21.9): the slot count alone does not separate the two models.
+PREFETCH_MIN_ACTIVE_EXPERTS = 24.0
+
+
+def expected_active_experts(num_slots: int, num_experts: int) -> float:
+    """The expected number of the ``num_experts`` experts that get at least one of ``num_slots``
+    slots drawn uniformly and independently: ``E * (1 - (1 - 1/E) ** S)``."""
+    return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_slots)
 
 
 def decode_block_config(rows_per_expert: float) -> Optional[Mxfp4MoEConfig]:
@@ -191,8 +199,8 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     over ``num_experts`` experts at a hidden size and a rank's intermediate size that are multiples
     of 32: rows grouped in blocks of 8, 16, 32 or 64 (the first that holds the mean rows per expert,
     ``num_slots / num_experts``), 64 output rows a program on 4 warps, K steps of 64 where K allows,
-    else 32 (the same at every batch), and from `PREFETCH_MIN_SLOTS` slots each K step loaded one
-    step ahead (``prefetch``; the same bits). Batch-invariant mode takes them too: the blocks and
+    else 32 (the same at every batch), and each K step loaded one step ahead (``prefetch``; the same
+    bits) where the slots are expected to reach `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and
     the prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
     Within a few % of the best of seven tiles on the GPU benchmark at 16, 32 and 128 tokens
     (docs/results.md, gpt-oss)."""
@@ -200,4 +208,4 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True,
-                          prefetch=int(num_slots >= PREFETCH_MIN_SLOTS))
+                          prefetch=int(expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS))
