@@ -71,11 +71,10 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
 TENSOR_CORE_MIN_SLOTS = 17
 
 # The tensor-core launches load each K step one step ahead (``prefetch=1``) where the slots are
-# expected to reach at least this many experts (`expected_active_experts`). On the GPU benchmark
-# (docs/results.md, gpt-oss) it was 1.04-1.10x faster at every batch past the bound (gpt-oss-20b
-# from 12 tokens, 25.0 experts expected; gpt-oss-120b from 8 tokens, 28.4) and 3-9 % slower or
-# equal at every batch below it (gpt-oss-20b at 5-10 tokens, up to 23.0 experts; gpt-oss-120b at 5
-# and 6 tokens, up to 21.9): the slot count alone does not separate the two models.
+# expected to reach at least this many experts (`expected_active_experts`): on the GPU benchmark
+# (docs/results.md, gpt-oss) faster at every measured batch of gpt-oss-20b and -120b past the
+# bound and slower or equal at every one below it; the slot count alone does not separate the two
+# models (32 slots: slower over 32 experts, faster over 128).
 PREFETCH_MIN_ACTIVE_EXPERTS = 24.0
 
 
@@ -199,9 +198,10 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     over ``num_experts`` experts at a hidden size and a rank's intermediate size that are multiples
     of 32: rows grouped in blocks of 8, 16, 32 or 64 (the first that holds the mean rows per expert,
     ``num_slots / num_experts``), 64 output rows a program on 4 warps, K steps of 64 where K allows,
-    else 32 (the same at every batch), and each K step loaded one step ahead (``prefetch``; the same
-    bits) where the slots are expected to reach `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and
-    the prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
+    else 32 (the same at every batch), and each K step loaded one step ahead (``prefetch``: the
+    same products in the same order) where the slots are expected to reach
+    `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and the
+    prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
     Within a few % of the best of seven tiles on the GPU benchmark at 16, 32 and 128 tokens
     (docs/results.md, gpt-oss)."""
     rows_per_expert = num_slots / num_experts
