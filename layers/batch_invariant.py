@@ -8,11 +8,13 @@ follow it too) and around each forward and each CUDA-graph capture (`batch_invar
 that runners of either mode can share a process); the ops ask `enabled()` when they run.
 
     linear(x, W, b)     GPU: the Triton matmul of layers/kernels/triton_bi_matmul.py (tiling and
-                        split-K from (N, K) only). CPU: torch's matmul on x padded to a multiple
-                        of ROW_TILE rows. Measured with torch 2.13 (MKL, AVX-512, 1 and 2
-                        threads, fp32 and bf16): a row's bits differ between M = 1, 2, 3 (and
-                        5-7, 9-11 with 2 threads) and larger M, and agree for every multiple of 4
-                        from 4 to 256; so padding to 16 rows gives every row the same kernel.
+                        split-K from (N, K) only). CPU: torch's matmul in calls of exactly
+                        ROW_TILE rows (the last zero-padded), so every row goes through the
+                        same GEMM of the same shape. torch's CPU GEMMs (MKL / oneDNN) pick
+                        their kernel by the row count M: a row's bits differ between small M
+                        and larger M, and on CPUs with AVX-512-BF16 / AMX also between some
+                        multiples of 16 (bf16 with a bias from 48 rows, fp32 at 2048 x 896 from
+                        128), so padding M to a multiple of ROW_TILE is not enough.
     tree_sum(x)         sum over the last dim by the fusion recipe's fixed pairwise tree
                         (`fusion.reference.fixed_tree_sum`: the length zero-padded to a power of
                         two, halved by elementwise adds): exactly row-independent on every
@@ -64,11 +66,13 @@ def uses_triton_matmul(x: torch.Tensor) -> bool:
 
 
 def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` on ``x [M, K]`` zero-padded to a multiple of `ROW_TILE` rows, then cut back
-    to M (the CPU path of `linear`); a new tensor."""
+    """``F.linear`` on ``x [M, K]`` in calls of exactly `ROW_TILE` rows each (x zero-padded to a
+    multiple of it), cut back to M (the CPU path of `linear`); a new tensor."""
     pad = -x.shape[0] % ROW_TILE
     padded = F.pad(x, (0, 0, 0, pad)) if pad else x
-    return F.linear(padded, weight, bias)[:x.shape[0]]
+    if padded.shape[0] == ROW_TILE:
+        return F.linear(padded, weight, bias)[:x.shape[0]]
+    return torch.cat([F.linear(tile, weight, bias) for tile in padded.split(ROW_TILE)])[:x.shape[0]]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

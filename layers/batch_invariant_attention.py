@@ -15,10 +15,11 @@ sequence):
 in fp32. The dot products and the per-block sums are GEMMs of fixed shapes on the CPU: a tile
 of M query rows (a query's H / KVH heads of one KV head are consecutive rows; M zero-padded to
 a multiple of `ROW_TILE`) times one block of keys, ``[M, D] @ [D, KEY_BLOCK]`` and ``[M,
-KEY_BLOCK] @ [KEY_BLOCK, D + 1]``, so every call runs the same kernel over the same reduction
-length, and MKL gives a row the same bits at any M that is a multiple of `ROW_TILE` and in any
-position of the tile (the premise of `layers.batch_invariant.linear`, checked by
-tests/test_batch_invariant_ops.py). tree_b is `layers.batch_invariant.tree_sum` over the blocks
+KEY_BLOCK] @ [KEY_BLOCK, D + 1]``, so every call runs over the same reduction length, and for
+these short reductions (D and KEY_BLOCK) the CPU GEMMs give a row the same bits at any M that is
+a multiple of `ROW_TILE` and in any position of the tile (checked by
+tests/test_batch_invariant_ops.py; `layers.batch_invariant.linear`, whose reductions are a
+model's hidden sizes, calls its GEMMs with exactly `ROW_TILE` rows instead). tree_b is `layers.batch_invariant.tree_sum` over the blocks
 (zero-padded to a power of two); a block past p_i has w = 0, so it adds exact zeros, and a tree
 whose leaves past 2^a are zero gives the bits of the tree over the first 2^a. So row i's bits
 depend only on q_i, the keys [0, p_i] and their values: not on n, the other queries of the call,

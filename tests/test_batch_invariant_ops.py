@@ -36,7 +36,7 @@ def _rows_invariant(fn, x: torch.Tensor, rows=ROWS) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(64, 64), (192, 64), (512, 512), (1000, 300)])
+@pytest.mark.parametrize("n, k", [(64, 64), (192, 64), (512, 512), (1000, 300), (2048, 896)])
 def test_cpu_linear_matches_torch_and_is_row_invariant(dtype, n, k):
     w, b = _seeded(n, k, seed=1, dtype=dtype), _seeded(n, seed=2, dtype=dtype)
     x = _seeded(256, k, seed=3, dtype=dtype)
