@@ -19,6 +19,7 @@ import torch
 
 from arfusion.engine.launch_config import launch_config, runner_settings
 from arfusion.layers.kernels import pdl
+from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.server_args import ServerArgs, ServerArgsError
 from tests.dist_utils import run_distributed
 
@@ -33,8 +34,16 @@ def _cuda_device(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], h
     return torch.device("cuda", 0)
 
 
+def test_without_triton_the_reason_is_named(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(pdl, "triton_available", lambda: False)
+    hopper = _cuda_device(monkeypatch, (9, 0))
+    assert "triton is not installed" in pdl.unsupported_reason(hopper)
+    with pytest.raises(ValueError, match=r"^--enable-pdl: triton is not installed"):
+        pdl.require_supported(hopper)
+
+
 def test_the_reason_pdl_cannot_run_is_named(monkeypatch: pytest.MonkeyPatch):
-    import triton
+    triton = pytest.importorskip("triton")
 
     assert "not a CUDA GPU" in pdl.unsupported_reason(torch.device("cpu"))
     assert "sm80" in pdl.unsupported_reason(_cuda_device(monkeypatch, (8, 0)))
@@ -106,7 +115,9 @@ def _build_with_pdl(rank: int, world: int, supported: bool) -> tuple[str, list[b
 
 def test_every_tp_rank_refuses_to_start_where_pdl_cannot_run():
     results = run_distributed(_build_with_pdl, world_size=2, args=(False,), timeout_s=120)
-    reason = "--enable-pdl: the device is cpu, not a CUDA GPU"
+    cause = "the device is cpu, not a CUDA GPU" if triton_available() else "triton is not installed"
+    reason = f"--enable-pdl: {pdl.unsupported_reason(torch.device('cpu'))}"
+    assert cause in reason
     assert [outcome for outcome, _, _ in results] == [f"refused: {reason}", f"refused: TP rank 0: {reason}"]
 
 

@@ -24,18 +24,21 @@ def _run(rank: int, world: int, model: str, fold: bool, kernels: bool) -> dict:
     """``kernels``: the attention's Triton kernels take the CPU fp32 tensors (the interpreter)."""
     from arfusion.layers import rotary_attention
     from arfusion.layers.attention import Attention
-    from arfusion.layers.kernels import triton_rotary_decode_attention as fused
+    from arfusion.layers.kernels.triton_support import triton_available
 
     if kernels:
         Attention.uses_triton = lambda self, q: True
     calls = {"fused": 0}
-    launch = fused.decode_attention_rotary
+    if triton_available():  # without triton the launch cannot run: its count stays 0
+        from arfusion.layers.kernels import triton_rotary_decode_attention as fused
 
-    def counted(*args, **kwargs):
-        calls["fused"] += 1
-        return launch(*args, **kwargs)
+        launch = fused.decode_attention_rotary
 
-    fused.decode_attention_rotary = counted
+        def counted(*args, **kwargs):
+            calls["fused"] += 1
+            return launch(*args, **kwargs)
+
+        fused.decode_attention_rotary = counted
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
