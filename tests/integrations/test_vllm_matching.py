@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here; bash integrations/vllm/ci.sh runs these tests")
 
 import torch  # noqa: E402
+import vllm._custom_ops  # noqa: E402,F401  (loads vLLM's kernel library: its _C ops, shm_allreduce where built)
 import vllm.distributed.parallel_state  # noqa: E402,F401  (registers torch.ops.vllm.all_reduce)
 import vllm.ir.ops  # noqa: E402,F401  (registers torch.ops.vllm_ir.*)
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402
@@ -31,7 +32,9 @@ GROUP = "tp:0"
 AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
 SHM_SCHEMA = "shm_allreduce(int handle, Tensor(a!) data) -> ()"  # vLLM's csrc/cpu/torch_bindings.cpp
 
-if not hasattr(torch.ops._C, "shm_allreduce"):  # vLLM's AVX2 build has no shared-memory all-reduce
+# vLLM's AVX2 build has no shared-memory all-reduce. Its kernel library is loaded above: declaring
+# the op before a build that has it loads would register it twice, which aborts the process.
+if not hasattr(torch.ops._C, "shm_allreduce"):
     _SHM_LIB = torch.library.Library("_C", "FRAGMENT")
     _SHM_LIB.define(SHM_SCHEMA)
     _SHM_LIB.impl("shm_allreduce", lambda handle, data: None, "Meta")
