@@ -87,7 +87,7 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
     rows_per_expert = num_slots / 32
     assert cfg.tensor_cores and 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
     assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)
-    assert cfg.prefetch == (1 if num_slots >= 44 else 0)  # 32 experts: 24.1 expected active at 44 slots, 23.6 at 43
+    assert cfg.prefetch == (num_slots >= 44)  # 32 experts: 24.1 expected active at 44 slots, 23.6 at 43
 
 
 @pytest.mark.parametrize("inter", [2880, 1440, 736])

@@ -12,7 +12,7 @@ its 32 experts (so that blocks hold several rows), top-4, MXFP4 scales / 16 of `
   64 (a row's sums do not depend on its block mates); a CUDA graph captured at 8 tokens and
   replayed with new routing and activations gives the eager bits;
 - a scale above 2^1 is refused with a ValueError naming it;
-- with `Mxfp4MoEConfig.prefetch` (K steps loaded 1 or 2 steps ahead) all of the above, and the
+- with `Mxfp4MoEConfig.prefetch` (each K step loaded one step ahead) all of the above, and the
   bits of the same tiles without it.
 
 Printed with ``-s``: µs per call (CUDA graph of 20 calls) of the default configuration and of
@@ -33,9 +33,9 @@ TILES = dict(block_m=8, block_n_gate_up=64, block_k_gate_up=64, block_n_down=64,
              tensor_cores=True)
 SHAPES = {"tp1": (2880, TILES), "tp2": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2)),
           "k128": (3072, dict(TILES, block_n_down=128, block_k_down=128)),
-          "tp1-prefetch1": (2880, dict(TILES, prefetch=1)),
-          "tp2-prefetch2": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=2)),
-          "k128-prefetch2": (3072, dict(TILES, block_n_down=128, block_k_down=128, prefetch=2))}
+          "tp1-prefetch": (2880, dict(TILES, prefetch=True)),
+          "tp2-prefetch": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=True)),
+          "k128-prefetch": (3072, dict(TILES, block_n_down=128, block_k_down=128, prefetch=True))}
 TOKENS = (1, 3, 8, 33, 64)
 TIMED_TOKENS = (1, 2, 4, 8, 16, 32)
 
@@ -68,7 +68,7 @@ def _shape_rank(rank: int, world: int, shape: str) -> dict:
         batch = gpt_oss_experts_triton(x, experts, weights, ids, config)
         out["alone"] = all(torch.equal(gpt_oss_experts_triton(x[t:t + 1], experts, weights[t:t + 1], ids[t:t + 1],
                                                               config), batch[t:t + 1]) for t in (0, 17, 63))
-        without = gpt_oss_experts_triton(x, experts, weights, ids, dataclasses.replace(config, prefetch=0))
+        without = gpt_oss_experts_triton(x, experts, weights, ids, dataclasses.replace(config, prefetch=False))
         out["as_without_prefetch"] = torch.equal(batch, without)
         big = _experts(8, inter)
         big.w2_scales[1, 2, 3] = 129

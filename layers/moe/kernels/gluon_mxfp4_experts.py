@@ -26,10 +26,9 @@ So a thread's eight k of a word arrive in the order q, q + 4 (q = 0..3), and lan
 that share a row) holds words p J .. p J + J - 1 where the operand layout expects words p, p + 4,
 .., p + 4 (J - 1): the dot's order of k is a fixed permutation of the columns, and the activations
 are loaded in the same permuted order (16-byte loads, then a register permutation). Every output
-is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` = d (1 or 2) a K
-step's words, scales and activations are loaded d steps ahead, before the steps between are
-decoded and multiplied (the same products in the same order: the same bits; K of at least d
-steps). Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it
+is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` a K step's
+words, scales and activations are loaded one step ahead, before the step before is decoded and
+multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it
 into the dot operand's layout went through shared memory every K step (a Triton variant of this
 measured slower than the CUDA-core launches: docs/notes.md).
 
@@ -79,8 +78,6 @@ def tensor_core_refusal(dtype: torch.dtype, experts, cfg) -> Optional[str]:
                                                                               cfg.block_k_down)):
         if size % block:
             return f"the {name} {size} is not a multiple of the K step {block}"
-        if size < cfg.prefetch * block:
-            return f"the {name} {size} is shorter than the {cfg.prefetch} K steps of {block} that prefetch loads ahead"
     top = getattr(experts, "_tensor_core_max_scale", None)
     if top is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -227,23 +224,7 @@ if gluon is not None:
             x_mask = (x_slots < num_slots)[None, None, None, :]
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            if PREFETCH == 2:  # steps k + 1 and k + 2 loaded before step k's products (K >= 2 steps)
-                gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn, GATE_UP,
-                                                 WORDS, BLOCK_N, BLOCK_K)
-                gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, BLOCK_K, N, stride_wn,
-                                                      stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
-                for k0 in range(2 * BLOCK_K, K, BLOCK_K):
-                    gw2, gs2, uw2, us2, xa2 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn,
-                                                          stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
-                    acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
-                                            BLOCK_K)
-                    gw, gs, uw, us, xa = gw1, gs1, uw1, us1, xa1
-                    gw1, gs1, uw1, us1, xa1 = gw2, gs2, uw2, us2, xa2
-                acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
-                                        BLOCK_K)
-                acc, acc_up = _step_mma(gw1, gs1, uw1, us1, xa1, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N,
-                                        BLOCK_K)
-            elif PREFETCH == 1:  # step k + 1 loaded before step k's products
+            if PREFETCH:  # step k + 1 loaded before step k's products
                 gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn, GATE_UP,
                                                  WORDS, BLOCK_N, BLOCK_K)
                 for k0 in range(BLOCK_K, K, BLOCK_K):

@@ -22,8 +22,8 @@ class Mxfp4MoEConfig:
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
     blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
     ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused).
-    ``prefetch`` (``tensor_cores`` only; 0, 1 or 2): each K step's weights, scales and activations
-    loaded that many steps ahead, while the steps before are decoded and multiplied."""
+    ``prefetch`` (``tensor_cores`` only): each K step's weights, scales and activations loaded one
+    step ahead, while the step before is decoded and multiplied."""
 
     block_m: int
     block_n_gate_up: int
@@ -39,7 +39,7 @@ class Mxfp4MoEConfig:
     num_stages_down: int = 0
     gemv: bool = False
     tensor_cores: bool = False
-    prefetch: int = 0
+    prefetch: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -70,7 +70,7 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
 # 4 tokens, and faster from 8 tokens on, as against the grouped launches at every larger count.
 TENSOR_CORE_MIN_SLOTS = 17
 
-# The tensor-core launches load each K step one step ahead (``prefetch=1``) where the slots are
+# The tensor-core launches load each K step one step ahead (``prefetch``) where the slots are
 # expected to reach at least this many experts (`expected_active_experts`): on the GPU benchmark
 # (docs/results.md, gpt-oss) faster at every measured batch of gpt-oss-20b and -120b past the
 # bound and slower or equal at every one below it; the slot count alone does not separate the two
@@ -169,8 +169,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         _check_tensor_cores(cfg, mxfp4)
     elif cfg.prefetch:
         raise ValueError("prefetch is a variant of the tensor-core launches (tensor_cores=True)")
-    if cfg.prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch loads 0, 1 or 2 K steps ahead, got {cfg.prefetch}")
     least = (128 if cfg.word_decode and not cfg.gemv else 32) if mxfp4 else 16
     for name in ("block_k_gate_up", "block_k_down"):
         if getattr(cfg, name) < least:
@@ -208,4 +206,4 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True,
-                          prefetch=int(expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS))
+                          prefetch=expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS)
