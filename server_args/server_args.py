@@ -70,6 +70,7 @@ class ServerArgs(BaseModel):
     norm_into_qkv: bool = Field(False, description="At TP size 1, run the residual add + RMSNorm before attention inside the q/k/v projection's launch for batches of at most 32 tokens (decode): one Triton launch (layers/kernels/triton_norm_matmul.py) instead of the norm's and cuBLAS's; larger batches, the CPU and --deterministic keep the separate norm, each reason logged once; measured slower on qwen3-30b-a3b (docs/results.md), off by default")
     norm_into_route: bool = Field(False, description="At TP size 1, run the residual add + RMSNorm after attention inside a MoE layer's routing launch for batches its one-launch path takes (at most 256 tokens and 2048 slots: decode): one Triton launch (layers/moe/kernels/triton_route_norm.py) instead of the norm's and the routing's; dense layers, larger batches, the CPU and --deterministic keep the separate norm, each reason logged once; measured slower on qwen3-30b-a3b (docs/results.md), off by default")
     rotary_into_attention: bool = Field(False, description="Run a decode batch's rotary embedding (with Qwen3's per-head q/k norm) and KV-cache write inside the attention's split launch (layers/kernels/triton_rotary_decode_attention.py) instead of a launch of their own before it, at any TP size; prefill and mixed batches, the CPU and --deterministic keep the rotary launch, each reason logged once; measured slower on qwen3-30b-a3b (docs/results.md), off by default")
+    prefetch_o_proj: bool = Field(False, description="In a decode batch, prefetch each layer's attention output projection weight into L2 on a side stream while its rotary and attention launches run (layers/kernels/l2_prefetch.py; sm90 or newer), so that the projection reads it from L2: the same bits; prefill and mixed batches keep no prefetch, a GPU older than sm90 and the CPU none, the reason logged once; not yet measured, off by default")
     deterministic: bool = Field(False, description="Batch-invariant inference: a request's output (tokens, logprobs, prompt scores) has the same bits whatever else is batched with it and however its prompt is chunked; all-reduce fusion stays on (every fused strategy follows one numeric recipe)")
 
     # Memory and scheduling
@@ -193,7 +194,8 @@ class ServerArgs(BaseModel):
 
 # Options that act on a GPU only (on the CPU they change nothing, or are refused): --help marks them.
 GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
-                      "norm_into_qkv", "norm_into_route", "rotary_into_attention", "enable_pdl"})
+                      "norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj",
+                      "enable_pdl"})
 GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.

@@ -17,6 +17,7 @@ from arfusion.engine.models.hf_layouts import block_decoder_param_target, llama_
 from arfusion.layers.activation import SiluAndMul
 from arfusion.layers.attention import Attention
 from arfusion.layers.head_norm import HeadNorm
+from arfusion.layers.kernels.l2_prefetch import ahead
 from arfusion.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from arfusion.layers.pending_norm import AttentionInput
 from arfusion.layers.rotary_attention import rotate_store_attend
@@ -35,6 +36,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, device=device)
         self.attn = self.make_attention(config, layer_id, device)
         self.rotary_into_attention = config.rotary_into_attention
+        self.prefetch_o_proj = config.prefetch_o_proj
 
     def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
         """This rank's heads attending with softmax scale ``head_dim ** -0.5``."""
@@ -44,11 +46,15 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: AttentionInput, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which qkv_proj runs) -> this
-        rank's partial o_proj output ``[T, hidden]``."""
+        rank's partial o_proj output ``[T, hidden]``. With ``prefetch_o_proj`` a decode batch's
+        o_proj weight is prefetched into L2 beside the rotary and attention launches
+        (layers/kernels/l2_prefetch.py ``ahead``)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
-        return self.o_proj(rotate_store_attend(self.attn, self.rotary_emb, positions, q, k, v, k_cache, v_cache, batch,
-                                               self.head_norm(), self.rotary_into_attention))
+        with ahead(self.o_proj.weight, self.prefetch_o_proj and batch.is_decode):
+            out = rotate_store_attend(self.attn, self.rotary_emb, positions, q, k, v, k_cache, v_cache, batch,
+                                      self.head_norm(), self.rotary_into_attention)
+        return self.o_proj(out)
 
     def head_norm(self) -> Optional[HeadNorm]:
         """The per-head q/k norm the rotary step applies first (None: none; Qwen3 has one)."""

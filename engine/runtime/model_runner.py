@@ -63,6 +63,7 @@ class RunnerSettings:
     norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
     norm_into_route: bool = False  # `ModelConfig.norm_into_route`
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
+    prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
@@ -101,7 +102,7 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
     from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv``,
-    ``settings.norm_into_route`` and ``settings.rotary_into_attention``."""
+    ``settings.norm_into_route``, ``settings.rotary_into_attention`` and ``settings.prefetch_o_proj``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
@@ -116,11 +117,11 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
     """``config`` with the run's choices: ``keep_mxfp4`` and ``mxfp4_tensor_cores`` for MXFP4
-    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``."""
+    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``, ``prefetch_o_proj``."""
     if config.expert_format == "mxfp4":
         config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device),
                                      mxfp4_tensor_cores=settings.mxfp4_experts == "tensor-cores")
-    folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention")
+    folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj")
     return dataclasses.replace(config, **{name: True for name in folds if getattr(settings, name)})
 
 
