@@ -50,11 +50,18 @@ class LlamaAttention(nn.Module):
         o_proj weight is prefetched into L2 beside the rotary and attention launches
         (layers/kernels/l2_prefetch.py ``ahead``)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if not (self.prefetch_o_proj and batch.is_decode):
+            return self.o_proj(self._attend(positions, q, k, v, batch, kv_cache))
+        with ahead(self.o_proj.weight, True):
+            out = self._attend(positions, q, k, v, batch, kv_cache)
+        return self.o_proj(out)  # after the prefetch's launch (the block's exit joins it)
+
+    def _attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                kv_cache: KVCache) -> torch.Tensor:
+        """Rotary, the KV-cache write and the attention of this layer (`rotate_store_attend`)."""
         k_cache, v_cache = kv_cache.k[self.layer_id], kv_cache.v[self.layer_id]
-        with ahead(self.o_proj.weight, self.prefetch_o_proj and batch.is_decode):
-            out = rotate_store_attend(self.attn, self.rotary_emb, positions, q, k, v, k_cache, v_cache, batch,
-                                      self.head_norm(), self.rotary_into_attention)
-        return self.o_proj(out)
+        return rotate_store_attend(self.attn, self.rotary_emb, positions, q, k, v, k_cache, v_cache, batch,
+                                   self.head_norm(), self.rotary_into_attention)
 
     def head_norm(self) -> Optional[HeadNorm]:
         """The per-head q/k norm the rotary step applies first (None: none; Qwen3 has one)."""
