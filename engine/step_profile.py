@@ -6,12 +6,15 @@ the step's wall time from the host. For `engine.bench_one_batch --profile`.
     wall_us      = host time per step (`StaticBatch.decode_greedy`: plan, copies, replay, argmax,
                    token commit, tokens to the host; one step late with overlap)
     idle_us      = wall_us - gpu_busy_us: launch gaps and host work the GPU waits for
+    idle before  = per kernel, the GPU's idle time just before its launches start (the gap since
+                   the latest end of any earlier record of the trace), per step: where the
+                   launch gaps of ``idle_us`` fall (the first record of the trace gets none)
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -65,22 +68,47 @@ def kernel_totals(prof: Any, name_chars: int = 90) -> dict[str, list[float]]:
     return per_kernel
 
 
+def idle_before(prof: Any, name_chars: int = 90) -> dict[str, float]:
+    """``{kernel name (its first name_chars characters): µs}``: the GPU's idle time just before
+    each launch of the kernel, summed over a profiler trace (module docstring). The trace's CUDA
+    records in order of their start; a record that starts before the latest end so far (another
+    stream's) waited for nothing."""
+    records = sorted((event.time_range.start, event.time_range.end, event.name[:name_chars]) for event in prof.events()
+                     if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0)
+    gaps: dict[str, float] = defaultdict(float)
+    latest_end: Optional[float] = None
+    for start, end, name in records:
+        if latest_end is not None and start > latest_end:
+            gaps[name] += start - latest_end
+        latest_end = end if latest_end is None else max(latest_end, end)
+    return dict(gaps)
+
+
 def _kernel_table(prof: Any, batch_size: int, steps: int, wall_us: float, top: int) -> dict[str, Any]:
-    """Per-step wall, GPU-busy and idle µs and the ``top`` kernels by time of a profiler trace of
-    ``steps`` steps."""
+    """Per-step wall, GPU-busy and idle µs, the ``top`` kernels by time of a profiler trace of
+    ``steps`` steps with the idle time before their launches, and the ``top`` kernels by that
+    idle time."""
     per_kernel = kernel_totals(prof)
+    gaps = idle_before(prof)
     busy = sum(total for total, _ in per_kernel.values()) / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    waited = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
     return {
         "batch_size": batch_size, "steps": steps, "wall_us": wall_us, "gpu_busy_us": busy, "idle_us": wall_us - busy,
         "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
-        "top_kernels": [{"name": name, "us_per_step": total / steps, "calls_per_step": n / steps}
-                        for name, (total, n) in ranked],
+        "top_kernels": [{"name": name, "us_per_step": total / steps, "calls_per_step": n / steps,
+                         "idle_before_us_per_step": gaps.get(name, 0.0) / steps} for name, (total, n) in ranked],
+        "top_idle_before": [{"name": name, "idle_before_us_per_step": gap / steps,
+                             "calls_per_step": per_kernel[name][1] / steps} for name, gap in waited],
     }
 
 
 def format_profile(p: dict[str, Any], label: str) -> str:
     lines = [f"[profile {label} bs={p['batch_size']}] wall {p['wall_us']:.0f} us/step, GPU busy {p['gpu_busy_us']:.0f}, "
              f"idle {p['idle_us']:.0f}, {p['kernels_per_step']:.0f} kernels/step"]
-    lines += [f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}" for k in p["top_kernels"]]
+    lines += [f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  idle before {k['idle_before_us_per_step']:6.1f} us"
+              f"  {k['name']}" for k in p["top_kernels"]]
+    lines.append(f"  idle GPU before the launches of (us/step): {sum(k['idle_before_us_per_step'] for k in p['top_idle_before']):.0f}"
+                 f" among the {len(p['top_idle_before'])} kernels it is largest before")
+    lines += [f"  {k['idle_before_us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}" for k in p["top_idle_before"]]
     return "\n".join(lines)
