@@ -173,10 +173,10 @@ def _measure_runs(server: Any, args: argparse.Namespace, runner: Any, group: Any
                 "floor_ms": floor_ms(decode_step_bytes(runner.model, bs, args.input_len + args.output_len // 2)),
             })
             if args.profile and runner.device.type == "cuda":
-                from arfusion.engine.step_profile import format_profile, profile_decode_steps, profile_prefill
+                from arfusion.engine.step_profile import format_profile, profile_decode_steps, profile_prefill, with_tpot
 
-                prof = profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
-                                            overlap=overlap)
+                prof = with_tpot(profile_decode_steps(runner, bs, args.input_len, runner.config.vocab_size, server.seed,
+                                                      overlap=overlap), results[-1]["tpot_ms"])
                 prefill = profile_prefill(runner, bs, args.input_len, runner.config.vocab_size, server.seed)
                 results[-1]["profile"], results[-1]["prefill_profile"] = prof, prefill
                 if rank == 0:

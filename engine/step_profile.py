@@ -5,7 +5,12 @@ the step's wall time from the host. For `engine.bench_one_batch --profile`.
     gpu_busy_us  = sum of kernel durations per step (kernels do not overlap on one stream)
     wall_us      = host time per step (`StaticBatch.decode_greedy`: plan, copies, replay, argmax,
                    token commit, tokens to the host; one step late with overlap)
-    idle_us      = wall_us - gpu_busy_us: launch gaps and host work the GPU waits for
+    idle_us      = wall_us - gpu_busy_us: launch gaps and host work the GPU waits for, plus what
+                   tracing itself costs (CUPTI's records: the traced steps take longer than
+                   untraced ones)
+    idle_at_tpot_us = TPOT of the untraced steps - gpu_busy_us (`with_tpot`): the GPU's idle time
+                   in a step as it runs untraced (kernel durations are GPU timestamps, which
+                   tracing does not stretch)
     idle before  = per kernel, the GPU's idle time just before its launches start (the gap since
                    the latest end of any earlier record of the trace), per step: where the
                    launch gaps of ``idle_us`` fall (the first record of the trace gets none)
@@ -103,9 +108,17 @@ def _kernel_table(prof: Any, batch_size: int, steps: int, wall_us: float, top: i
     }
 
 
+def with_tpot(p: dict[str, Any], tpot_ms: float) -> dict[str, Any]:
+    """A decode profile ``p`` with ``tpot_us`` (the untraced steps' TPOT) and ``idle_at_tpot_us``
+    (that TPOT less the traced GPU busy time: the module docstring)."""
+    return {**p, "tpot_us": tpot_ms * 1e3, "idle_at_tpot_us": tpot_ms * 1e3 - p["gpu_busy_us"]}
+
+
 def format_profile(p: dict[str, Any], label: str) -> str:
+    at_tpot = (f" (untraced: TPOT {p['tpot_us']:.0f} us, idle {p['idle_at_tpot_us']:.0f})"
+               if "idle_at_tpot_us" in p else "")
     lines = [f"[profile {label} bs={p['batch_size']}] wall {p['wall_us']:.0f} us/step, GPU busy {p['gpu_busy_us']:.0f}, "
-             f"idle {p['idle_us']:.0f}, {p['kernels_per_step']:.0f} kernels/step"]
+             f"idle {p['idle_us']:.0f}{at_tpot}, {p['kernels_per_step']:.0f} kernels/step"]
     lines += [f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  idle before {k['idle_before_us_per_step']:6.1f} us"
               f"  {k['name']}" for k in p["top_kernels"]]
     lines.append(f"  idle GPU before the launches of (us/step): {sum(k['idle_before_us_per_step'] for k in p['top_idle_before']):.0f}"

@@ -2,12 +2,13 @@
 CUDA records (and a CPU record, ignored) with known starts and ends gives each kernel's time,
 launches and the idle GPU time just before its launches (the gap since the latest end so far;
 none before the trace's first record, none for a record that starts while another stream's
-still runs), per step, and the kernels ranked by that idle time."""
+still runs), per step, and the kernels ranked by that idle time; with the untraced TPOT, the
+step's idle time as it runs untraced (TPOT less the busy time)."""
 from types import SimpleNamespace
 
 import torch
 
-from arfusion.engine.step_profile import _kernel_table, format_profile, idle_before
+from arfusion.engine.step_profile import _kernel_table, format_profile, idle_before, with_tpot
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -38,3 +39,9 @@ def test_the_table_reports_time_launches_and_idle_before_per_step():
         [("norm", 5), ("gemv", 3), ("attn", 1)]
     text = format_profile(table, "off")
     assert "idle before    3.0 us  gemv" in text and "idle GPU before the launches of (us/step): 9" in text
+
+
+def test_the_idle_time_at_tpot_is_the_untraced_step_less_the_busy_time():
+    table = with_tpot(_kernel_table(PROF, batch_size=1, steps=2, wall_us=25.0, top=3), tpot_ms=0.020)
+    assert table["tpot_us"] == 20.0 and table["idle_at_tpot_us"] == 20.0 - 17
+    assert "idle 8 (untraced: TPOT 20 us, idle 3)" in format_profile(table, "off")
