@@ -17,9 +17,10 @@ read a few sequences' keys and values and are bound by latency, not bandwidth, f
 microseconds, while the o projection after them streams its weight (17-34 MB for the models
 here, less than L2's 50 MB on an H100 or H200) from HBM in a launch too short to reach full
 bandwidth (docs/results.md, "Decode at the weight floor"). Read from L2 instead, that launch
-waits less on memory. torch has no L2 prefetch of its own and CUDA's access policy windows
-(persisting L2 lines) are a stream attribute that CUDA graphs do not keep per kernel, hence this
-launch. A prefetch is a hint: values never change, only where the next read finds them.
+waits less on memory. torch has no L2 prefetch of its own, and CUDA's access policy windows
+(persisting L2 lines) would set a share of L2 aside for the process and keep lines there beyond
+the one read that needs them; a prefetch needs neither. It is a hint: values never change, only
+where the next read finds them.
 
 `prefetch_refusal` says why a tensor cannot be prefetched (not on a CUDA device of compute
 capability 9.0 or newer, not contiguous, its address not 16-byte aligned, triton missing);
