@@ -24,10 +24,9 @@ import json
 
 import torch
 
+from arfusion.benchmarks.kernels.bench_skinny_matmul import HBM_BYTES_PER_US, cycled_weights
 from arfusion.fusion.tuning.timing import median_us_per_call
 
-HBM_BYTES_PER_US = 4.8e6
-WEIGHT_BYTES_CYCLED = 256 << 20
 SHAPES = [("llama3-8b", 4096, 4096), ("qwen3-30b-a3b", 2048, 4096), ("gpt-oss", 2880, 4096)]  # (model, N, K)
 
 
@@ -58,8 +57,7 @@ def main() -> None:
           f" {'ratio':>6}")
     for model, n, k in SHAPES:
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(max(4, -(-WEIGHT_BYTES_CYCLED // nbytes)))]
+        weights = cycled_weights(n, k)
         refusal = prefetch_refusal(weights[0])
         if refusal is not None:
             raise SystemExit(f"cannot prefetch {refusal} into L2")

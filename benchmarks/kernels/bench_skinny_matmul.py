@@ -27,6 +27,13 @@ SHAPES = [("llama3-8b", "qkv", 6144, 4096), ("llama3-8b", "o", 4096, 4096), ("ll
 CANDIDATES = ["16,256,4,4", "32,256,4,4", "32,128,4,6", "64,128,4,4", "32,512,4,3", "16,512,4,4", "64,256,4,3"]
 
 
+def cycled_weights(n: int, k: int) -> list[torch.Tensor]:
+    """Distinct bf16 ``[n, k]`` weights N(0, 0.02) on the GPU, at least 4 and at least
+    `WEIGHT_BYTES_CYCLED` bytes in all: a graph cycling through them finds none in L2."""
+    copies = max(4, -(-WEIGHT_BYTES_CYCLED // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
 def time_in_graph(fn, weights: list[torch.Tensor]) -> float:
     """µs per call of ``fn(weight)`` over ``weights`` in one captured graph (`median_us_per_call`)."""
     return median_us_per_call(lambda: [fn(w) for w in weights], len(weights))
@@ -46,8 +53,7 @@ def main() -> None:
           f"{'us':>9} {'%BW':>5} {'x cuBLAS':>8} {'rel err':>8}  default us")
     for model, proj, n, k in SHAPES:
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(max(4, -(-WEIGHT_BYTES_CYCLED // nbytes)))]
+        weights = cycled_weights(n, k)
         for m in args.tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = time_in_graph(lambda w: F.linear(x, w), weights)
