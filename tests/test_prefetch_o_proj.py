@@ -55,11 +55,9 @@ def test_a_cpu_tensor_is_refused_by_name_and_ahead_runs_the_block_alone(caplog):
     ran = []
     with caplog.at_level(logging.INFO, logger=l2_prefetch.__name__):
         for _ in range(2):
-            with l2_prefetch.ahead(w, True):
+            with l2_prefetch.ahead(w):
                 ran.append(True)
-        with l2_prefetch.ahead(w, False):
-            ran.append(True)
-    assert ran == [True] * 3
+    assert ran == [True] * 2
     assert [r.getMessage() for r in caplog.records] == ["L2 prefetch: a cpu tensor runs without it"]
 
 

@@ -65,7 +65,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
             def prefetched(w: torch.Tensor) -> None:
-                with ahead(w, True):
+                with ahead(w):
                     torch.cuda._sleep(window)
                 skinny_linear(x, w)
 

@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if not (self.prefetch_o_proj and batch.is_decode):
             return self.o_proj(self._attend(positions, q, k, v, batch, kv_cache))
-        with ahead(self.o_proj.weight, True):
+        with ahead(self.o_proj.weight):
             out = self._attend(positions, q, k, v, batch, kv_cache)
         return self.o_proj(out)  # after the prefetch's launch (the block's exit joins it)
 

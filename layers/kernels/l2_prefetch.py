@@ -7,7 +7,7 @@ step's rotary and attention launches).
                        the last chunk t's remaining bytes rounded down to 16); no registers are
                        filled and no value is written: the program exits once its requests are
                        issued, and the SM's TMA unit moves the bytes from HBM into L2.
-    ahead(t, on)       a context: on entry ``prefetch_l2(t)`` on a side stream that first waits
+    ahead(t)           a context: on entry ``prefetch_l2(t)`` on a side stream that first waits
                        for the current stream's launches so far; on exit the current stream
                        waits for that launch. The launches inside the block run on the current
                        stream meanwhile: in a CUDA graph the prefetch is a branch beside them.
@@ -62,6 +62,11 @@ def prefetch_l2(t: torch.Tensor) -> None:
     reason = prefetch_refusal(t)
     if reason is not None:
         raise ValueError(f"cannot prefetch {reason} into L2")
+    issue_prefetch(t)
+
+
+def issue_prefetch(t: torch.Tensor) -> None:
+    """The launch of `prefetch_l2` for a ``t`` its caller has checked with `prefetch_refusal`."""
     from arfusion.layers.kernels.triton_l2_prefetch import launch_prefetch
 
     launch_prefetch(t.view(torch.uint8).reshape(-1), t.numel() * t.element_size(), CHUNK, LANES)
@@ -75,13 +80,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextmanager
-def ahead(t: torch.Tensor, on: bool) -> Iterator[None]:
-    """With ``on``: `prefetch_l2` of ``t`` on a side stream beside the block's launches, joined
-    on exit (module docstring); where `prefetch_refusal` refuses ``t``, the block alone and the
-    reason logged once. Without ``on``: the block alone."""
-    reason = prefetch_refusal(t) if on else None
-    if not on or reason is not None:
-        if reason is not None and reason not in _LOGGED:
+def ahead(t: torch.Tensor) -> Iterator[None]:
+    """The prefetch of ``t`` on a side stream beside the block's launches, joined on exit (module
+    docstring); where `prefetch_refusal` refuses ``t``, the block alone and the reason logged
+    once."""
+    reason = prefetch_refusal(t)
+    if reason is not None:
+        if reason not in _LOGGED:
             _LOGGED.add(reason)
             logger.info("L2 prefetch: %s runs without it", reason)
         yield
@@ -90,7 +95,7 @@ def ahead(t: torch.Tensor, on: bool) -> Iterator[None]:
     side = _side_stream(t.device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        prefetch_l2(t)
+        issue_prefetch(t)
     try:
         yield
     finally:

@@ -55,7 +55,7 @@ def test_ahead_in_a_cuda_graph_replays_the_eager_results():
     x = torch.randn(4, 4096, device="cuda").bfloat16()
 
     def step() -> torch.Tensor:
-        with ahead(w, True):
+        with ahead(w):
             h = torch.nn.functional.silu(x * 2)
         return h + w[:4]  # reads the prefetched weight after the join
 
@@ -73,13 +73,13 @@ def _greedy(rank: int, world: int) -> dict:
     from arfusion.layers.kernels import l2_prefetch
 
     calls = [0]
-    launch = l2_prefetch.prefetch_l2
+    launch = l2_prefetch.issue_prefetch
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return launch(*args, **kwargs)
 
-    l2_prefetch.prefetch_l2 = counted
+    l2_prefetch.issue_prefetch = counted
     out: dict = {}
     for on in (False, True):
         calls[0] = 0
