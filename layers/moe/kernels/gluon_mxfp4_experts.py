@@ -28,9 +28,10 @@ that share a row) holds words p J .. p J + J - 1 where the operand layout expect
 are loaded in the same permuted order (16-byte loads, then a register permutation). Every output
 is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` a K step's
 words, scales and activations are loaded one step ahead, before the step before is decoded and
-multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the decoded tile's layout is the compiler's choice, and moving it
-into the dot operand's layout went through shared memory every K step (a Triton variant of this
-measured slower than the CUDA-core launches: docs/notes.md).
+multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the
+decoded tile's layout is the compiler's choice, and moving it into the dot operand's layout went
+through shared memory every K step (a Triton variant of this measured slower than the CUDA-core
+launches: docs/notes.md).
 
 Limits (`tensor_core_refusal`): MXFP4 weights; K (hidden, and this rank's intermediate size) a
 multiple of ``block_k_*``; every scale at most 2^1 (scale byte <= 128,
