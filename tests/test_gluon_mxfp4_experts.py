@@ -10,8 +10,9 @@
   TP4, with K steps of 128 and with blocks of 32 and 64 rows, both launches take mma.sync m16n8k16 with bf16 operands and ``mul.rn.bf16x2``, and touch
   no shared or local memory: the decoded weights go from the loads to the MMA in registers;
 - `Mxfp4MoEConfig` refuses what the launches cannot take, and `tensor_core_refusal` names
-  bf16-form weights, other activations than bf16, a K that is not a multiple of the K step and
-  a scale above 2^1, reading the scales once.
+  bf16-form weights, other activations than bf16, a K that is not a multiple of 32 and a scale
+  above 2^1, reading the scales once;
+- `tail_step`: the K steps after the last whole step (the largest power of two dividing K).
 
 The GPU results: tests/gpu/test_gluon_mxfp4_experts_gpu.py.
 """
@@ -108,7 +109,13 @@ SHAPES = {"tp1": (2880, dict(TILES)),
           # a K step's loads issued before the step before is multiplied (`Mxfp4MoEConfig.prefetch`)
           "tp1-prefetch": (2880, dict(TILES, prefetch=True)), "m32-prefetch": (2880, dict(TILES, block_m=32, prefetch=True)),
           "tp2-prefetch": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=True)),
-          "k128-prefetch": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128, prefetch=True))}
+          "k128-prefetch": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128, prefetch=True)),
+          # K steps of 256 and 512 (runs of four words a thread) and the tail steps of 64 after them
+          # at 2880, of 32 at TP2's 1440; the prefetching variant with its tail
+          "k512": (2880, dict(TILES, block_k_gate_up=512, block_k_down=256, num_warps=2, block_n_gate_up=32,
+                              block_n_down=32)),
+          "k512-tp2": (1440, dict(TILES, block_k_gate_up=512, block_k_down=512)),
+          "k256-prefetch": (2880, dict(TILES, block_k_gate_up=256, block_k_down=256, prefetch=True))}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -141,7 +148,7 @@ def test_sm90_both_launches_keep_the_decoded_weights_in_registers(shape, monkeyp
 @pytest.mark.parametrize("field, value, message", [
     ("block_m", 4, "blocks of 8 to 64"), ("block_m", 128, "blocks of 8 to 64"), ("swap", True, "no gemv, swap"), ("word_decode", True, "no gemv, swap"),
     ("split_k_down", 2, "no gemv, swap"), ("gemv", True, "no gemv, swap"), ("block_n_gate_up", 32, "multiple of 16 x"),
-    ("block_k_down", 256, "K steps of 32, 64 or 128"),
+    ("block_k_down", 1024, "K steps of 32 to 512"),
 ])
 def test_the_config_refuses_what_the_launches_cannot_take(field, value, message):
     cfg = Mxfp4MoEConfig(**dict(TILES, **{field: value}))
@@ -164,7 +171,8 @@ def test_the_refusal_names_each_limit():
     experts = _stand_in_experts(2880)
     x = torch.zeros(2, 2880, dtype=torch.bfloat16)
     assert "bf16 activations" in experts_module.tensor_core_refusal(torch.float32, experts, cfg)
-    assert "size 1440 is not a multiple of the K step 64" in experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(1440), cfg)
+    assert "size 1448 is not a multiple of 32" in experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(1448), cfg)
+    assert experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(1440), cfg) is None  # tail steps of 32
     big = _stand_in_experts(2880)
     big.w2_scales[3, 7, 1] = 129
     assert "2^2 exceeds" in experts_module.tensor_core_refusal(x.dtype, big, cfg)
@@ -174,3 +182,9 @@ def test_the_refusal_names_each_limit():
     assert "MXFP4 weights only" in experts_module.tensor_core_refusal(x.dtype, SimpleNamespace(mxfp4=False), cfg)
     ahead = Mxfp4MoEConfig(**dict(TILES, block_k_down=32, prefetch=True))  # one K step: nothing ahead, still taken
     assert experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(32), ahead) is None
+
+
+@pytest.mark.parametrize("k_size, block_k, tail", [(2880, 512, 64), (2880, 64, 64), (1440, 512, 32), (3072, 512, 512),
+                                                   (736, 128, 32), (32, 512, 32)])
+def test_the_tail_step_is_the_largest_power_of_two_dividing_k(k_size, block_k, tail):
+    assert experts_module.tail_step(k_size, block_k) == tail

@@ -1,7 +1,8 @@
 """gpt-oss's MXFP4 experts on tensor cores (layers/moe/kernels/gluon_mxfp4_experts.py,
 `Mxfp4MoEConfig.tensor_cores`) on one GPU, bf16 activations, gpt-oss-20b's expert shapes at TP1
-(intermediate 2880, K steps of 64) and TP2 (1440 a rank, the down launch's K steps of 32), and
-with an intermediate size of 3072 (the down launch's K steps of 128), 8 of
+(intermediate 2880, K steps of 64) and TP2 (1440 a rank, the down launch's K steps of 32), with
+an intermediate size of 3072 (the down launch's K steps of 128), and with K steps of 256 and 512
+(five steps of 512 at 2880 then five tail steps of 64; at TP2's 1440 two of 512 then 13 of 32), 8 of
 its 32 experts (so that blocks hold several rows), top-4, MXFP4 scales / 16 of `fill_experts`'
 (activations of order one, as in the model):
 
@@ -35,7 +36,10 @@ SHAPES = {"tp1": (2880, TILES), "tp2": (1440, dict(TILES, block_n_down=32, block
           "k128": (3072, dict(TILES, block_n_down=128, block_k_down=128)),
           "tp1-prefetch": (2880, dict(TILES, prefetch=True)),
           "tp2-prefetch": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=True)),
-          "k128-prefetch": (3072, dict(TILES, block_n_down=128, block_k_down=128, prefetch=True))}
+          "k128-prefetch": (3072, dict(TILES, block_n_down=128, block_k_down=128, prefetch=True)),
+          "k512": (2880, dict(TILES, block_k_gate_up=512, block_k_down=512)),
+          "k512-tp2": (1440, dict(TILES, block_k_gate_up=512, block_k_down=512, block_n_down=32, num_warps_down=2)),
+          "k256-prefetch": (2880, dict(TILES, block_k_gate_up=256, block_k_down=256, prefetch=True))}
 TOKENS = (1, 3, 8, 33, 64)
 TIMED_TOKENS = (1, 2, 4, 8, 16, 32)
 

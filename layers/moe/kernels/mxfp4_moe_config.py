@@ -21,7 +21,8 @@ class Mxfp4MoEConfig:
     ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
     blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
-    ``block_k_*`` 32, 64 or 128, dividing K; no swap, word decoder or K splits; the stages unused).
+    ``block_k_*`` 32 to 512, the K steps up to the last multiple of it, then steps of the largest
+    power of two dividing K; no swap, word decoder or K splits; the stages unused).
     ``prefetch`` (``tensor_cores`` only): each K step's weights, scales and activations loaded one
     step ahead, while the step before is decoded and multiplied."""
 
@@ -182,8 +183,8 @@ def _check_tensor_cores(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         raise ValueError("tensor_cores takes MXFP4 weights only")
     if cfg.gemv or cfg.swap or cfg.word_decode or cfg.split_k_down != 1:
         raise ValueError("tensor_cores has no gemv, swap, word_decode or K splits")
-    if cfg.block_k_gate_up > 128 or cfg.block_k_down > 128:
-        raise ValueError("tensor_cores takes K steps of 32, 64 or 128 (a thread's words within one scale group)")
+    if cfg.block_k_gate_up > 512 or cfg.block_k_down > 512:
+        raise ValueError("tensor_cores takes K steps of 32 to 512 columns (at most 16 words a thread and row)")
     if not 8 <= cfg.block_m <= 64:
         raise ValueError(f"tensor_cores groups rows in blocks of 8 to 64 (block_m), got {cfg.block_m}")
     for name, warps in (("block_n_gate_up", cfg.num_warps), ("block_n_down", cfg.num_warps_down or cfg.num_warps)):
