@@ -1,6 +1,7 @@
-"""What the tests of the norm folds (``--norm-into-qkv``, ``--norm-into-route``,
-layers/pending_norm.py) share: a host-fed greedy run of a built-in model at TP1, a call counter,
-and the GPU tests' agreement check of flag-on against flag-off generations."""
+"""What the tests of the decode folds (``--norm-into-qkv``, ``--norm-into-route``,
+layers/pending_norm.py; ``--rotary-into-attention``; ``--prefetch-o-proj``) share: a host-fed
+greedy run of a built-in model at TP1, call counters, a flag-off / flag-on pair of runs, and the
+GPU tests' agreement check of flag-on against flag-off generations."""
 from __future__ import annotations
 
 from typing import Any
@@ -43,6 +44,30 @@ def count_calls(cls: type, name: str, calls: dict) -> None:
         return original(self, *args)
 
     setattr(cls, name, counted)
+
+
+def flag_off_and_on(model_path: str, prompts: int, prompt_len: int, steps: int, flag: str, module: Any, name: str,
+                    **settings: Any) -> dict:
+    """`greedy_run` with the `RunnerSettings` field ``flag`` False, then True: ``{False: run,
+    True: run}``, each run with ``calls``, how often ``module.name`` (a module-level function
+    the flag's path calls; patched to count, it still runs) ran during it."""
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    out: dict = {}
+    try:
+        for on in (False, True):
+            calls[0] = 0
+            out[on] = greedy_run(model_path, prompts, prompt_len, steps, **settings, **{flag: on})
+            out[on]["calls"] = calls[0]
+    finally:
+        setattr(module, name, original)
+    return out
 
 
 def steps_in_agreement(off: dict, on: dict, max_rel_err: float) -> int:

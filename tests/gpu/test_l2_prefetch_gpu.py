@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.fold_checks import greedy_run
+from tests.fold_checks import flag_off_and_on
 
 pytest.importorskip("triton")
 
@@ -72,22 +72,8 @@ def test_ahead_in_a_cuda_graph_replays_the_eager_results():
 def _greedy(rank: int, world: int) -> dict:
     from arfusion.layers.kernels import l2_prefetch
 
-    calls = [0]
-    launch = l2_prefetch.issue_prefetch
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return launch(*args, **kwargs)
-
-    l2_prefetch.issue_prefetch = counted
-    out: dict = {}
-    for on in (False, True):
-        calls[0] = 0
-        out[on] = greedy_run("tiny", PROMPTS, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=PROMPTS,
-                             kv_slots=1024, prefetch_o_proj=on)
-        assert out[on]["graphs"]
-        out[on]["calls"] = calls[0]
-    return out
+    return flag_off_and_on("tiny", PROMPTS, PROMPT_LEN, STEPS, "prefetch_o_proj", l2_prefetch, "issue_prefetch", seed=5,
+                           dtype="bfloat16", cuda_graph_max_bs=PROMPTS, kv_slots=1024)
 
 
 @pytest.mark.timeout(600)
@@ -95,6 +81,7 @@ def test_the_flag_keeps_every_bit_under_cuda_graphs():
     _sm90()
     result = run_distributed(_greedy, world_size=1, device_kind="cuda", timeout_s=500)[0]
     off, on = result[False], result[True]
+    assert off["graphs"] and on["graphs"], "both runs replay CUDA graphs"
     assert off["calls"] == 0 and on["calls"] > 0, "the prefetch runs with the flag on only"
     assert on["tokens"] == off["tokens"] and torch.equal(on["logits"], off["logits"])
     assert len({t for step in off["tokens"] for t in step}) > 2, "the tokens vary (not a constant stream)"

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.fold_checks import greedy_run, steps_in_agreement
+from tests.fold_checks import flag_off_and_on, steps_in_agreement
 
 pytest.importorskip("triton")
 
@@ -139,22 +139,8 @@ def _greedy(rank: int, world: int, model: str) -> dict:
     """Greedy runs with the flag off and on: tokens, logits per step, fused launches counted."""
     from arfusion.layers.kernels import triton_rotary_decode_attention as fused
 
-    calls = [0]
-    launch = fused.decode_attention_rotary
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return launch(*args, **kwargs)
-
-    fused.decode_attention_rotary = counted
-    out: dict = {}
-    for on in (False, True):
-        calls[0] = 0
-        out[on] = greedy_run(model, PROMPTS, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=PROMPTS,
-                             kv_slots=1024, rotary_into_attention=on)
-        assert out[on]["graphs"]
-        out[on]["calls"] = calls[0]
-    return out
+    return flag_off_and_on(model, PROMPTS, PROMPT_LEN, STEPS, "rotary_into_attention", fused, "decode_attention_rotary",
+                           seed=5, dtype="bfloat16", cuda_graph_max_bs=PROMPTS, kv_slots=1024)
 
 
 @pytest.mark.timeout(600)
@@ -162,6 +148,7 @@ def _greedy(rank: int, world: int, model: str) -> dict:
 def test_greedy_tokens_with_the_flag_on_and_off_under_cuda_graphs(model):
     result = run_distributed(_greedy, world_size=1, args=(model,), device_kind="cuda", timeout_s=500)[0]
     off, on = result[False], result[True]
+    assert off["graphs"] and on["graphs"], "both runs replay CUDA graphs"
     assert off["calls"] == 0 and on["calls"] > 0, "the fused launch runs with the flag on only"
     compared = steps_in_agreement(off, on, MAX_REL_ERR)
     print(f"\nrotary into attention, {model}: greedy tokens equal over {compared} of {len(off['tokens'])} steps")
