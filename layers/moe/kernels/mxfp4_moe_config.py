@@ -65,7 +65,7 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
                              num_warps=2, gemv=True)
 
 # From this many slots MXFP4 experts take the tensor-core launches (`tensor_core_config`) where
-# they can run (bf16 activations, K steps dividing K, scales up to 2^1; else the launches above):
+# they can run (bf16 activations, K a multiple of 32, scales up to 2^1; else the launches above):
 # on the GPU benchmark of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss) they
 # were slower than the matrix-vector launches at 1 and 2 tokens (top-4: 4 and 8 slots), even at
 # 4 tokens, and faster from 8 tokens on, as against the grouped launches at every larger count.
