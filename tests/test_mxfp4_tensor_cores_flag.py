@@ -6,7 +6,9 @@
   which needs them kept); a GptOssExperts in bf16 form refuses ``tensor_cores``;
 - a runner on the CPU refuses it at start-up (a tiny gpt-oss MXFP4 checkpoint), naming the flag;
 - `tensor_core_config` gives valid tiles at gpt-oss's shapes (TP1, TP2, TP4) for every rows per
-  expert, K steps that divide K, blocks that hold the mean rows per expert;
+  expert, K steps that divide K (of 512 below `TENSOR_CORE_MIN_SLOTS` slots outside
+  batch-invariant mode, with tail steps), blocks that hold the mean rows per expert; in
+  batch-invariant mode the same K steps at every batch;
 - `gpt_oss_experts_triton` (its launches recorded, nothing run) takes those tiles for experts
   marked ``tensor_cores``, in batch-invariant mode too (the launches are batch-invariant by
   construction), and otherwise the matrix-vector launches, or the grouped batch-invariant tiles
@@ -21,7 +23,7 @@ import torch
 from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.runtime.model_runner import RunnerSettings, _run_form, keep_mxfp4
 from arfusion.layers import batch_invariant
-from arfusion.layers.moe.kernels.mxfp4_moe_config import check_config, tensor_core_config
+from arfusion.layers.moe.kernels.mxfp4_moe_config import TENSOR_CORE_MIN_SLOTS, check_config, tensor_core_config
 from arfusion.server_args import ServerArgs, ServerArgsError
 from tests.dist_utils import run_distributed
 
@@ -85,7 +87,11 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
     cfg = tensor_core_config(num_slots, 32, 2880, inter)
     check_config(cfg, True)
     rows_per_expert = num_slots / 32
-    assert cfg.tensor_cores and 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
+    assert cfg.tensor_cores
+    if num_slots < TENSOR_CORE_MIN_SLOTS:  # long K steps, then the tail steps (gluon_mxfp4_experts.tail_step)
+        assert cfg.block_k_gate_up == cfg.block_k_down == 512 and not cfg.prefetch
+    else:
+        assert 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
     assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)
     assert cfg.prefetch == (num_slots >= 44)  # 32 experts: 24.1 expected active at 44 slots, 23.6 at 43
 
@@ -94,7 +100,8 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
 def test_tensor_core_sums_follow_the_shapes_only(inter):
     """What orders a row's sums (the K steps; the launches, mma.sync m16n8k16 in every block) is
     the same at every batch: batch-invariant mode may take these tiles at every batch."""
-    tiles = {tensor_core_config(slots, 32, 2880, inter) for slots in (4, 32, 256, 288, 512, 1056, 2048, 9600)}
+    tiles = {tensor_core_config(slots, 32, 2880, inter, batch_invariant=True)
+             for slots in (4, 32, 256, 288, 512, 1056, 2048, 9600)}
     assert len({(t.block_k_gate_up, t.block_k_down, t.tensor_cores, t.split_k_down) for t in tiles}) == 1
     assert {t.block_m for t in tiles} == {8, 16, 64}
 
@@ -114,6 +121,7 @@ CHOICES = {
     (8, False, False, 120): "_tensor_core_partials",  # 32 slots: past TENSOR_CORE_MIN_SLOTS
     (2, False, True, 120): "_tensor_core_partials",  # batch-invariant mode: at every batch
     (8, True, False, 120): "_tensor_core_partials",
+    (2, True, False, 120): "_tensor_core_partials",  # marked, 8 slots: K steps of 512
     (2, True, True, 120): "_tensor_core_partials",
     (8, False, False, 129): "gemv_partials",  # a scale the tensor-core decoder cannot hold: the launches before
     (8, False, True, 129): "_grouped_partials",  # ... and batch-invariant mode's grouped tiles
@@ -147,6 +155,6 @@ def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monke
     [(name, cfg)] = chosen
     assert name == CHOICES[case]
     if name == "_tensor_core_partials":
-        assert cfg == tensor_core_config(tokens * 4, 32, 2880, 1440)
+        assert cfg == tensor_core_config(tokens * 4, 32, 2880, 1440, batch_invariant=deterministic)
     if name == "_grouped_partials":
         assert cfg.block_k_gate_up == cfg.block_k_down == 128 and not cfg.swap  # batch-invariant mode's pins

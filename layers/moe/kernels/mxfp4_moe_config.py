@@ -192,7 +192,8 @@ def _check_tensor_cores(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be a multiple of 16 x its {warps} warps, got {getattr(cfg, name)}")
 
 
-def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int) -> Mxfp4MoEConfig:
+def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int,
+                       batch_invariant: bool = False) -> Mxfp4MoEConfig:
     """The tensor-core launches' tiles (``tensor_cores``) for ``num_slots`` slots (tokens x top-k)
     over ``num_experts`` experts at a hidden size and a rank's intermediate size that are multiples
     of 32: rows grouped in blocks of 8, 16, 32 or 64 (the first that holds the mean rows per expert,
@@ -202,9 +203,15 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and the
     prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
     Within a few % of the best of seven tiles on the GPU benchmark at 16, 32 and 128 tokens
-    (docs/results.md, gpt-oss)."""
+    (docs/results.md, gpt-oss). Below `TENSOR_CORE_MIN_SLOTS` slots (reached with
+    ``--mxfp4-experts tensor-cores``), outside batch-invariant mode, K steps of 512 columns: the
+    few programs of such a call need the bytes in flight (docs/notes.md, gpt-oss); batch-invariant
+    mode keeps one K step at every batch (``batch_invariant``)."""
     rows_per_expert = num_slots / num_experts
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
+    if num_slots < TENSOR_CORE_MIN_SLOTS and not batch_invariant:
+        return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=512, block_n_down=64,
+                              block_k_down=512, num_warps=4, tensor_cores=True)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True,
                           prefetch=expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS)

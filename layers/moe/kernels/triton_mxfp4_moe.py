@@ -279,7 +279,7 @@ def default_config(experts, num_slots: int, dtype: torch.dtype) -> Mxfp4MoEConfi
     Measured in docs/results.md (gpt-oss)."""
     deterministic = batch_invariant.enabled()
     if experts.mxfp4 and (experts.tensor_cores or deterministic or num_slots >= TENSOR_CORE_MIN_SLOTS):
-        tensor = tensor_core_config(num_slots, experts.num_experts, experts.hidden_size, experts.local)
+        tensor = tensor_core_config(num_slots, experts.num_experts, experts.hidden_size, experts.local, deterministic)
         if experts.tensor_cores or _tensor_core_refusal(dtype, experts, tensor) is None:
             return tensor
     return experts_block_config(num_slots, experts.num_experts, experts.mxfp4, deterministic)
