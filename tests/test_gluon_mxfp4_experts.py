@@ -12,7 +12,8 @@
 - `Mxfp4MoEConfig` refuses what the launches cannot take, and `tensor_core_refusal` names
   bf16-form weights, other activations than bf16, a K that is not a multiple of 32 and a scale
   above 2^1, reading the scales once;
-- `tail_step`: the K steps after the last whole step (the largest power of two dividing K).
+- `tail_step`: the one step after the last whole step (the least power of two holding the rest
+  of K, its columns past K masked; none where the step divides K).
 
 The GPU results: tests/gpu/test_gluon_mxfp4_experts_gpu.py.
 """
@@ -110,8 +111,8 @@ SHAPES = {"tp1": (2880, dict(TILES)),
           "tp1-prefetch": (2880, dict(TILES, prefetch=True)), "m32-prefetch": (2880, dict(TILES, block_m=32, prefetch=True)),
           "tp2-prefetch": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=True)),
           "k128-prefetch": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128, prefetch=True)),
-          # K steps of 256 and 512 (runs of four words a thread) and the tail steps of 64 after them
-          # at 2880, of 32 at TP2's 1440; the prefetching variant with its tail
+          # K steps of 256 and 512 (runs of four words a thread) and the masked step after them (512
+          # columns, 320 live at 2880; 512, 416 live at TP2's 1440); the prefetching variant with it
           "k512": (2880, dict(TILES, block_k_gate_up=512, block_k_down=256, num_warps=2, block_n_gate_up=32,
                               block_n_down=32)),
           "k512-tp2": (1440, dict(TILES, block_k_gate_up=512, block_k_down=512)),
@@ -184,7 +185,7 @@ def test_the_refusal_names_each_limit():
     assert experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(32), ahead) is None
 
 
-@pytest.mark.parametrize("k_size, block_k, tail", [(2880, 512, 64), (2880, 64, 64), (1440, 512, 32), (3072, 512, 512),
-                                                   (736, 128, 32), (32, 512, 32)])
-def test_the_tail_step_is_the_largest_power_of_two_dividing_k(k_size, block_k, tail):
+@pytest.mark.parametrize("k_size, block_k, tail", [(2880, 512, 512), (2880, 64, 0), (2880, 256, 64), (1440, 512, 512),
+                                                   (3072, 512, 0), (736, 128, 128), (32, 512, 32), (96, 64, 32)])
+def test_the_tail_step_is_the_least_power_of_two_holding_the_rest(k_size, block_k, tail):
     assert experts_module.tail_step(k_size, block_k) == tail
