@@ -3,7 +3,7 @@
 (intermediate 2880, K steps of 64) and TP2 (1440 a rank, the down launch's K steps of 32), with
 an intermediate size of 3072 (the down launch's K steps of 128), and with K steps of 256 and 512
 (at 2880 five steps of 512, then one of 512 with 320 columns live; at TP2's 1440 two, then one
-with 416 live), 8 of
+with 416 live; at TP4's 736 one, then one of 256 with 224 live), 8 of
 its 32 experts (so that blocks hold several rows), top-4, MXFP4 scales / 16 of `fill_experts`'
 (activations of order one, as in the model):
 
@@ -40,6 +40,7 @@ SHAPES = {"tp1": (2880, TILES), "tp2": (1440, dict(TILES, block_n_down=32, block
           "k128-prefetch": (3072, dict(TILES, block_n_down=128, block_k_down=128, prefetch=True)),
           "k512": (2880, dict(TILES, block_k_gate_up=512, block_k_down=512)),
           "k512-tp2": (1440, dict(TILES, block_k_gate_up=512, block_k_down=512, block_n_down=32, num_warps_down=2)),
+          "k512-tp4": (736, dict(TILES, block_k_gate_up=512, block_k_down=512, block_n_gate_up=32, num_warps=2)),
           "k256-prefetch": (2880, dict(TILES, block_k_gate_up=256, block_k_down=256, prefetch=True))}
 TOKENS = (1, 3, 8, 33, 64)
 TIMED_TOKENS = (1, 2, 4, 8, 16, 32)
