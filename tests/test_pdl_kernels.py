@@ -9,8 +9,9 @@ for the MXFP4 experts), one token, the routing with and without the post-attenti
 - with the switch on the PTX holds ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
   (in that order), with it off neither: the switch is not a path that does nothing;
 - before the wait no global store or atomic, and global loads only in the kernels that load data
-  no kernel of a step writes there (the skinny matmul's and the routing's first weight tile,
-  rotary's inverse frequencies, in the rotary launch and in the decode attention that rotates):
+  no kernel of a step writes there (the skinny matmul's bulk L2 prefetch of its first columns,
+  and nothing into registers; the routing's first weight tile; rotary's inverse frequencies, in
+  the rotary launch and in the decode attention that rotates):
   the others (decode attention's two kernels, the MoE experts' matrix-vector kernels, whose
   weights depend on the routing) load nothing before it;
 - every dot takes the same tensor-core instruction (family and k) either way, and the decode
@@ -19,8 +20,8 @@ for the MXFP4 experts), one token, the routing with and without the post-attenti
 Under Triton's interpreter (one spawned child), which runs programs one at a time and has no
 griddepcontrol instructions (it raises on them), the two calls are stood in by functions that do
 nothing: each public function's outputs with the switch on equal those with it off bit for bit,
-so the code only USE_PDL compiles (the skinny matmul's first K step before its loop, the
-routing's first weight tile) computes what the loop computes. Inputs fp32 / fp16 (the
+so the code only USE_PDL compiles (the routing's first weight tile) computes what the loop
+computes (the skinny matmul's prefetch, inline PTX, is left out there). Inputs fp32 / fp16 (the
 interpreter's bf16 dots multiply bit patterns), seeded random, with several K steps and masked
 tails.
 """
@@ -194,6 +195,13 @@ def test_sm90_ptx_waits_only_with_the_switch_on(compiled, name):
     assert not re.search(r"\b(?:st|atom|red)\.global", before), name
     loads = re.findall(r"\b(?:ld\.global|cp\.async)\S*", before)
     assert bool(loads) == (name in LOADS_BEFORE_WAIT), (name, loads)
+
+
+def test_sm90_the_skinny_matmul_asks_l2_for_its_first_columns_before_the_wait(compiled):
+    before = _before_wait(compiled["_skinny_kernel", True]["ptx"])
+    assert "cp.async.bulk.prefetch.L2.global" in before
+    assert not re.search(r"\bld\.global", before), "no register waits on a load before the wait"
+    assert "cp.async.bulk.prefetch" not in compiled["_skinny_kernel", False]["ptx"]
 
 
 @pytest.mark.timeout(600)

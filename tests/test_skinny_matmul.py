@@ -68,3 +68,19 @@ def test_serves_only_cuda_decode_sized_narrowing_matmuls():
     from arfusion.layers.kernels.triton_skinny_matmul import serves
 
     assert not serves(torch.zeros(1, 64, dtype=torch.float16), torch.zeros(32, 64, dtype=torch.float16))  # CPU
+
+
+def test_the_pdl_prefetch_takes_whole_granules_of_aligned_rows_only():
+    """`pdl_prefetch_cols`: the first 1,024 columns of a row, fewer for a narrower weight (whole
+    16-byte granules in each of the PREFETCH_PARTS requests), none for rows that do not start on
+    16 bytes."""
+    pytest.importorskip("triton")
+    from arfusion.layers.kernels.triton_skinny_matmul import PDL_PREFETCH_COLS, pdl_prefetch_cols
+
+    bf16 = torch.bfloat16
+    assert pdl_prefetch_cols(torch.zeros(64, 4096, dtype=bf16)) == PDL_PREFETCH_COLS == 1024
+    assert pdl_prefetch_cols(torch.zeros(8, 104, dtype=bf16)) == 96  # 4 requests of 24 columns, 48 bytes each
+    assert pdl_prefetch_cols(torch.zeros(8, 100, dtype=torch.float32)) == 96  # 4 of 24 columns, 96 bytes each
+    assert pdl_prefetch_cols(torch.zeros(8, 16, dtype=bf16)) == 0  # under one granule a request
+    assert pdl_prefetch_cols(torch.zeros(8, 100, dtype=bf16)) == 0  # rows 200 bytes apart
+    assert pdl_prefetch_cols(torch.zeros(8, 104, dtype=bf16)[:, 1:97]) == 0  # rows start 2 bytes in

@@ -26,8 +26,8 @@ these rules:
    counters), and before it writes anything: what it writes may still be read by the
    predecessor (a new tensor may be memory the caching allocator has just taken back from one).
    Only data that no kernel writes during a step (weights, biases, norm weights, the rotary
-   inverse frequencies) may be loaded before the wait: the matrix-vector kernels whose weight
-   addresses do not depend on the step's data load their first weight tile there.
+   inverse frequencies) may be loaded before the wait: the routing launch loads its first weight
+   tile there, and the decode-sized matmul asks L2 for its first K steps (bulk prefetches).
 2. ``gdc_launch_dependents()`` right after the wait. Early is safe: the dependent's blocks are
    scheduled only once every block of this kernel has executed it or exited, so all of them are
    resident by then and a dependent block waiting at its own ``gdc_wait`` cannot keep one of

@@ -1,12 +1,23 @@
 """The launch of layers/kernels/l2_prefetch.py: bulk L2 prefetches of a byte range, one chunk a
 lane (sm90's ``cp.async.bulk.prefetch.L2.global``, through inline PTX: Triton has no prefetch
-operation). Grid: ceil(chunks / LANES) one-warp programs; nothing is read back to the host
-(CUDA-graph capturable)."""
+operation; `bulk_prefetch_l2`, which the decode-sized matmul's programs also issue before their
+programmatic-dependent-launch wait). Grid: ceil(chunks / LANES) one-warp programs; nothing is
+read back to the host (CUDA-graph capturable)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def bulk_prefetch_l2(ptrs, sizes):
+    """For each element: ``cp.async.bulk.prefetch.L2.global [ptr], size`` (ptr 16-byte aligned,
+    size in bytes a multiple of 16; none where size is 0). Returns nothing useful (zeros): the
+    requests go to the SM's TMA unit, no register waits on them."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, sizes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -16,10 +27,7 @@ def _prefetch_kernel(bytes_ptr, total_bytes, CHUNK: tl.constexpr, LANES: tl.cons
     chunk = tl.program_id(0) * LANES + tl.arange(0, LANES)
     start = chunk.to(tl.int64) * CHUNK
     size = (tl.minimum(total_bytes - start, CHUNK) // 16) * 16
-    size = tl.where(size > 0, size, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [bytes_ptr + start, size], dtype=tl.int32, is_pure=False, pack=1)
+    bulk_prefetch_l2(bytes_ptr + start, tl.where(size > 0, size, 0))
 
 
 def launch_prefetch(flat_bytes: torch.Tensor, total_bytes: int, chunk: int, lanes: int) -> None:

@@ -27,9 +27,15 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.kernels import pdl
+from arfusion.layers.kernels.triton_l2_prefetch import bulk_prefetch_l2
 from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 
 MAX_TOKENS = 32  # the most rows of x this launch serves (`skinny_linear`)
+# With programmatic dependent launch, the columns of its rows a program asks L2 for before the
+# wait (`_skinny_kernel`): four K steps of the default tiles, what the loop reads first; in
+# PREFETCH_PARTS bulk requests a row, so that a program's 128 threads issue one each at 32 rows
+PDL_PREFETCH_COLS = 1024
+PREFETCH_PARTS = tl.constexpr(4)
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,13 @@ def _token_tile(x_cols, token_mask, k0, k_size, BLOCK_K: tl.constexpr, EVEN_K: t
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_size, n_size, k_size, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_COLS: tl.constexpr):
     """Program: output features ``pid * BLOCK_N ..`` for every token (module docstring). With
-    USE_PDL its first weight tile is loaded before the wait for the previous kernel
-    (layers/kernels/pdl.py), and the K loop starts at the second step."""
+    USE_PDL it waits for the previous kernel (layers/kernels/pdl.py) before its first load, and
+    before that wait asks L2 for the first PREFETCH_COLS columns of its rows (bulk prefetches,
+    PREFETCH_PARTS a row; none when 0): the weight does not depend on the previous kernel, so its
+    first K steps stream into L2 while that kernel still runs, and the loop's first loads after
+    the wait find them there."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_size
     tokens = tl.arange(0, BLOCK_M)
@@ -99,14 +108,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_size, n_size, k_size, stride_xm
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + tokens.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_start = 0
     if USE_PDL:
-        w = _weight_tile(w_rows, row_mask, 0, k_size, BLOCK_K, EVEN_K)
+        if PREFETCH_COLS > 0:
+            part = tl.arange(0, PREFETCH_PARTS)
+            cols: tl.constexpr = PREFETCH_COLS // PREFETCH_PARTS
+            starts = w_rows + (part * cols)[None, :]
+            bulk_prefetch_l2(starts, tl.where(row_mask[:, None], cols * w_ptr.dtype.element_ty.primitive_bitwidth // 8,
+                                              0) + 0 * part[None, :])
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.dot(w, _token_tile(x_cols, token_mask, 0, k_size, BLOCK_K, EVEN_K), acc)
-        k_start = BLOCK_K
-    for k0 in range(k_start, k_size, BLOCK_K):
+    for k0 in range(0, k_size, BLOCK_K):
         w = _weight_tile(w_rows, row_mask, k0, k_size, BLOCK_K, EVEN_K)
         acc = tl.dot(w, _token_tile(x_cols, token_mask, k0, k_size, BLOCK_K, EVEN_K), acc)
     if HAS_BIAS:
@@ -141,6 +152,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     use_pdl = pdl.enabled()
     SKINNY_LAUNCHER((triton.cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else weight, y, m, n, k,
                     x.stride(0), weight.stride(0), y.stride(0), bias is not None, k % cfg.block_k == 0,
-                    max(16, triton.next_power_of_2(m)), cfg.block_n, cfg.block_k, use_pdl, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages, launch_pdl=use_pdl)
+                    max(16, triton.next_power_of_2(m)), cfg.block_n, cfg.block_k, use_pdl,
+                    pdl_prefetch_cols(weight) if use_pdl else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    launch_pdl=use_pdl)
     return y
+
+
+def pdl_prefetch_cols(weight: torch.Tensor) -> int:
+    """The columns of each row `_skinny_kernel` asks L2 for before its wait: `PDL_PREFETCH_COLS`,
+    or fewer for a narrower weight (whole 16-byte granules a part), 0 where the bulk prefetch
+    cannot take the rows (a row start not 16-byte aligned) or cannot run (triton's interpreter)."""
+    row_bytes = weight.stride(0) * weight.element_size()
+    if triton.knobs.runtime.interpret or weight.data_ptr() % 16 or row_bytes % 16:
+        return 0
+    granule = PREFETCH_PARTS.value * 16 // weight.element_size()  # columns: a 16-byte multiple in every part
+    return min(PDL_PREFETCH_COLS, weight.shape[1] // granule * granule)
