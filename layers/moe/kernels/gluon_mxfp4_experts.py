@@ -30,10 +30,10 @@ fixed permutation of the columns, and the activations are loaded in the same per
 (16-byte loads, then a register permutation). Long K steps put more bytes in flight per warp
 (16 rows x BLOCK_K / 2 bytes a matrix), which the few programs of a decode step need to reach
 the memory's bandwidth. Where BLOCK_K does not divide K, one step of the least power of two that
-holds the rest follows the last whole one, its columns past K read as zeros (`tail_step`). Every output is one fp32 accumulator over
-K in a fixed order. With `Mxfp4MoEConfig.prefetch` a K step's
-words, scales and activations are loaded one step ahead, before the step before is decoded and
-multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the
+holds the rest follows the last whole one, its columns past K read as zeros (`tail_step`).
+Every output is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` a
+K step's words, scales and activations are loaded one step ahead, before the step before is
+decoded and multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the
 decoded tile's layout is the compiler's choice, and moving it into the dot operand's layout went
 through shared memory every K step (a Triton variant of this measured slower than the CUDA-core
 launches: docs/notes.md).
