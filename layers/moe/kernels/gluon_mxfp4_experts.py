@@ -172,8 +172,9 @@ if gluon is not None:
         p0, p1, p2, p3 = gl.inline_asm_elementwise(DECODE, "=r,=r,=r,=r,r,r", [words, factor],
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
                                                    pack=1)
-        tile = gl.join(gl.join(_as_bf16(p0), _as_bf16(p1)), gl.join(_as_bf16(p2), _as_bf16(p3)))  # [N, p, i, w, h, b, c]
-        tile = gl.permute(tile, [0, 2, 3, 1, 6, 5, 4])  # [N, i, w, p, c, b, h]: k = 8 (4 (W i + w) + p) + 2 (2 c + b) + h
+        # [N, p, i, w, h, b, c], then [N, i, w, p, c, b, h]: k = 8 (4 (W i + w) + p) + 2 (2 c + b) + h
+        tile = gl.join(gl.join(_as_bf16(p0), _as_bf16(p1)), gl.join(_as_bf16(p2), _as_bf16(p3)))
+        tile = gl.permute(tile, [0, 2, 3, 1, 6, 5, 4])
         return gl.convert_layout(gl.reshape(tile, [BLOCK_N, BLOCK_K]), A)
 
     @gluon.jit
