@@ -186,14 +186,16 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
 
     @gluon.jit
-    def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
-                    WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
+                    WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, MASKED: gl.constexpr = False):
         """Everything one K step reads, as loaded: (words and scales of W's rows, of the up rows
-        ``rows + N`` with GATE_UP (else the same again, not reloaded), the activations)."""
-        words, scale = _words(w_e, s_e, rows, k0, 0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+        ``rows + N`` with GATE_UP (else the same again, not reloaded), the activations); with
+        MASKED, the columns from ``k_size`` on read as zeros (``x_mask`` then covers them too)."""
+        words, scale = _words(w_e, s_e, rows, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K, MASKED)
         up_words, up_scale = words, scale
         if GATE_UP:
-            up_words, up_scale = _words(w_e, s_e, rows + N, k0, 0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
+            up_words, up_scale = _words(w_e, s_e, rows + N, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K,
+                                        MASKED)
         return words, scale, up_words, up_scale, gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
 
     @gluon.jit
@@ -243,15 +245,10 @@ if gluon is not None:
     def _k_step(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, acc, acc_up,
                 GATE_UP: gl.constexpr, WORDS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, MASKED: gl.constexpr):
-        """One K step at column k0; with MASKED, the columns from ``k_size`` on read as zeros
-        (``x_mask`` then covers them too)."""
-        xa = _acts_operand(gl.load(x_ptrs + k0, mask=x_mask, other=0.0), B, BLOCK_M, BLOCK_K)
-        gw, gs = _words(w_e, s_e, rows, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K, MASKED)
-        acc = mma_v2(_decoded(gw, gs, WORDS, A, BLOCK_N, BLOCK_K), xa, acc)
-        if GATE_UP:
-            uw, us = _words(w_e, s_e, rows + N, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K, MASKED)
-            acc_up = mma_v2(_decoded(uw, us, WORDS, A, BLOCK_N, BLOCK_K), xa, acc_up)
-        return acc, acc_up
+        """One K step at column k0 (`_step_loads`, then `_step_mma`)."""
+        gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, GATE_UP,
+                                         WORDS, BLOCK_N, BLOCK_K, MASKED)
+        return _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
 
     @gluon.jit
     def _rows(n0, N, WORDS: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -292,10 +289,10 @@ if gluon is not None:
             k_main = (K // BLOCK_K) * BLOCK_K  # a multiple of BLOCK_K to the compiler too: 16-byte loads after it
             if PREFETCH:  # step k + 1 loaded before step k's products
                 if k_main > 0:
-                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn,
+                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, 0, N, stride_wn, stride_sn,
                                                      GATE_UP, WORDS, BLOCK_N, BLOCK_K)
                     for k0 in range(BLOCK_K, k_main, BLOCK_K):
-                        gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn,
+                        gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, 0, N, stride_wn,
                                                               stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
                         acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M,
                                                 BLOCK_N, BLOCK_K)
