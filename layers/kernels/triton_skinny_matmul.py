@@ -112,9 +112,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_size, n_size, k_size, stride_xm
         if PREFETCH_COLS > 0:
             part = tl.arange(0, PREFETCH_PARTS)
             cols: tl.constexpr = PREFETCH_COLS // PREFETCH_PARTS
-            starts = w_rows + (part * cols)[None, :]
-            bulk_prefetch_l2(starts, tl.where(row_mask[:, None], cols * w_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                                              0) + 0 * part[None, :])
+            row_bytes = tl.where(row_mask, cols * w_ptr.dtype.element_ty.primitive_bitwidth // 8, 0)
+            bulk_prefetch_l2(w_rows + (part * cols)[None, :], tl.broadcast_to(row_bytes[:, None],
+                                                                              (BLOCK_N, PREFETCH_PARTS)))
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, k_size, BLOCK_K):
