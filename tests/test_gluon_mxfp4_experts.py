@@ -12,8 +12,8 @@
 - `Mxfp4MoEConfig` refuses what the launches cannot take, and `tensor_core_refusal` names
   bf16-form weights, other activations than bf16, a K that is not a multiple of 32 and a scale
   above 2^1, reading the scales once;
-- `tail_step`: the one step after the last whole step (the least power of two holding the rest
-  of K, its columns past K masked; none where the step divides K).
+- the code holds the K loop's step once and, for the rest of K after the last whole step, one
+  step of each of its powers of two (the count of mma.sync in the PTX).
 
 The GPU results: tests/gpu/test_gluon_mxfp4_experts_gpu.py.
 """
@@ -111,11 +111,13 @@ SHAPES = {"tp1": (2880, dict(TILES)),
           "tp1-prefetch": (2880, dict(TILES, prefetch=True)), "m32-prefetch": (2880, dict(TILES, block_m=32, prefetch=True)),
           "tp2-prefetch": (1440, dict(TILES, block_n_down=32, block_k_down=32, num_warps_down=2, prefetch=True)),
           "k128-prefetch": (3072, dict(TILES, block_k_gate_up=64, block_k_down=128, block_n_down=128, prefetch=True)),
-          # K steps of 256 and 512 (runs of four words a thread) and the masked step after them (512
-          # columns, 320 live at 2880; 512, 416 live at TP2's 1440); the prefetching variant with it
+          # K steps of 256 and 512 (runs of four words a thread) and the rest of K after them in a
+          # step of each of its powers of two (2880 % 512 = 256 + 64, 2880 % 256 = 64, 1440 % 512 =
+          # 256 + 128 + 32, 736 % 512 = 128 + 64 + 32); the prefetching variant with them
           "k512": (2880, dict(TILES, block_k_gate_up=512, block_k_down=256, num_warps=2, block_n_gate_up=32,
                               block_n_down=32)),
           "k512-tp2": (1440, dict(TILES, block_k_gate_up=512, block_k_down=512)),
+          "k512-tp4": (736, dict(TILES, block_k_gate_up=512, block_k_down=512, block_n_gate_up=32, num_warps=2)),
           "k256-prefetch": (2880, dict(TILES, block_k_gate_up=256, block_k_down=256, prefetch=True))}
 
 
@@ -142,6 +144,13 @@ def test_sm90_both_launches_keep_the_decoded_weights_in_registers(shape, monkeyp
     for args, kwargs in recorder.calls:
         ptx = offline.compiled_asm(recorder.fn, args, kwargs)["ptx"]
         assert set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)) == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
+        if not cfg.prefetch:  # the code holds the K loop's step once and one step of each power of two in K % step
+            k_size, block_k, block_n = ((2880, cfg.block_k_gate_up, cfg.block_n_gate_up) if kwargs["GATE_UP"] else
+                                        (inter, cfg.block_k_down, cfg.block_n_down))
+            warps = cfg.num_warps if kwargs["GATE_UP"] else cfg.num_warps_down or cfg.num_warps
+            columns = (block_k if k_size >= block_k else 0) + k_size % block_k
+            tiles = block_n // (16 * warps) * (cfg.block_m // 8) * (2 if kwargs["GATE_UP"] else 1)
+            assert ptx.count("mma.sync.aligned") == tiles * columns // 16, (kwargs["GATE_UP"], k_size, block_k)
         assert "mul.rn.bf16x2" in ptx
         assert not re.search(r"\b(?:ld|st)\.shared|\.local\b", ptx), "the weights go through memory"
 
@@ -184,8 +193,3 @@ def test_the_refusal_names_each_limit():
     ahead = Mxfp4MoEConfig(**dict(TILES, block_k_down=32, prefetch=True))  # one K step: nothing ahead, still taken
     assert experts_module.tensor_core_refusal(x.dtype, _stand_in_experts(32), ahead) is None
 
-
-@pytest.mark.parametrize("k_size, block_k, tail", [(2880, 512, 512), (2880, 64, 0), (2880, 256, 64), (1440, 512, 512),
-                                                   (3072, 512, 0), (736, 128, 128), (32, 512, 32), (96, 64, 32)])
-def test_the_tail_step_is_the_least_power_of_two_holding_the_rest(k_size, block_k, tail):
-    assert experts_module.tail_step(k_size, block_k) == tail

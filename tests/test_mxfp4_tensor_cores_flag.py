@@ -88,7 +88,7 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
     check_config(cfg, True)
     rows_per_expert = num_slots / 32
     assert cfg.tensor_cores
-    if num_slots < TENSOR_CORE_MIN_SLOTS:  # long K steps, then a masked one (gluon_mxfp4_experts.tail_step)
+    if num_slots < TENSOR_CORE_MIN_SLOTS:  # long K steps, the rest in steps of its powers of two
         assert cfg.block_k_gate_up == cfg.block_k_down == 512 and not cfg.prefetch
     else:
         assert 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0

@@ -2,8 +2,8 @@
 `Mxfp4MoEConfig.tensor_cores`) on one GPU, bf16 activations, gpt-oss-20b's expert shapes at TP1
 (intermediate 2880, K steps of 64) and TP2 (1440 a rank, the down launch's K steps of 32), with
 an intermediate size of 3072 (the down launch's K steps of 128), and with K steps of 256 and 512
-(at 2880 five steps of 512, then one of 512 with 320 columns live; at TP2's 1440 two, then one
-with 416 live; at TP4's 736 one, then one of 256 with 224 live), 8 of
+(at 2880 five steps of 512, then steps of 256 and 64; at TP2's 1440 two, then 256, 128 and 32;
+at TP4's 736 one, then 128, 64 and 32), 8 of
 its 32 experts (so that blocks hold several rows), top-4, MXFP4 scales / 16 of `fill_experts`'
 (activations of order one, as in the model):
 

@@ -29,8 +29,10 @@ where the operand layout expects words p, p + 4, .., p + 4 (J - 1): the dot's or
 fixed permutation of the columns, and the activations are loaded in the same permuted order
 (16-byte loads, then a register permutation). Long K steps put more bytes in flight per warp
 (16 rows x BLOCK_K / 2 bytes a matrix), which the few programs of a decode step need to reach
-the memory's bandwidth. Where BLOCK_K does not divide K, one step of the least power of two that
-holds the rest follows the last whole one, its columns past K read as zeros (`tail_step`).
+the memory's bandwidth. Where BLOCK_K does not divide K, the rest follows in a step of each of
+its powers of two, largest first (320 at 2880 with steps of 512: 256, then 64): exact steps, no
+masks, and no more registers than a whole step (a masked step of 512 took 202 registers a thread
+against 166 in the sm90 build, a third fewer programs an SM).
 Every output is one fp32 accumulator over K in a fixed order. With `Mxfp4MoEConfig.prefetch` a
 K step's words, scales and activations are loaded one step ahead, before the step before is
 decoded and multiplied (the same products in the same order: the same bits). Why Gluon: in Triton the
@@ -135,12 +137,11 @@ if gluon is not None:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _words(w_ptr, s_ptr, rows, k0, k_size, stride_wn, stride_sn, WORDS: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_K: gl.constexpr, MASKED: gl.constexpr = False):
+    def _words(w_ptr, s_ptr, rows, k0, stride_wn, stride_sn, WORDS: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr):
         """The 32-bit words of ``rows`` over columns k0 .. k0 + BLOCK_K - 1 (``[BLOCK_N, 4 (p), I, W]``
         in layout WORDS: thread p's run i is the step's words ``16 i + p W .. 16 i + p W + W - 1``)
-        and each run's scale byte (``[BLOCK_N, 4, I]``), as loaded; with MASKED, zero words (and
-        scales) past column ``k_size``."""
+        and each run's scale byte (``[BLOCK_N, 4, I]``), as loaded."""
         steps: gl.constexpr = BLOCK_K // 32
         RUNS: gl.constexpr = max(steps // 4, 1)
         RUN: gl.constexpr = min(steps, 4)
@@ -150,15 +151,11 @@ if gluon is not None:
         first = 16 * i[None, None, :] + RUN * p[None, :, None]  # [1, 4, I]: each run's first word
         run = gl.max_contiguous(gl.multiple_of(first[:, :, :, None] + w[None, None, None, :], [1, 1, 1, RUN]),
                                 [1, 1, 1, RUN])
-        word_ptrs = w_ptr.to(gl.pointer_type(gl.uint32)) + rows[:, None, None, None] * (stride_wn // 4) + k0 // 8 + run
+        words = gl.load(w_ptr.to(gl.pointer_type(gl.uint32)) + rows[:, None, None, None] * (stride_wn // 4) + k0 // 8
+                        + run)
         # a run of W <= 4 words starting at a multiple of W lies in one scale group of four words
-        scale_ptrs = s_ptr + rows[:, None, None] * stride_sn + k0 // 32 + first // 4
-        if MASKED:
-            # K is a multiple of 32: a run's words are all in K or all past it (one mask a run)
-            word_mask, _ = gl.broadcast((k0 + 8 * first < k_size)[:, :, :, None], word_ptrs)
-            scale_mask, _ = gl.broadcast(k0 + 8 * first < k_size, scale_ptrs)
-            return gl.load(word_ptrs, mask=word_mask, other=0), gl.load(scale_ptrs, mask=scale_mask, other=0)
-        return gl.load(word_ptrs), gl.load(scale_ptrs)
+        scale = gl.load(s_ptr + rows[:, None, None] * stride_sn + k0 // 32 + first // 4)
+        return words, scale
 
     @gluon.jit
     def _decoded(words, scale, WORDS: gl.constexpr, A: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -186,16 +183,14 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(acts, [BLOCK_K, BLOCK_M]), B)
 
     @gluon.jit
-    def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
-                    WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, MASKED: gl.constexpr = False):
+    def _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn, GATE_UP: gl.constexpr,
+                    WORDS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
         """Everything one K step reads, as loaded: (words and scales of W's rows, of the up rows
-        ``rows + N`` with GATE_UP (else the same again, not reloaded), the activations); with
-        MASKED, the columns from ``k_size`` on read as zeros (``x_mask`` then covers them too)."""
-        words, scale = _words(w_e, s_e, rows, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K, MASKED)
+        ``rows + N`` with GATE_UP (else the same again, not reloaded), the activations)."""
+        words, scale = _words(w_e, s_e, rows, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
         up_words, up_scale = words, scale
         if GATE_UP:
-            up_words, up_scale = _words(w_e, s_e, rows + N, k0, k_size, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K,
-                                        MASKED)
+            up_words, up_scale = _words(w_e, s_e, rows + N, k0, stride_wn, stride_sn, WORDS, BLOCK_N, BLOCK_K)
         return words, scale, up_words, up_scale, gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
 
     @gluon.jit
@@ -214,8 +209,7 @@ if gluon is not None:
                    ACTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
         """Pointers to the activations a K step at column 0 reads (``[4 (p), J, 8 (k in the word),
         BLOCK_M (row of the block)]`` in layout ACTS, 16-byte runs by thread, word j of thread p
-        the weights' word of `_words`), the mask of the block's real rows and the pointers'
-        columns (``[4, J, 8, 1]``)."""
+        the weights' word of `_words`) and the mask of the block's real rows."""
         steps: gl.constexpr = BLOCK_K // 32
         RUN: gl.constexpr = min(steps, 4)
         xp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ACTS))))
@@ -228,27 +222,36 @@ if gluon is not None:
         word = 16 * (xj[None, :] // RUN) + RUN * xp[:, None] + xj[None, :] % RUN
         run = gl.max_contiguous(gl.multiple_of(8 * word[:, :, None] + xk[None, None, :], [1, 1, 8]), [1, 1, 8])
         x_ptrs = x_ptr + x_rows.to(gl.int64)[None, None, None, :] * stride_x + run[:, :, :, None]
-        return x_ptrs, (x_slots < num_slots)[None, None, None, :], run[:, :, :, None]
+        return x_ptrs, (x_slots < num_slots)[None, None, None, :]
 
     @gluon.jit
     def _k_range(w_e, s_e, x_ptrs, x_mask, rows, k_start, k_end, N, stride_wn, stride_sn, acc, acc_up,
                  GATE_UP: gl.constexpr, WORDS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
         """``acc`` (and ``acc_up`` with GATE_UP) plus the K steps k_start, k_start + BLOCK_K, ..
-        below k_end in order, each load where its step uses it."""
+        below k_end in order (`_step_loads`, then `_step_mma`)."""
         for k0 in range(k_start, k_end, BLOCK_K):
-            acc, acc_up = _k_step(w_e, s_e, x_ptrs, x_mask, rows, k0, 0, N, stride_wn, stride_sn, acc, acc_up, GATE_UP,
-                                  WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K, False)
+            gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn, stride_sn, GATE_UP,
+                                             WORDS, BLOCK_N, BLOCK_K)
+            acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
         return acc, acc_up
 
     @gluon.jit
-    def _k_step(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, acc, acc_up,
-                GATE_UP: gl.constexpr, WORDS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, MASKED: gl.constexpr):
-        """One K step at column k0 (`_step_loads`, then `_step_mma`)."""
-        gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, k_size, N, stride_wn, stride_sn, GATE_UP,
-                                         WORDS, BLOCK_N, BLOCK_K, MASKED)
-        return _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
+    def _rest_step(x_ptr, sorted_slots_ptr, w_e, s_e, block, n0, k0, num_slots, N, stride_x, stride_wn, stride_sn,
+                   acc, acc_up, TOPK: gl.constexpr, GATE_UP: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STEP: gl.constexpr,
+                   REST_K: gl.constexpr):
+        """Where the power of two STEP is part of REST_K (the columns after the last whole step),
+        one K step of STEP columns at k0: ``(acc, acc_up, k0 + STEP)``; else them unchanged."""
+        if REST_K & STEP:
+            WORDS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, STEP, BLOCK_M)[0]
+            ACTS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, STEP, BLOCK_M)[1]
+            x_ptrs, x_mask = _acts_ptrs(x_ptr, sorted_slots_ptr, block, num_slots, stride_x, TOPK, GATE_UP, ACTS,
+                                        BLOCK_M, STEP)
+            acc, acc_up = _k_range(w_e, s_e, x_ptrs, x_mask, _rows(n0, N, WORDS, BLOCK_N), k0, k0 + STEP, N,
+                                   stride_wn, stride_sn, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, STEP)
+            k0 += STEP
+        return acc, acc_up, k0
 
     @gluon.jit
     def _rows(n0, N, WORDS: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -260,13 +263,13 @@ if gluon is not None:
     def _experts_kernel(x_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
                         num_slots, K, N, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                         stride_be, stride_out, TOPK: gl.constexpr, GATE_UP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TAIL_K: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, REST_K: gl.constexpr,
                         NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr):
         """Program (block of rows, BLOCK_N output rows): GATE_UP, launch 1 (x the activations by
         token, ``out`` act by sorted row); else launch 2 (x act by sorted row, ``out`` fp32 by
         slot, the bias when HAS_BIAS). K steps of BLOCK_K up to the last multiple of BLOCK_K, then
-        with TAIL_K > 0 one step of TAIL_K columns (a power of two, at least what is left of K)
-        whose columns past K read as zeros."""
+        the rest, REST_K = K % BLOCK_K columns (a multiple of 32), in steps of its powers of two,
+        largest first."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -282,17 +285,17 @@ if gluon is not None:
             s_e = s_ptr + expert * stride_se
             n0 = (pid % num_n) * BLOCK_N
             rows = _rows(n0, N, WORDS, BLOCK_N)
-            x_ptrs, x_mask, _ = _acts_ptrs(x_ptr, sorted_slots_ptr, block, num_slots, stride_x, TOPK, GATE_UP, ACTS,
-                                           BLOCK_M, BLOCK_K)
+            x_ptrs, x_mask = _acts_ptrs(x_ptr, sorted_slots_ptr, block, num_slots, stride_x, TOPK, GATE_UP, ACTS,
+                                        BLOCK_M, BLOCK_K)
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
             k_main = (K // BLOCK_K) * BLOCK_K  # a multiple of BLOCK_K to the compiler too: 16-byte loads after it
             if PREFETCH:  # step k + 1 loaded before step k's products
                 if k_main > 0:
-                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, 0, N, stride_wn, stride_sn,
+                    gw, gs, uw, us, xa = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, 0, N, stride_wn, stride_sn,
                                                      GATE_UP, WORDS, BLOCK_N, BLOCK_K)
                     for k0 in range(BLOCK_K, k_main, BLOCK_K):
-                        gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, 0, N, stride_wn,
+                        gw1, gs1, uw1, us1, xa1 = _step_loads(w_e, s_e, x_ptrs, x_mask, rows, k0, N, stride_wn,
                                                               stride_sn, GATE_UP, WORDS, BLOCK_N, BLOCK_K)
                         acc, acc_up = _step_mma(gw, gs, uw, us, xa, acc, acc_up, GATE_UP, WORDS, A, B, BLOCK_M,
                                                 BLOCK_N, BLOCK_K)
@@ -302,14 +305,11 @@ if gluon is not None:
             else:
                 acc, acc_up = _k_range(w_e, s_e, x_ptrs, x_mask, rows, 0, k_main, N, stride_wn, stride_sn, acc,
                                        acc_up, GATE_UP, WORDS, A, B, BLOCK_M, BLOCK_N, BLOCK_K)
-            if TAIL_K > 0:  # the columns past the last whole step: one step, those past K masked
-                TAIL_WORDS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, TAIL_K, BLOCK_M)[0]
-                TAIL_ACTS: gl.constexpr = _layouts(NUM_WARPS, BLOCK_N, TAIL_K, BLOCK_M)[1]
-                tail_ptrs, tail_mask, tail_cols = _acts_ptrs(x_ptr, sorted_slots_ptr, block, num_slots, stride_x, TOPK,
-                                                             GATE_UP, TAIL_ACTS, BLOCK_M, TAIL_K)
-                acc, acc_up = _k_step(w_e, s_e, tail_ptrs, tail_mask & (k_main + tail_cols < K),
-                                      _rows(n0, N, TAIL_WORDS, BLOCK_N), k_main, K, N, stride_wn, stride_sn, acc,
-                                      acc_up, GATE_UP, TAIL_WORDS, A, B, BLOCK_M, BLOCK_N, TAIL_K, True)
+            k0 = k_main
+            for b in gl.static_range(1, 5):  # the rest of K (< BLOCK_K <= 512): a step of each of its powers of two
+                acc, acc_up, k0 = _rest_step(x_ptr, sorted_slots_ptr, w_e, s_e, block, n0, k0, num_slots, N, stride_x,
+                                             stride_wn, stride_sn, acc, acc_up, TOPK, GATE_UP, A, B, NUM_WARPS,
+                                             BLOCK_M, BLOCK_N, BLOCK_K >> b, REST_K)
             n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
             r = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             slots = gl.load(sorted_slots_ptr + r)
@@ -329,15 +329,6 @@ if gluon is not None:
                 gl.store(out_ptr + slots.to(gl.int64)[None, :] * stride_out + n[:, None], acc, mask=store)
 
 
-def tail_step(k_size: int, block_k: int) -> int:
-    """The K step after the last whole ``block_k`` step of ``k_size`` columns (a multiple of 32):
-    the least power of two that holds what is left (its columns past ``k_size`` masked), 0 where
-    ``block_k`` divides ``k_size`` (no tail). One step rather than several exact ones: each step
-    is a round trip to memory, the few programs of a decode-sized call wait on every one."""
-    left = k_size % block_k
-    return 1 << (left - 1).bit_length() if left else 0
-
-
 def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks, cfg) -> torch.Tensor:
     """Launches 1 and 2 (module docstring) on ``blocks`` (rows grouped by expert in blocks of
     ``cfg.block_m``): fp32 ``[1, T * k, H]``, each slot's expert output before the combine. ``x`` bf16
@@ -352,7 +343,7 @@ def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, block
         hidden, inter, experts.alpha, experts.limit, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), experts.w13_bias.stride(0), act.stride(0), TOPK=top_k, GATE_UP=True, HAS_BIAS=True,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
-        TAIL_K=tail_step(hidden, cfg.block_k_gate_up), NUM_WARPS=cfg.num_warps,
+        REST_K=hidden % cfg.block_k_gate_up, NUM_WARPS=cfg.num_warps,
         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps)
     partial = torch.empty(1, num_slots, hidden, dtype=torch.float32, device=x.device)
     _experts_kernel[(blocks.max_blocks * triton.cdiv(hidden, cfg.block_n_down),)](
@@ -360,5 +351,5 @@ def tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, block
         inter, hidden, experts.alpha, experts.limit, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1), experts.w2_bias.stride(0), partial.stride(1), TOPK=top_k, GATE_UP=False,
         HAS_BIAS=experts.tp_rank == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        TAIL_K=tail_step(inter, cfg.block_k_down), NUM_WARPS=warps_down, PREFETCH=cfg.prefetch, num_warps=warps_down)
+        REST_K=inter % cfg.block_k_down, NUM_WARPS=warps_down, PREFETCH=cfg.prefetch, num_warps=warps_down)
     return partial

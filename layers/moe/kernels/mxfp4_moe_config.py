@@ -21,8 +21,8 @@ class Mxfp4MoEConfig:
     ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
     layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
     blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
-    ``block_k_*`` 32 to 512, the K steps up to the last multiple of it, then one masked step for
-    the rest; no swap, word decoder or K splits; the stages unused).
+    ``block_k_*`` 32 to 512, the K steps up to the last multiple of it, then a step of each power
+    of two in the rest; no swap, word decoder or K splits; the stages unused).
     ``prefetch`` (``tensor_cores`` only): each K step's weights, scales and activations loaded one
     step ahead, while the step before is decoded and multiplied."""
 
