@@ -6,7 +6,7 @@ TRITON_INTERPRET=1.
 
 Cases: 32 experts top-4 (gpt-oss-20b's router) and 8 experts top-4, hidden 80 (one ragged K
 tile) and 300 (two splits, the last ragged); 1, 5 and 33 tokens (one launch) and 300 (past
-FUSED_MAX_TOKENS: two launches); fp32 and bf16; a seeded random bias N(0, 1) (bf16 for bf16);
+`one_launch_max_tokens`, 96 at 32 experts: two launches); fp32 and bf16; a seeded random bias N(0, 1) (bf16 for bf16);
 ties: experts 2, 5 and 6 share one gate row and one bias value that win every token, so their
 logits are equal bit for bit; and integer-valued h, W and bias (values in -2..2: exact fp32
 logits, so the kernel's logits equal the reference's bit for bit, with many ties among them).

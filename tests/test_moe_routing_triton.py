@@ -3,8 +3,9 @@ the torch reference (layers/moe/router.py, layers/moe/align.py). Skipped without
 case runs in one spawned process with TRITON_INTERPRET=1 (see tests/test_moe_triton.py).
 
 Cases: 8 experts top-2, 60 experts top-4 (not a power of two) and 128 experts top-8, hidden 80
-(one ragged K tile) and 300 (three, the last ragged), 1, 7 and 33 tokens (three token tiles);
-300 tokens (past FUSED_MAX_TOKENS: the two-launch path); fp32 and bf16 inputs; renormalised or not;
+(one ragged K tile) and 300 (three, the last ragged), 1, 7 and 24 tokens (one launch; 24 tokens of
+128 experts: its three selection steps, `one_launch_max_tokens`); 33 tokens (three token tiles) of
+128 experts and 300 of 8 (past it: the two-launch path); fp32 and bf16 inputs; renormalised or not;
 and ties: experts 2, 5 and 6 share one gate row that wins every token, so their logits are equal
 bit for bit and they take the first three slots, lowest index first.
 
@@ -23,6 +24,7 @@ import torch
 pytest.importorskip("triton")
 
 from arfusion.layers.moe.align import align_by_expert  # noqa: E402
+from arfusion.layers.moe.kernels.triton_router import takes_one_launch  # noqa: E402
 from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
@@ -32,8 +34,9 @@ SHAPES = {"8 experts top-2": (8, 2), "60 experts top-4": (60, 4), "128 experts t
 CASES = {
     "1 token": ("128 experts top-8", 80, 1, torch.float32, True, False, 16),
     "7 tokens, 60 experts": ("60 experts top-4", 300, 7, torch.float32, False, False, 16),
-    "33 tokens": ("128 experts top-8", 300, 33, torch.float32, True, False, 64),
-    "33 tokens bf16": ("128 experts top-8", 300, 33, torch.bfloat16, True, False, 16),
+    "24 tokens": ("128 experts top-8", 300, 24, torch.float32, True, False, 64),
+    "33 tokens (two launches)": ("128 experts top-8", 300, 33, torch.float32, True, False, 64),
+    "24 tokens bf16": ("128 experts top-8", 300, 24, torch.bfloat16, True, False, 16),
     "8 experts bf16": ("8 experts top-2", 80, 7, torch.bfloat16, True, False, 16),
     "ties": ("128 experts top-8", 80, 9, torch.float32, True, True, 16),
     "ties bf16, 60 experts": ("60 experts top-4", 300, 5, torch.bfloat16, False, True, 16),
@@ -97,7 +100,7 @@ def test_routing_equals_torch_reference(interpreted, name):
     if ties:
         first = min(top_k, len(TIED))
         assert bool((ids[:, :first] == torch.tensor(TIED[:first], dtype=torch.int32)).all()), "lowest index first"
-    if tokens > 256:
+    if not takes_one_launch(tokens, experts, top_k):
         assert blocks is None
         return
     expected = align_by_expert(ids, experts, block_m)

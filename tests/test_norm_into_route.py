@@ -45,8 +45,8 @@ def _run(rank: int, world: int, norm_into_route: bool, norm_into_qkv: bool, forc
     if force == "launch":  # under the interpreter (triton installed); CPU fp32 tensors accepted
         from arfusion.layers.moe.kernels import triton_route_norm, triton_router
 
-        triton_router.norm_refusal = lambda x, residual, weight, top_k: triton_route_norm.batch_problem(x, residual,
-                                                                                                          weight)
+        triton_router.norm_refusal = lambda x, residual, weight, top_k, experts: triton_route_norm.batch_problem(
+            x, residual, weight)
     out = greedy_run("tiny-moe", PROMPTS, PROMPT_LEN, STEPS, norm_into_qkv=norm_into_qkv,
                      norm_into_route=norm_into_route)
     out["calls"] = calls

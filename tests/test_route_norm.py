@@ -4,8 +4,9 @@
 runs in one spawned process with TRITON_INTERPRET=1 (tests/dist_utils.py).
 
 Cases: 8, 32, 60 and 128 experts (top 2, 4, 4, 8), hidden 80 (one ragged split) and 300 (two,
-the last ragged), 1, 3, 8 and 256 tokens (FUSED_MAX_TOKENS, the most the norm takes; 2048 slots
-at top-8, FUSED_MAX_SLOTS), fp32 and fp16, renormalised or not, a router bias (gpt-oss's launch)
+the last ragged), 1, 3, 8, 24 and 256 tokens (the most the norm takes among 128 and 8 experts,
+`one_launch_max_tokens`: three selection steps; 256 tokens at 8 experts top-8 fill FUSED_MAX_SLOTS'
+2048 slots), fp32 and fp16, renormalised or not, a router bias (gpt-oss's launch)
 or not, the slots grouped by expert (16- and 64-row blocks) or not. x and the residual N(0, 1),
 the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden), the bias N(0, 1).
 
@@ -20,7 +21,8 @@ the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden), the bias N(0, 1).
 Then, in this process: bad outputs and too large a batch raise ValueError naming the problem
 before any launch, and `norm_refusal` names why a batch takes the separate norm; and compiled for
 sm90 without a GPU (tests/offline_triton.py, ptxas included; skipped where triton's NVIDIA backend
-is missing), bf16 at qwen3-30b-a3b's and Mixtral's routers, 1, 32 and 256 tokens: the launch with
+is missing), bf16 at qwen3-30b-a3b's and Mixtral's routers, 1, 8 and the most tokens of the one-launch
+path: the launch with
 the norm takes the dots of the launch without it (mma.sync, k16 instructions, K extents of 128)
 and reduces the selection's two sums over the same layouts, so its routing of an h is today's.
 """
@@ -46,8 +48,8 @@ CASES = {
     "3 tokens fp32, bias": (32, 4, 80, 3, torch.float32, True, True, None),
     "8 tokens fp32": (8, 2, 80, 8, torch.float32, True, False, 64),
     "8 tokens fp16": (128, 8, 300, 8, torch.float16, True, False, 16),
-    "256 tokens fp16, bias": (8, 2, 80, 256, torch.float16, True, True, 16),
-    "256 tokens fp32, top-8": (128, 8, 80, 256, torch.float32, True, False, 16),
+    "256 tokens fp16, bias, 2048 slots": (8, 8, 80, 256, torch.float16, True, True, 16),
+    "24 tokens fp32, top-8": (128, 8, 80, 24, torch.float32, True, False, 16),
 }
 
 
@@ -118,7 +120,7 @@ def _norm(x: torch.Tensor, **outputs):
 
 
 def test_bad_norm_inputs_are_named_before_any_launch():
-    from arfusion.layers.moe.kernels.triton_router import FUSED_MAX_TOKENS, route_triton
+    from arfusion.layers.moe.kernels.triton_router import one_launch_max_tokens, route_triton
 
     counter = torch.zeros(1, dtype=torch.int32)
     x, gate = torch.randn(3, 32), torch.randn(8, 32)
@@ -132,22 +134,24 @@ def test_bad_norm_inputs_are_named_before_any_launch():
     for match, norm in cases.items():
         with pytest.raises(ValueError, match=match):
             route_triton(x, gate, 2, True, counter, norm=norm)
-    big = torch.randn(FUSED_MAX_TOKENS + 1, 32)
+    big = torch.randn(one_launch_max_tokens(8) + 1, 32)
     with pytest.raises(ValueError, match="one-launch path only"):
         route_triton(big, gate, 2, True, counter, norm=_norm(big))
 
 
 def test_norm_refusal_names_the_batches_it_leaves_to_the_separate_norm():
-    from arfusion.layers.moe.kernels.triton_router import FUSED_MAX_SLOTS, FUSED_MAX_TOKENS, norm_refusal
+    from arfusion.layers.moe.kernels.triton_router import FUSED_MAX_SLOTS, norm_refusal, one_launch_max_tokens
 
-    def refusal(tokens: int, top_k: int = 2) -> str:
+    def refusal(tokens: int, top_k: int = 2, experts: int = 128) -> str:
         x = torch.randn(tokens, 32)
-        return norm_refusal(x, torch.randn_like(x), torch.ones(32), top_k)
+        return norm_refusal(x, torch.randn_like(x), torch.ones(32), top_k, experts)
 
-    assert f"at most {FUSED_MAX_TOKENS} tokens" in refusal(FUSED_MAX_TOKENS + 1)
-    assert f"at most {FUSED_MAX_SLOTS} slots" in refusal(FUSED_MAX_SLOTS // 16 + 1, top_k=16)
-    assert "not on a CUDA device" in refusal(FUSED_MAX_TOKENS)
-    assert refusal(FUSED_MAX_TOKENS + 7) == refusal(FUSED_MAX_TOKENS + 1), "no token count in the reason"
+    most = one_launch_max_tokens(128)
+    assert most == 24, "three selection steps of 8 tokens at 128 experts"
+    assert f"at most {most} tokens among 128 experts" in refusal(most + 1)
+    assert f"at most {FUSED_MAX_SLOTS} slots" in refusal(FUSED_MAX_SLOTS // 16 + 1, top_k=16, experts=16)
+    assert "not on a CUDA device" in refusal(most)
+    assert refusal(most + 7) == refusal(most + 1), "no token count of the batch in the reason"
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +174,7 @@ def test_sm90_the_norm_keeps_the_routing_launch_dots_and_sums(offline, monkeypat
     monkeypatch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
     g = torch.Generator().manual_seed(0)
     gate = torch.randn(experts, hidden, generator=g).bfloat16()
-    for tokens in (1, 32, triton_router.FUSED_MAX_TOKENS):
+    for tokens in (1, 8, triton_router.one_launch_max_tokens(experts)):
         x = torch.randn(tokens, hidden, generator=g).bfloat16()
         norm = RouteNorm(torch.randn_like(x), torch.ones(hidden).bfloat16(), EPS, torch.empty_like(x),
                          torch.empty_like(x))

@@ -121,7 +121,7 @@ class TopKRouter(nn.Module):
             return "triton is not installed"
         from arfusion.layers.moe.kernels.triton_router import norm_refusal
 
-        return norm_refusal(x, residual, weight, self.top_k)
+        return norm_refusal(x, residual, weight, self.top_k, self.num_experts)
 
     def route_normed(self, pending: PendingNorm, block_m: Optional[int]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:

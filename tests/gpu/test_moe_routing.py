@@ -2,7 +2,8 @@
 Qwen3-30B-A3B (128 experts, hidden 2048, top-8, renormalised) and Mixtral-8x7B (8 experts, hidden
 4096, top-2), against the torch reference (layers/moe/router.py, layers/moe/align.py).
 
-Token counts 1, 8, 32, 256 (one launch) and 300, 4096 (two launches), and ties (experts 2, 5, 6
+Token counts 1, 8, 32, 256 and 300, 4096 (one launch up to `one_launch_max_tokens`: 24 tokens at
+128 experts, 96 at 32, 384 at 8; two launches past it), and ties (experts 2, 5, 6
 share one gate row that wins every token):
 - logits within (1e-4, 1e-4) of `router_logits_torch` (fp32 products and sums of the same bf16
   inputs; logits of magnitude ~3: only the order of the fp32 sums differs);
@@ -39,7 +40,7 @@ pytest.importorskip("triton")
 from arfusion.layers.moe.align import align_by_expert  # noqa: E402
 from arfusion.layers.moe.gpt_oss_moe import GptOssRouter, route_topk_softmax  # noqa: E402
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
-from arfusion.layers.moe.kernels.triton_router import (FUSED_MAX_TOKENS, route_triton,  # noqa: E402
+from arfusion.layers.moe.kernels.triton_router import (route_triton, takes_one_launch,  # noqa: E402
                                               route_triton_with_logits)
 from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 
@@ -80,7 +81,7 @@ def test_against_torch_reference(shape, tokens, ties):
     if ties:
         first = min(top_k, len(TIED))
         assert bool((ids[:, :first] == torch.tensor(TIED[:first], dtype=torch.int32, device=DEVICE)).all())
-    if tokens > FUSED_MAX_TOKENS:
+    if not takes_one_launch(tokens, experts, top_k):
         assert blocks is None
     else:
         expected = align_by_expert(ids, experts, BLOCK_M)
@@ -179,7 +180,7 @@ def test_gpt_oss_against_torch_reference(shape, tokens, ties):
     torch.testing.assert_close(weights, expected_weights, **GPT_OSS_WEIGHTS)
     if ties:
         assert bool((ids[:, :len(TIED)] == torch.tensor(TIED, dtype=torch.int32, device=DEVICE)).all())
-    if tokens > FUSED_MAX_TOKENS:
+    if not takes_one_launch(tokens, experts, top_k):
         assert blocks is None
     else:
         expected = align_by_expert(ids, experts, BLOCK_M)
@@ -191,7 +192,8 @@ def test_gpt_oss_against_torch_reference(shape, tokens, ties):
 
 @pytest.mark.parametrize("shape", list(GPT_OSS))
 def test_gpt_oss_batch_invariant(shape):
-    """A token's bits alone, in a batch of 32 (one launch) and in a batch of 300 (two launches)."""
+    """A token's bits alone, in a batch of 32 (one launch at 32 experts, two at 128) and in a batch of
+    300 (two launches)."""
     _, _, top_k = GPT_OSS[shape]
     h, weight, bias = gpt_oss_inputs(shape, 300, seed=7)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)

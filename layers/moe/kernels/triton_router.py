@@ -11,7 +11,7 @@ math and its reference are layers/moe/router.py's (`router_logits_torch`, `selec
                    equal ones (a max, then a min over the experts that reach it): no sort
     w[t, j]      = p[t, ids[t, j]], divided by sum_j w[t, j] when renormalising
 
-One launch (`route_triton` up to FUSED_MAX_TOKENS tokens and FUSED_MAX_SLOTS slots): a grid of
+One launch (`route_triton` up to `one_launch_max_tokens` tokens and FUSED_MAX_SLOTS slots): a grid of
 (16 tokens x 16 experts x one split of the hidden size) programs, each writing its partial logits
 to an fp32 buffer and then incrementing an arrival counter (release/acquire at GPU scope, after a
 CTA barrier). The program that arrives last sums the partials, selects every token's experts,
@@ -67,7 +67,11 @@ from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_problem, inv_rms, problem, summed_rows
 
-FUSED_MAX_TOKENS = 256  # the last program selects every token alone: its time grows with tokens x experts
+# The last program of the one-launch path selects every token alone, SELECT_ELEMENTS // E_POW2 tokens a
+# step one after another (about 5 us a step at 128 experts); past this many steps two launches and
+# the experts' own grouping launch cost less (at 32 tokens of 128 experts, 4 steps: 26.8 us against
+# 7.8 + 15.6; docs/notes.md, "Routing launch, by phase").
+ONE_LAUNCH_MAX_SELECT_STEPS = 3
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
 SPLIT_WIDTH = 2 * BLOCK_K  # hidden columns per program: many short programs keep many loads in flight
 SELECT_ELEMENTS = 1024  # tokens x next_power_of_2(E) logits per selection step: 8 per thread at NUM_WARPS
@@ -279,13 +283,16 @@ def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int,
                          f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
 
 
-def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, top_k: int) -> Optional[str]:
-    """Why a routing launch of ``top_k`` does not take the norm of ``x`` and ``residual``
-    (weight ``norm_weight``; `RouteNorm`) for this batch, or None: the batch must take the
-    one-launch path, on CUDA fp16 / bf16 tensors that the launch accepts. The reason names no
-    token count (a caller logs each reason once)."""
-    if x.dim() == 2 and x.shape[0] > FUSED_MAX_TOKENS:
-        return f"the launch normalises on its one-launch path only, at most {FUSED_MAX_TOKENS} tokens"
+def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, top_k: int,
+                 num_experts: int) -> Optional[str]:
+    """Why a routing launch of ``top_k`` among ``num_experts`` does not take the norm of ``x`` and
+    ``residual`` (weight ``norm_weight``; `RouteNorm`) for this batch, or None: the batch must take
+    the one-launch path, on CUDA fp16 / bf16 tensors that the launch accepts. The reason names no
+    token count of the batch (a caller logs each reason once)."""
+    max_tokens = one_launch_max_tokens(num_experts)
+    if x.dim() == 2 and x.shape[0] > max_tokens:
+        return (f"the launch normalises on its one-launch path only, at most {max_tokens} tokens among "
+                f"{num_experts} experts")
     if x.dim() == 2 and x.shape[0] * top_k > FUSED_MAX_SLOTS:
         return f"the launch normalises on its one-launch path only, at most {FUSED_MAX_SLOTS} slots (tokens x top-k)"
     if not x.is_cuda:
@@ -311,11 +318,12 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
     if tokens == 0:
         return weights, ids, None, logits
     num_slots = tokens * top_k
-    fused = tokens <= FUSED_MAX_TOKENS and num_slots <= FUSED_MAX_SLOTS
+    fused = takes_one_launch(tokens, num_experts, top_k)
     if norm is not None:
-        found = problem(hidden_states, norm) or (None if fused else
-                                                 f"a norm runs on the one-launch path only: at most {FUSED_MAX_TOKENS} "
-                                                 f"tokens and {FUSED_MAX_SLOTS} slots, got {tokens} and {num_slots}")
+        found = problem(hidden_states, norm) or (
+            None if fused else f"a norm runs on the one-launch path only: at most {one_launch_max_tokens(num_experts)} "
+                               f"tokens among {num_experts} experts and {FUSED_MAX_SLOTS} slots, got {tokens} and "
+                               f"{num_slots}")
         if found is not None:
             raise ValueError(found)
     align = fused and block_m is not None
@@ -361,6 +369,19 @@ def _norm_args(x: torch.Tensor, norm: Optional[RouteNorm]) -> dict:
 
 def _select_tokens(num_experts: int) -> int:
     return max(1, SELECT_ELEMENTS // triton.next_power_of_2(num_experts))
+
+
+def one_launch_max_tokens(num_experts: int) -> int:
+    """The most tokens the one-launch path routes among ``num_experts`` experts:
+    ONE_LAUNCH_MAX_SELECT_STEPS selection steps (24 tokens at 128 experts, 96 at 32, 384 at 8);
+    FUSED_MAX_SLOTS bounds the slots too."""
+    return ONE_LAUNCH_MAX_SELECT_STEPS * _select_tokens(num_experts)
+
+
+def takes_one_launch(tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether a batch of ``tokens`` routes in one launch (selection and grouping by its last
+    program) rather than two (the logits' partials, then the selection by blocks of tokens)."""
+    return tokens <= one_launch_max_tokens(num_experts) and tokens * top_k <= FUSED_MAX_SLOTS
 
 
 def select_experts_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
