@@ -1,6 +1,7 @@
 """benchmarks/kernels/bench_routing.py without a GPU: `select_steps_bound` puts a batch on the path
 it names and restores the bound, also when the body raises; the command refuses to run without
-CUDA, naming why."""
+CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
+path is given, nothing written without one."""
 import sys
 
 import pytest
@@ -28,3 +29,18 @@ def test_refuses_without_a_gpu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_routing", "--tokens", "1"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench_routing.main()
+
+
+def test_rows_are_written_as_json_only_where_a_path_is_given(tmp_path, monkeypatch):
+    import json
+
+    from arfusion.benchmarks.kernels.rows_file import write_rows
+
+    path = tmp_path / "rows.json"
+    path.write_text("old")
+    write_rows(str(path), [{"tokens": 1, "us": 2.5}])
+    assert json.loads(path.read_text()) == [{"tokens": 1, "us": 2.5}]
+    monkeypatch.chdir(tmp_path)
+    write_rows(None, [1])
+    write_rows("", [1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

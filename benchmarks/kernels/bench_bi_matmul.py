@@ -14,7 +14,6 @@ launch cache and through Triton's normal launch, with one K split and with sever
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Callable
@@ -22,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import median_us_per_call
 from arfusion.layers.kernels import triton_bi_matmul
 from arfusion.layers.kernels.triton_bi_matmul import choose_config, matmul
@@ -83,9 +83,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.host:
         results = host_overhead()
-        if args.json_file:
-            with open(args.json_file, "w") as f:
-                json.dump(results, f, indent=1)
+        write_rows(args.json_file, results)
         return
     results = []
     print(f"{'shape':>14} {'M':>6} {'cublas us':>10} {'bi us':>8} {'ratio':>6}  config")
@@ -106,9 +104,7 @@ def main() -> None:
                             "config": cfg._asdict(), "row_invariant": invariant, "close_to_cublas": close})
             print(f"{name:>14} {m:>6} {t_ref:>10.1f} {t_bi:>8.1f} {t_bi / t_ref:>6.2f}  {tuple(cfg)}"
                   + ("" if invariant and close else f"  INVARIANT={invariant} CLOSE={close}"))
-    if args.json_file:
-        with open(args.json_file, "w") as f:
-            json.dump(results, f, indent=1)
+    write_rows(args.json_file, results)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ over that time. ``ratio`` = prefetched / from HBM.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from arfusion.benchmarks.kernels.bench_skinny_matmul import HBM_BYTES_PER_US, cycled_weights
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import median_us_per_call
 
 SHAPES = [("llama3-8b", 4096, 4096), ("qwen3-30b-a3b", 2048, 4096), ("gpt-oss", 2880, 4096)]  # (model, N, K)
@@ -82,9 +82,7 @@ def main() -> None:
                              hbm_us=hbm_us, prefetched_us=l2_us))
         weights.clear()
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ grouped launches take over).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
 from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import capture_cuda_graph, median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
@@ -130,9 +130,7 @@ def main() -> None:
             for name, us in row["kernels"].items():
                 print(f"{'':>18} {us:8.1f} us  {name}", flush=True)
         torch.cuda.empty_cache()  # this token count's weights, freed with its rows' closures
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

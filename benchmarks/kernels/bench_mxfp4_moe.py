@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 
 import torch
 
 from arfusion.benchmarks.kernels.graph_timing import kernel_us_per_op
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import median_replay_us
 
 HBM_BYTES_PER_S = 4.8e12
@@ -227,9 +227,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     finally:
         destroy_tensor_parallel()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

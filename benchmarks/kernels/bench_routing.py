@@ -19,12 +19,12 @@ call, one CUDA graph of the cycle, median of 10 replays; ``ratio`` = two launche
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
 
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import median_us_per_call
 
 ROUTERS = {"qwen3-30b-a3b": (128, 2048, 8, False), "gpt-oss-20b": (32, 2880, 4, True),
@@ -101,9 +101,7 @@ def main() -> None:
         gates.clear()
         biases.clear()
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

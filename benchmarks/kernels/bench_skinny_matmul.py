@@ -11,11 +11,11 @@ fp32 matmul of the same bf16 inputs. ``--configs`` adds tiles (``block_n,block_k
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 
+from arfusion.benchmarks.kernels.rows_file import write_rows
 from arfusion.fusion.tuning.timing import median_us_per_call
 
 HBM_BYTES_PER_US = 4.8e6
@@ -75,9 +75,7 @@ def main() -> None:
                              skinny=[dict(config=r[1].__dict__, us=r[0], rel_err=r[2]) for r in results]))
         del weights
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

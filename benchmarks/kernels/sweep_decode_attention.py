@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from typing import Any, Optional, Sequence
 
 import torch
 
 import arfusion.layers.kernels.triton_decode_attention as attn
 from arfusion.benchmarks.kernels.attention_timing import time_decode_attention
+from arfusion.benchmarks.kernels.rows_file import write_rows
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
@@ -107,9 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{batch:>4} {context:>6} {default['us']:>11.2f} {default['splits']:>9} {best['us']:>9.2f}  "
               f"splits={best['splits']} block={best['block']} warps={best['warps']} stages={best['stages']}",
               flush=True)
-    if args.json_file:
-        with open(args.json_file, "w") as f:
-            json.dump(results, f, indent=1)
+    write_rows(args.json_file, results)
     return 0
 
 
