@@ -3,8 +3,8 @@
 ``--norm-into-route`` in a model.
 
 The launch in bf16 at the routers of qwen3-30b-a3b (128 experts, hidden 2048, top-8) and
-Mixtral-8x7B (8 experts, hidden 4096, top-2), renormalised, 1 to 32 tokens and 256 (the most the
-norm takes), a bf16 router bias N(0, 1) in some cases (gpt-oss's form of the launch); x and the
+Mixtral-8x7B (8 experts, hidden 4096, top-2), renormalised, 1 to 32 tokens and 256, each up to the most
+the norm takes (`one_launch_max_tokens`: 24 at 128 experts, 384 at 8), and that most, a bf16 router bias N(0, 1) in some cases (gpt-oss's form of the launch); x and the
 residual N(0, 1), the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden). Against the torch
 reference on the GPU (`fusion.reference.add_rms_norm`):
 - the new residual equal to the reference's rounded sum bit for bit; x and the old residual
@@ -44,7 +44,8 @@ pytest.importorskip("triton")
 
 from arfusion.fusion import reference  # noqa: E402
 from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm  # noqa: E402
-from arfusion.layers.moe.kernels.triton_router import norm_refusal, route_triton, route_triton_with_logits  # noqa: E402
+from arfusion.layers.moe.kernels.triton_router import (norm_refusal, one_launch_max_tokens, route_triton,  # noqa: E402
+                                                       route_triton_with_logits)
 from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -75,7 +76,8 @@ def _norm(inp: dict, residual_out=None, normed=None) -> RouteNorm:
                      torch.empty_like(inp["x"]) if residual_out is None else residual_out)
 
 
-CASES = [(s, t) for s in SHAPES for t in list(range(1, 33)) + [256]]
+CASES = [(s, t) for s, (experts, _, _) in SHAPES.items()
+         for t in sorted({*range(1, 33), 256, one_launch_max_tokens(experts)}) if t <= one_launch_max_tokens(experts)]
 
 
 @pytest.mark.parametrize("shape,tokens", CASES)
@@ -83,7 +85,7 @@ def test_matches_the_reference(shape, tokens):
     _, _, top_k = SHAPES[shape]
     inp = _inputs(shape, tokens, bias=tokens % 8 == 1, seed=tokens)
     before = {name: inp[name].clone() for name in ("x", "residual")}
-    assert norm_refusal(inp["x"], inp["residual"], inp["norm_weight"], top_k) is None
+    assert norm_refusal(inp["x"], inp["residual"], inp["norm_weight"], top_k, SHAPES[shape][0]) is None
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     norm = _norm(inp)
     weights, ids, blocks, logits = route_triton_with_logits(inp["x"], inp["gate"], top_k, True, counter, BLOCK_M,

@@ -289,12 +289,8 @@ def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Ten
     ``residual`` (weight ``norm_weight``; `RouteNorm`) for this batch, or None: the batch must take
     the one-launch path, on CUDA fp16 / bf16 tensors that the launch accepts. The reason names no
     token count of the batch (a caller logs each reason once)."""
-    max_tokens = one_launch_max_tokens(num_experts)
-    if x.dim() == 2 and x.shape[0] > max_tokens:
-        return (f"the launch normalises on its one-launch path only, at most {max_tokens} tokens among "
-                f"{num_experts} experts")
-    if x.dim() == 2 and x.shape[0] * top_k > FUSED_MAX_SLOTS:
-        return f"the launch normalises on its one-launch path only, at most {FUSED_MAX_SLOTS} slots (tokens x top-k)"
+    if x.dim() == 2 and not takes_one_launch(x.shape[0], num_experts, top_k):
+        return f"the launch normalises on its one-launch path only: {one_launch_bounds(num_experts)}"
     if not x.is_cuda:
         return "the activations are not on a CUDA device"
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -321,9 +317,8 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
     fused = takes_one_launch(tokens, num_experts, top_k)
     if norm is not None:
         found = problem(hidden_states, norm) or (
-            None if fused else f"a norm runs on the one-launch path only: at most {one_launch_max_tokens(num_experts)} "
-                               f"tokens among {num_experts} experts and {FUSED_MAX_SLOTS} slots, got {tokens} and "
-                               f"{num_slots}")
+            None if fused else f"a norm runs on the one-launch path only: {one_launch_bounds(num_experts)}; got "
+                               f"{tokens} tokens and {num_slots} slots")
         if found is not None:
             raise ValueError(found)
     align = fused and block_m is not None
@@ -376,6 +371,12 @@ def one_launch_max_tokens(num_experts: int) -> int:
     ONE_LAUNCH_MAX_SELECT_STEPS selection steps (24 tokens at 128 experts, 96 at 32, 384 at 8);
     FUSED_MAX_SLOTS bounds the slots too."""
     return ONE_LAUNCH_MAX_SELECT_STEPS * _select_tokens(num_experts)
+
+
+def one_launch_bounds(num_experts: int) -> str:
+    """The one-launch path's bounds among ``num_experts`` experts, in words (for refusals)."""
+    return (f"at most {one_launch_max_tokens(num_experts)} tokens among {num_experts} experts and "
+            f"at most {FUSED_MAX_SLOTS} slots (tokens x top-k)")
 
 
 def takes_one_launch(tokens: int, num_experts: int, top_k: int) -> bool:
