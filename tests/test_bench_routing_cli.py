@@ -1,6 +1,6 @@
 """benchmarks/kernels/bench_routing.py without a GPU: `select_steps_bound` puts a batch on the path
-it names and restores the bound, also when the body raises; the command refuses to run without
-CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
+it names and restores the bound, also when the body raises; the command, and bench_align.py's,
+refuses to run without CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
 path is given, nothing written without one."""
 import sys
 
@@ -29,6 +29,15 @@ def test_refuses_without_a_gpu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_routing", "--tokens", "1"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench_routing.main()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+def test_align_bench_refuses_without_a_gpu(monkeypatch):
+    from arfusion.benchmarks.kernels import bench_align
+
+    monkeypatch.setattr(sys, "argv", ["bench_align", "--slots", "8"])
+    with pytest.raises(SystemExit, match="bench_align needs a CUDA GPU"):
+        bench_align.main()
 
 
 def test_rows_are_written_as_json_only_where_a_path_is_given(tmp_path, monkeypatch):

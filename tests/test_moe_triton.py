@@ -18,10 +18,11 @@ with the default tiles; fp16 also with 16 x 32 x 32 tiles (several K steps, ragg
   outputs' scale (tests/tolerances.py SAME_ROUNDINGS). Not bit for bit: the order of the CPU
   GEMM's fp32 sums differs by torch version and CPU kernel (bit-equal shares of 0.975 to 1.0),
   and the arithmetic guarantees equality only for equal orders.
-The one-launch grouping of slots by expert (layers/moe/kernels/triton_align.py) equals the torch version
-(layers/moe/align.py) tensor for tensor: one token, 1 of 128 experts hit by top-8, every token on
-one expert, 60 experts (not a power of two), and 2048 slots (its largest input), at 16- and 64-row
-blocks.
+The grouping of slots by expert in one launch (layers/moe/kernels/triton_align.py, a program per
+expert) equals the torch version (layers/moe/align.py) tensor for tensor: one token, 1 of 128
+experts hit by top-8, every token on one expert, 60 experts (not a power of two), 2048 slots (the
+largest fused_moe gives it: two 1,024-slot chunks a program) and 3000 slots on 3 of 32 experts
+(three chunks; an expert's rows span many blocks), at 16- and 64-row blocks.
 
 - bf16: the interpreter casts fp32 -> bf16 by truncation where the GPU and torch round to
   nearest, and truncation's errors do not cancel (about 5x the reference's error here), so
@@ -87,6 +88,7 @@ ALIGN_CASES = {
     "all on one expert": (8, torch.full((5, 1), 2)),
     "60 experts": (60, torch.stack([torch.randperm(60, generator=torch.Generator().manual_seed(t))[:4] for t in range(33)])),
     "2048 slots": (128, torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(t))[:8] for t in range(256)])),
+    "3000 slots on 3 of 32 experts": (32, torch.randint(0, 3, (1500, 2), generator=torch.Generator().manual_seed(0))),
 }
 ALIGN_BLOCKS = (16, 64)
 

@@ -64,7 +64,6 @@ from triton.language.extra import libdevice
 
 from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
-from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as FUSED_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_problem, inv_rms, problem, summed_rows
 
 # The last program of the one-launch path selects every token alone, SELECT_ELEMENTS // E_POW2 tokens a
@@ -72,6 +71,7 @@ from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_probl
 # the experts' own grouping launch cost less (at 32 tokens of 128 experts, 4 steps: 26.8 us against
 # 7.8 + 15.6; docs/notes.md, "Routing launch, by phase").
 ONE_LAUNCH_MAX_SELECT_STEPS = 3
+FUSED_MAX_SLOTS = 2048  # slots the last program groups, at most (batch 256 at top-8; the largest tested)
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
 SPLIT_WIDTH = 2 * BLOCK_K  # hidden columns per program: many short programs keep many loads in flight
 SELECT_ELEMENTS = 1024  # tokens x next_power_of_2(E) logits per selection step: 8 per thread at NUM_WARPS
