@@ -43,9 +43,9 @@ def _align_kernel(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for c0 in range(0, num_slots, CHUNK):
-        # masked lanes count in bin E, which no expert reads (BINS > E)
+        # masked lanes and ids outside [0, E) count in bin E, which no expert reads (BINS > E)
         ids = tl.load(ids_ptr + c0 + lanes, mask=c0 + lanes < num_slots, other=num_experts)
-        counts += tl.histogram(ids, BINS)
+        counts += tl.histogram(tl.where((ids >= 0) & (ids < num_experts), ids, num_experts), BINS)
     bins = tl.arange(0, BINS)
     padded = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     total = tl.sum(padded, axis=0)
@@ -77,7 +77,9 @@ def _align_kernel(ids_ptr, sorted_slots_ptr, block_expert_ptr, num_rows_ptr, num
 
 def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """`layers.moe.align.align_by_expert` in one launch of ``num_experts`` programs (module
-    docstring); the same tensors, equal element for element. No host synchronisation."""
+    docstring); the same tensors, equal element for element. No host synchronisation, so ids
+    are not checked: a slot whose id lies outside 0..E-1 gets no row (it never reaches a bin's
+    shared-memory counter out of range)."""
     flat = topk_ids.flatten().to(torch.int32)
     num_slots = flat.numel()
     max_rows = max_padded_rows(num_slots, num_experts, block_m)
