@@ -2,9 +2,8 @@
 (layers/moe/kernels/triton_align.py) on one GPU, against the torch version (layers/moe/align.py):
 ``sorted_slots``, ``block_expert`` and ``num_rows`` equal element for element.
 
-Cases: 8, 32, 60 (not a power of two) and 128 experts; 1 to 3,000 slots (several 1,024-slot
-chunks a program; past MAX_SLOTS, where fused_moe takes the torch version, the kernel is still
-exact); random top-k ids (distinct per token) and skewed ones (every slot among 3 experts, so an
+Cases: 8, 32, 60 (not a power of two) and 128 experts; 1 to 32,768 slots (MAX_SLOTS; up to
+32 chunks of 1,024 slots a program); random top-k ids (distinct per token) and skewed ones (every slot among 3 experts, so an
 expert's rows span many blocks and most experts have none); 16- and 64-row blocks. Each case
 also captured in a CUDA graph and replayed with new ids of the same shape."""
 import pytest
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.gpus(1)
 
 DEVICE = torch.device("cuda", 0)
 CASES = [(8, 1, 2), (8, 512, 2), (32, 1, 4), (32, 33, 4), (32, 750, 4), (60, 33, 4), (128, 1, 8), (128, 32, 8),
-         (128, 256, 8), (128, 375, 8)]  # (experts, tokens, top-k)
+         (128, 256, 8), (128, 375, 8), (128, 4096, 8)]  # (experts, tokens, top-k)
 
 
 def ids_of(experts: int, tokens: int, top_k: int, skewed: bool, seed: int) -> torch.Tensor:

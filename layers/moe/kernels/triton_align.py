@@ -16,10 +16,10 @@ programs. Every row and block is written by exactly one program, so no barrier o
 programs is needed, which is `align_by_expert`'s result exactly.
 
 Why per-expert programs and not one program: one program walking the slots in chunks of a
-[CHUNK, E] one-hot (this file's earlier form) took 15.6 us at 256 slots of 128 experts on
-1 x H200 (docs/notes.md), a serial chain of cross-thread scans; here each program's chain is a
+[CHUNK, E] one-hot (this file's earlier form) took 14.3 us at 256 slots of 128 experts against
+2.7 here (1 x H100 80GB, docs/results.md), a serial chain of cross-thread scans; here each program's chain is a
 histogram and one scan per 1,024 slots. Work grows with N * E (every program reads every id),
-so `fused_moe` takes it up to `MAX_SLOTS` slots and the torch version above.
+so `fused_moe` takes it up to `MAX_SLOTS` slots (the largest count timed) and the torch version above.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 
-MAX_SLOTS = 2048  # batch 256 at top-8
+MAX_SLOTS = 32768  # 4,096 tokens at top-8: 61 against the torch version's 122 us (docs/results.md)
 MAX_CHUNK = 1024  # slots a program takes at once: 8 per thread at 4 warps
 MIN_CHUNK = 128  # one slot per thread at 4 warps; smaller inputs are masked lanes of one chunk
 MIN_BINS = 32  # histogram bins: at least a warp's width
