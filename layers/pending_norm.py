@@ -26,8 +26,8 @@ its MLP's reduction into this norm; at TP1 the sum is its own tensor, taken from
 ``take_single_rank``) or a plain tensor. A batch that does not qualify takes ``norm(h,
 residual)``, today's path; each reason is logged once per process. The post-attention norm
 qualifies alike, with ``h`` this layer's o_proj output (a `PartialSum`) and the routing launch's
-limits (`triton_router.norm_refusal`: CUDA fp16 / bf16, a batch its one-launch path takes:
-three selection steps, 24 tokens at 128 experts, and 2048 slots), where the layer folds it (a
+limits (`triton_router.norm_refusal`: CUDA fp16 / bf16, a batch its one-launch path takes by
+default: one token), where the layer folds it (a
 ``refusal`` given: requested, TP size 1, and a MoE block whose router runs that launch:
 `TopKRouter.norm_deferral_refusal`).
 

@@ -1,5 +1,6 @@
-"""benchmarks/kernels/bench_routing.py without a GPU: `select_steps_bound` puts a batch on the path
-it names and restores the bound, also when the body raises; the command, and bench_align.py's,
+"""benchmarks/kernels/bench_routing.py without a GPU: the default path of each batch (one launch at
+one token, two beyond; FUSED_MAX_SLOTS bounds the one-launch path), and `route_triton`'s refusal of
+a one-launch path asked for beyond FUSED_MAX_SLOTS, naming it; the command, and bench_align.py's,
 refuses to run without CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
 path is given, nothing written without one."""
 import sys
@@ -12,16 +13,20 @@ from arfusion.benchmarks.kernels import bench_routing  # noqa: E402
 from arfusion.layers.moe.kernels import triton_router  # noqa: E402
 
 
-def test_the_bound_picks_the_path_and_is_restored():
-    kept = triton_router.ONE_LAUNCH_MAX_SELECT_STEPS
-    assert not triton_router.takes_one_launch(128, 128, 8)
-    with bench_routing.select_steps_bound(1 << 20):
-        assert triton_router.takes_one_launch(128, 128, 8)
-        assert not triton_router.takes_one_launch(257, 128, 8), "FUSED_MAX_SLOTS still bounds it"
-    with pytest.raises(RuntimeError), bench_routing.select_steps_bound(0):
-        assert not triton_router.takes_one_launch(1, 128, 8)
-        raise RuntimeError
-    assert triton_router.ONE_LAUNCH_MAX_SELECT_STEPS == kept
+def test_one_launch_by_default_at_one_token_only():
+    assert triton_router.takes_one_launch(1, 8)
+    assert not triton_router.takes_one_launch(2, 8)
+    assert not triton_router.takes_one_launch(1, triton_router.FUSED_MAX_SLOTS + 1), "FUSED_MAX_SLOTS bounds it"
+
+
+def test_a_one_launch_path_asked_for_beyond_its_slots_is_refused():
+    import torch
+
+    tokens = triton_router.FUSED_MAX_SLOTS // 8 + 1
+    h, gate = torch.randn(tokens, 32), torch.randn(16, 32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"at most {triton_router.FUSED_MAX_SLOTS} slots .* got {tokens} x 8"):
+        triton_router.route_triton(h, gate, 8, True, counter, one_launch=True)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")

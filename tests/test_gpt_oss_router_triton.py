@@ -5,8 +5,8 @@ logits). Skipped without triton; every kernel call runs in one spawned process w
 TRITON_INTERPRET=1.
 
 Cases: 32 experts top-4 (gpt-oss-20b's router) and 8 experts top-4, hidden 80 (one ragged K
-tile) and 300 (two splits, the last ragged); 1, 5 and 33 tokens (one launch) and 300 (past
-`one_launch_max_tokens`, 96 at 32 experts: two launches); fp32 and bf16; a seeded random bias N(0, 1) (bf16 for bf16);
+tile) and 300 (two splits, the last ragged); 1 token (the one-launch path by default), 5 and 33
+tokens on the one-launch path asked for, 33 and 300 on the default two-launch path; fp32 and bf16; a seeded random bias N(0, 1) (bf16 for bf16);
 ties: experts 2, 5 and 6 share one gate row and one bias value that win every token, so their
 logits are equal bit for bit; and integer-valued h, W and bias (values in -2..2: exact fp32
 logits, so the kernel's logits equal the reference's bit for bit, with many ties among them).
@@ -18,7 +18,8 @@ logits, so the kernel's logits equal the reference's bit for bit, with many ties
 - weights: within (1e-6, 1e-6) of `route_topk_softmax`'s (weights <= 1: the full softmax's
   quotients renormalised against the softmax of the k, a few fp32 ulps apart);
 - batch invariance: a token's logits, weights and ids have the same bits in batches of 1, 7 and
-  64 tokens and in the two-launch batch of 300 (whose first 64 tokens are the batch of 64);
+  64 tokens, each on both paths, and in the two-launch batch of 300 (whose first 64 tokens are the
+  batch of 64);
 - `GptOssRouter.forward` taking the Triton path (as on a CUDA ``h``) returns the (weights fp32,
   ids int32) of its torch path, within the tolerance above.
 """
@@ -36,17 +37,18 @@ WEIGHTS = dict(rtol=1e-6, atol=1e-6)
 TOP_K = 4
 TIED = (2, 5, 6)
 # name -> (experts, hidden, tokens, dtype, inputs: "random" | "ties" | "integers")
+# (the cases named "(one launch)" ask `route_triton_with_logits` for that path, the others take its default)
 CASES = {
     "1 token": (32, 80, 1, torch.float32, "random"),
-    "5 tokens bf16": (32, 300, 5, torch.bfloat16, "random"),
-    "33 tokens": (32, 300, 33, torch.float32, "random"),
+    "5 tokens bf16 (one launch)": (32, 300, 5, torch.bfloat16, "random"),
+    "33 tokens (one launch)": (32, 300, 33, torch.float32, "random"),
     "33 tokens bf16, 8 experts": (8, 80, 33, torch.bfloat16, "random"),
-    "300 tokens (two launches)": (32, 80, 300, torch.float32, "random"),
-    "300 tokens bf16 (two launches)": (8, 300, 300, torch.bfloat16, "random"),
-    "ties": (32, 80, 5, torch.float32, "ties"),
-    "ties bf16, two launches": (32, 300, 300, torch.bfloat16, "ties"),
-    "integers": (32, 80, 33, torch.float32, "integers"),
-    "integers bf16, two launches": (8, 80, 300, torch.bfloat16, "integers"),
+    "300 tokens": (32, 80, 300, torch.float32, "random"),
+    "300 tokens bf16": (8, 300, 300, torch.bfloat16, "random"),
+    "ties (one launch)": (32, 80, 5, torch.float32, "ties"),
+    "ties bf16": (32, 300, 300, torch.bfloat16, "ties"),
+    "integers (one launch)": (32, 80, 33, torch.float32, "integers"),
+    "integers bf16": (8, 80, 300, torch.bfloat16, "integers"),
 }
 INVARIANT_BATCHES = (1, 7, 64, 300)
 
@@ -76,13 +78,16 @@ def _interpreted(rank: int, world: int) -> dict:
     for name in CASES:
         h, weight, bias = case_inputs(name)
         counter = torch.zeros(1, dtype=torch.int32)
-        weights, ids, _, logits = route_triton_with_logits(h, weight, TOP_K, True, counter, 16, bias)
+        weights, ids, _, logits = route_triton_with_logits(h, weight, TOP_K, True, counter, 16, bias,
+                                                           one_launch=True if name.endswith("(one launch)") else None)
         results[name] = (weights, ids, logits, int(counter))
-    h, weight, bias = case_inputs("300 tokens (two launches)")
+    h, weight, bias = case_inputs("300 tokens")
     for tokens in INVARIANT_BATCHES:
-        weights, ids, _, logits = route_triton_with_logits(h[:tokens], weight, TOP_K, True,
-                                                           torch.zeros(1, dtype=torch.int32), 16, bias)
-        results["batch", tokens] = (weights, ids, logits)
+        for one_launch in (None, True) if tokens < INVARIANT_BATCHES[-1] else (None,):
+            weights, ids, _, logits = route_triton_with_logits(h[:tokens], weight, TOP_K, True,
+                                                               torch.zeros(1, dtype=torch.int32), 16, bias,
+                                                               one_launch=one_launch)
+            results["batch", tokens, one_launch] = (weights, ids, logits)
     router = GptOssRouter(80, 32, TOP_K, torch.float32, None)
     router.weight.data.copy_(weight)
     router.bias.data.copy_(bias)
@@ -119,15 +124,16 @@ def test_routing_equals_gpt_oss_reference(interpreted, name):
         assert bool((logits[:, None, :] == logits[:, :, None]).triu(1).any()), "the case has ties"
 
 
+@pytest.mark.parametrize("one_launch", [None, True], ids=["default path", "one launch"])
 @pytest.mark.parametrize("tokens", INVARIANT_BATCHES[:-1])
-def test_a_tokens_routing_bits_do_not_depend_on_the_batch(interpreted, tokens):
-    whole = interpreted["batch", INVARIANT_BATCHES[-1]]
-    for part, full in zip(interpreted["batch", tokens], whole):
+def test_a_tokens_routing_bits_do_not_depend_on_the_batch(interpreted, tokens, one_launch):
+    whole = interpreted["batch", INVARIANT_BATCHES[-1], None]
+    for part, full in zip(interpreted["batch", tokens, one_launch], whole):
         assert torch.equal(part, full[:tokens])
 
 
 def test_router_module_on_the_triton_path(interpreted):
-    h, weight, bias = case_inputs("300 tokens (two launches)")
+    h, weight, bias = case_inputs("300 tokens")
     router = GptOssRouter(80, 32, TOP_K, torch.float32, None)
     router.weight.data.copy_(weight)
     router.bias.data.copy_(bias)

@@ -3,9 +3,10 @@ the torch reference (layers/moe/router.py, layers/moe/align.py). Skipped without
 case runs in one spawned process with TRITON_INTERPRET=1 (see tests/test_moe_triton.py).
 
 Cases: 8 experts top-2, 60 experts top-4 (not a power of two) and 128 experts top-8, hidden 80
-(one ragged K tile) and 300 (three, the last ragged), 1, 7 and 24 tokens (one launch; 24 tokens of
-128 experts: its three selection steps, `one_launch_max_tokens`); 33 tokens (three token tiles) of
-128 experts and 300 of 8 (past it: the two-launch path); fp32 and bf16 inputs; renormalised or not;
+(one ragged K tile) and 300 (three, the last ragged); 1 token (the one-launch path by default), 7,
+9 and 24 tokens on the one-launch path asked for (24 tokens of 128 experts: three of its last
+program's selection steps); 5 and 33 tokens (three token tiles) of 128 experts and 300 of 8 on the
+default two-launch path; fp32 and bf16 inputs; renormalised or not;
 and ties: experts 2, 5 and 6 share one gate row that wins every token, so their logits are equal
 bit for bit and they take the first three slots, lowest index first.
 
@@ -24,23 +25,23 @@ import torch
 pytest.importorskip("triton")
 
 from arfusion.layers.moe.align import align_by_expert  # noqa: E402
-from arfusion.layers.moe.kernels.triton_router import takes_one_launch  # noqa: E402
 from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 SHAPES = {"8 experts top-2": (8, 2), "60 experts top-4": (60, 4), "128 experts top-8": (128, 8)}
-# name -> (shape, hidden, tokens, dtype, renormalize, ties, block_m)
+# name -> (shape, hidden, tokens, dtype, renormalize, ties, block_m); the cases named "(one launch)"
+# ask `route_triton` for that path, the others take its default
 CASES = {
     "1 token": ("128 experts top-8", 80, 1, torch.float32, True, False, 16),
-    "7 tokens, 60 experts": ("60 experts top-4", 300, 7, torch.float32, False, False, 16),
-    "24 tokens": ("128 experts top-8", 300, 24, torch.float32, True, False, 64),
-    "33 tokens (two launches)": ("128 experts top-8", 300, 33, torch.float32, True, False, 64),
-    "24 tokens bf16": ("128 experts top-8", 300, 24, torch.bfloat16, True, False, 16),
-    "8 experts bf16": ("8 experts top-2", 80, 7, torch.bfloat16, True, False, 16),
-    "ties": ("128 experts top-8", 80, 9, torch.float32, True, True, 16),
+    "7 tokens, 60 experts (one launch)": ("60 experts top-4", 300, 7, torch.float32, False, False, 16),
+    "24 tokens (one launch)": ("128 experts top-8", 300, 24, torch.float32, True, False, 64),
+    "33 tokens": ("128 experts top-8", 300, 33, torch.float32, True, False, 64),
+    "24 tokens bf16 (one launch)": ("128 experts top-8", 300, 24, torch.bfloat16, True, False, 16),
+    "8 experts bf16 (one launch)": ("8 experts top-2", 80, 7, torch.bfloat16, True, False, 16),
+    "ties (one launch)": ("128 experts top-8", 80, 9, torch.float32, True, True, 16),
     "ties bf16, 60 experts": ("60 experts top-4", 300, 5, torch.bfloat16, False, True, 16),
-    "300 tokens (two launches)": ("8 experts top-2", 80, 300, torch.float32, True, True, 16),
+    "300 tokens": ("8 experts top-2", 80, 300, torch.float32, True, True, 16),
 }
 TIED = (2, 5, 6)
 
@@ -58,6 +59,11 @@ def case_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return h.to(dtype), weight.to(dtype)
 
 
+def one_launch(name: str) -> bool:
+    """Whether the case's routing takes the one-launch path (asked for, or the default at 1 token)."""
+    return name.endswith("(one launch)") or CASES[name][2] == 1
+
+
 def tied_logits(tokens: int, experts: int) -> torch.Tensor:
     return torch.randint(0, 3, (tokens, experts), generator=torch.Generator().manual_seed(tokens)).float()
 
@@ -73,7 +79,7 @@ def _interpreted(rank: int, world: int) -> dict:
         h, weight = case_inputs(name)
         counter = torch.zeros(1, dtype=torch.int32)
         weights, ids, blocks, logits = route_triton_with_logits(h, weight, SHAPES[shape][1], renormalize, counter,
-                                                                block_m)
+                                                                block_m, one_launch=True if name.endswith("(one launch)") else None)
         results[name] = (weights, ids, blocks, logits, int(counter))
     for tokens, experts, top_k, renormalize in SELECT_CASES:
         results["select", tokens, experts] = select_experts_triton(tied_logits(tokens, experts), top_k, renormalize)
@@ -100,7 +106,7 @@ def test_routing_equals_torch_reference(interpreted, name):
     if ties:
         first = min(top_k, len(TIED))
         assert bool((ids[:, :first] == torch.tensor(TIED[:first], dtype=torch.int32)).all()), "lowest index first"
-    if not takes_one_launch(tokens, experts, top_k):
+    if not one_launch(name):
         assert blocks is None
         return
     expected = align_by_expert(ids, experts, block_m)

@@ -9,7 +9,8 @@ block a `PendingNorm`, which on the CPU the router materializes (`TopKRouter.rou
 launch refuses a CPU batch, the fallback a GPU takes for a batch the launch refuses): the same
 bits as the flag off, greedy tokens and logits, alone and with ``--norm-into-qkv`` forced the
 same way;
-under Triton's interpreter, with the launch's device and dtype test patched away too, the model
+under Triton's interpreter, with the launch's device and dtype test patched away too and its
+one-launch path taken at every batch (prefill included), the model
 (fp32) runs the routing launch with the norm inside in every layer: the same greedy tokens,
 logits within 1e-4 relative (an element of the normed h may differ by an fp32 ulp: the launch's
 ``1 / sqrt`` and sum of squares round in another order than torch's).
@@ -45,8 +46,9 @@ def _run(rank: int, world: int, norm_into_route: bool, norm_into_qkv: bool, forc
     if force == "launch":  # under the interpreter (triton installed); CPU fp32 tensors accepted
         from arfusion.layers.moe.kernels import triton_route_norm, triton_router
 
-        triton_router.norm_refusal = lambda x, residual, weight, top_k, experts: triton_route_norm.batch_problem(
+        triton_router.norm_refusal = lambda x, residual, weight, top_k: triton_route_norm.batch_problem(
             x, residual, weight)
+        triton_router.takes_one_launch = lambda tokens, top_k: tokens * top_k <= triton_router.FUSED_MAX_SLOTS
     out = greedy_run("tiny-moe", PROMPTS, PROMPT_LEN, STEPS, norm_into_qkv=norm_into_qkv,
                      norm_into_route=norm_into_route)
     out["calls"] = calls
@@ -184,7 +186,7 @@ def test_batch_invariant_mode_and_the_cpu_keep_the_separate_norm(tp1):
     from arfusion.layers.kernels.triton_support import triton_available
 
     refusal = _moe_blocks()["qwen3-moe"].gate.norm_deferral_refusal
-    x, residual, weight = _inputs()
+    x, residual, weight = _inputs(tokens=1)  # a batch the launch takes by its size
     assert ("not on a CUDA device" if triton_available() else "triton is not installed") in refusal(x, residual, weight)
     normed, _ = post_attention_norm(_norm(weight), x.clone(), residual.clone(), refusal)
     assert not isinstance(normed, PendingNorm)

@@ -4,9 +4,9 @@
 runs in one spawned process with TRITON_INTERPRET=1 (tests/dist_utils.py).
 
 Cases: 8, 32, 60 and 128 experts (top 2, 4, 4, 8), hidden 80 (one ragged split) and 300 (two,
-the last ragged), 1, 3, 8, 24 and 256 tokens (the most the norm takes among 128 and 8 experts,
-`one_launch_max_tokens`: three selection steps; 256 tokens at 8 experts top-8 fill FUSED_MAX_SLOTS'
-2048 slots), fp32 and fp16, renormalised or not, a router bias (gpt-oss's launch)
+the last ragged), 1, 3, 8, 24 and 256 tokens (the norm runs on the one-launch path, its default at
+1 token and asked for beyond: 24 tokens are three selection steps at 128 experts; 256 tokens at 8
+experts top-8 fill FUSED_MAX_SLOTS' 2048 slots), fp32 and fp16, renormalised or not, a router bias (gpt-oss's launch)
 or not, the slots grouped by expert (16- and 64-row blocks) or not. x and the residual N(0, 1),
 the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden), the bias N(0, 1).
 
@@ -21,7 +21,7 @@ the norm weight 1 + N(0, 0.1), the gate N(0, 1 / hidden), the bias N(0, 1).
 Then, in this process: bad outputs and too large a batch raise ValueError naming the problem
 before any launch, and `norm_refusal` names why a batch takes the separate norm; and compiled for
 sm90 without a GPU (tests/offline_triton.py, ptxas included; skipped where triton's NVIDIA backend
-is missing), bf16 at qwen3-30b-a3b's and Mixtral's routers, 1, 8 and the most tokens of the one-launch
+is missing), bf16 at qwen3-30b-a3b's and Mixtral's routers, 1, 8 and 24 tokens on the one-launch
 path: the launch with
 the norm takes the dots of the launch without it (mma.sync, k16 instructions, K extents of 128)
 and reduces the selection's two sums over the same layouts, so its routing of an h is today's.
@@ -74,9 +74,11 @@ def _interpreted(rank: int, world: int) -> dict:
         x, residual = inp["x"].clone(), inp["residual"].clone()
         norm = RouteNorm(residual, inp["norm_weight"], EPS, torch.empty_like(x), torch.empty_like(x))
         counter = torch.zeros(1, dtype=torch.int32)
-        fused = route_triton_with_logits(x, inp["gate"], top_k, renormalize, counter, block_m, inp["bias"], norm)
+        fused = route_triton_with_logits(x, inp["gate"], top_k, renormalize, counter, block_m, inp["bias"], norm,
+                                         one_launch=True)
         normed_ref, _ = reference.add_rms_norm(inp["x"], inp["residual"], inp["norm_weight"], EPS)
-        today = route_triton_with_logits(normed_ref, inp["gate"], top_k, renormalize, counter, block_m, inp["bias"])
+        today = route_triton_with_logits(normed_ref, inp["gate"], top_k, renormalize, counter, block_m, inp["bias"],
+                                         one_launch=True)
         results[name] = {"fused": fused, "today": today, "normed": norm.normed, "residual_out": norm.residual_out,
                          "x": x, "residual": residual, "counter": int(counter)}
     return results
@@ -120,7 +122,7 @@ def _norm(x: torch.Tensor, **outputs):
 
 
 def test_bad_norm_inputs_are_named_before_any_launch():
-    from arfusion.layers.moe.kernels.triton_router import one_launch_max_tokens, route_triton
+    from arfusion.layers.moe.kernels.triton_router import route_triton
 
     counter = torch.zeros(1, dtype=torch.int32)
     x, gate = torch.randn(3, 32), torch.randn(8, 32)
@@ -134,24 +136,23 @@ def test_bad_norm_inputs_are_named_before_any_launch():
     for match, norm in cases.items():
         with pytest.raises(ValueError, match=match):
             route_triton(x, gate, 2, True, counter, norm=norm)
-    big = torch.randn(one_launch_max_tokens(8) + 1, 32)
-    with pytest.raises(ValueError, match="one-launch path only"):
-        route_triton(big, gate, 2, True, counter, norm=_norm(big))
+    two = torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"one-launch path only \(at most 1 token\(s\) .*got 2 tokens and 4 slots"):
+        route_triton(two, gate, 2, True, counter, norm=_norm(two))
+    with pytest.raises(ValueError, match=r"one-launch path only .*got 2 tokens"):
+        route_triton(two, gate, 2, True, counter, norm=_norm(two), one_launch=False)
 
 
 def test_norm_refusal_names_the_batches_it_leaves_to_the_separate_norm():
-    from arfusion.layers.moe.kernels.triton_router import FUSED_MAX_SLOTS, norm_refusal, one_launch_max_tokens
+    from arfusion.layers.moe.kernels.triton_router import FUSED_MAX_SLOTS, norm_refusal
 
-    def refusal(tokens: int, top_k: int = 2, experts: int = 128) -> str:
+    def refusal(tokens: int, top_k: int = 2) -> str:
         x = torch.randn(tokens, 32)
-        return norm_refusal(x, torch.randn_like(x), torch.ones(32), top_k, experts)
+        return norm_refusal(x, torch.randn_like(x), torch.ones(32), top_k)
 
-    most = one_launch_max_tokens(128)
-    assert most == 24, "three selection steps of 8 tokens at 128 experts"
-    assert f"at most {most} tokens among 128 experts" in refusal(most + 1)
-    assert f"at most {FUSED_MAX_SLOTS} slots" in refusal(FUSED_MAX_SLOTS // 16 + 1, top_k=16, experts=16)
-    assert "not on a CUDA device" in refusal(most)
-    assert refusal(most + 7) == refusal(most + 1), "no token count of the batch in the reason"
+    assert f"at most 1 token(s) and {FUSED_MAX_SLOTS} slots" in refusal(2)
+    assert "not on a CUDA device" in refusal(1), "one token takes the one-launch path"
+    assert refusal(24) == refusal(2), "no token count of the batch in the reason"
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +175,13 @@ def test_sm90_the_norm_keeps_the_routing_launch_dots_and_sums(offline, monkeypat
     monkeypatch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
     g = torch.Generator().manual_seed(0)
     gate = torch.randn(experts, hidden, generator=g).bfloat16()
-    for tokens in (1, 8, triton_router.one_launch_max_tokens(experts)):
+    for tokens in (1, 8, 24):
         x = torch.randn(tokens, hidden, generator=g).bfloat16()
         norm = RouteNorm(torch.randn_like(x), torch.ones(hidden).bfloat16(), EPS, torch.empty_like(x),
                          torch.empty_like(x))
         for with_norm in (None, norm):
-            triton_router.route_triton(x, gate, top_k, True, torch.zeros(1, dtype=torch.int32), 16, None, with_norm)
+            triton_router.route_triton(x, gate, top_k, True, torch.zeros(1, dtype=torch.int32), 16, None, with_norm,
+                                       one_launch=True)
     compiled = {}
     for args, kwargs in kernel.calls:
         asm = offline.compiled_asm(kernel.fn, args, kwargs)

@@ -1,12 +1,12 @@
 """The MoE routing's two paths at each token count (layers/moe/kernels/triton_router.py), bf16, with
 the slots grouped by expert as the experts' grouped launches need them:
 
-    one launch     `route_triton` with the one-launch path taken whatever the token count (up to
-                   FUSED_MAX_SLOTS slots): the logits' partials, then the last program's selection
-                   (SELECT_ELEMENTS // E logits a step, one step after another) and grouping
+    one launch     `route_triton(..., one_launch=True)` whatever the token count (up to FUSED_MAX_SLOTS
+                   slots): the logits' partials, then the last program's selection (SELECT_ELEMENTS
+                   // E logits a step, one step after another) and grouping
     two launches   the partials, the selection by blocks of tokens, then the experts' own grouping
                    launch (`triton_align.align_by_expert_triton`)
-    default        whichever of the two `route_triton` takes (`one_launch_max_tokens`)
+    default        whichever of the two `route_triton` takes by default (`takes_one_launch`)
 
 at the routers of qwen3-30b-a3b (128 experts, hidden 2048, top-8), gpt-oss-20b (32, 2880, top-4, a
 bias), gpt-oss-120b (128, 2880, top-4, a bias) and mixtral-8x7b (8, 4096, top-2). Each call routes
@@ -19,8 +19,7 @@ call, one CUDA graph of the cycle, median of 10 replays; ``ratio`` = two launche
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -32,28 +31,14 @@ ROUTERS = {"qwen3-30b-a3b": (128, 2048, 8, False), "gpt-oss-20b": (32, 2880, 4, 
 BYTES_CYCLED = 64 << 20
 
 
-@contextmanager
-def select_steps_bound(steps: int) -> Iterator[None]:
-    """The one-launch path's bound set to ``steps`` selection steps for the calls inside (0: two
-    launches at every token count)."""
-    from arfusion.layers.moe.kernels import triton_router
-
-    kept = triton_router.ONE_LAUNCH_MAX_SELECT_STEPS
-    triton_router.ONE_LAUNCH_MAX_SELECT_STEPS = steps
-    try:
-        yield
-    finally:
-        triton_router.ONE_LAUNCH_MAX_SELECT_STEPS = kept
-
-
 def route_and_group(h: torch.Tensor, gate: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, block_m: int,
-                    counter: torch.Tensor) -> None:
-    """The routing of ``h`` with the slots grouped in ``block_m`` rows: by the routing launch where
-    its path groups them, else by the experts' grouping launch."""
+                    counter: torch.Tensor, one_launch: bool) -> None:
+    """The routing of ``h`` with the slots grouped in ``block_m`` rows on the path ``one_launch``
+    names: by the routing launch on the one-launch path, else by the experts' grouping launch."""
     from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
     from arfusion.layers.moe.kernels.triton_router import route_triton
 
-    _, ids, blocks = route_triton(h, gate, top_k, True, counter, block_m, bias)
+    _, ids, blocks = route_triton(h, gate, top_k, True, counter, block_m, bias, one_launch=one_launch)
     if blocks is None:
         align_by_expert_triton(ids, gate.shape[0], block_m)
 
@@ -82,18 +67,17 @@ def main() -> None:
             block_m = block_config(tokens * top_k, experts).block_m
             hs = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies, 16))]
 
-            def cycle() -> None:
+            def cycle(one_launch: bool) -> None:
                 for i, (gate, bias) in enumerate(zip(gates, biases)):
-                    route_and_group(hs[i % len(hs)], gate, bias, top_k, block_m, counter)
+                    route_and_group(hs[i % len(hs)], gate, bias, top_k, block_m, counter, one_launch)
 
             timed = {}
-            for label, steps in (("one", 1 << 20), ("two", 0)):
-                if label == "one" and tokens * top_k > FUSED_MAX_SLOTS:
+            for label, one_launch in (("one", True), ("two", False)):
+                if one_launch and tokens * top_k > FUSED_MAX_SLOTS:
                     continue
-                with select_steps_bound(steps):
-                    cycle()  # compiled before capture
-                    timed[label] = median_us_per_call(cycle, len(gates))
-            default = "one launch" if takes_one_launch(tokens, experts, top_k) else "two launches"
+                cycle(one_launch)  # compiled before capture
+                timed[label] = median_us_per_call(lambda: cycle(one_launch), len(gates))
+            default = "one launch" if takes_one_launch(tokens, top_k) else "two launches"
             one = timed.get("one", float("nan"))
             print(f"{model:>14} {tokens:>6} {one:>13.2f} {timed['two']:>15.2f} {timed['two'] / one:>6.2f}  {default}")
             rows.append(dict(model=model, tokens=tokens, block_m=block_m, one_launch_us=timed.get("one"),

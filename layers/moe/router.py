@@ -73,9 +73,10 @@ class TopKRouter(nn.Module):
     weight ``[num_experts, hidden]`` (in ``dtype``) and, with ``bias``, a bias ``[num_experts]``
     (in ``dtype``, added to the fp32 logits) are loaded whole on every rank.
 
-    On a CUDA ``h`` with triton the routing is one Triton launch (`route` also groups the slots
-    by expert for the grouped GEMM in it up to `triton_router.FUSED_MAX_SLOTS` slots); ``_counter``
-    is that launch's arrival counter (int32, zero between calls: the launch resets it)."""
+    On a CUDA ``h`` with triton the routing is one Triton launch for a batch of
+    `triton_router.ONE_LAUNCH_MAX_TOKENS` token (`route` also groups the slots by expert for the
+    grouped GEMM in it), two for larger ones; ``_counter`` is the one launch's arrival counter
+    (int32, zero between calls: the launch resets it)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None, bias: bool = False
@@ -121,7 +122,7 @@ class TopKRouter(nn.Module):
             return "triton is not installed"
         from arfusion.layers.moe.kernels.triton_router import norm_refusal
 
-        return norm_refusal(x, residual, weight, self.top_k, self.num_experts)
+        return norm_refusal(x, residual, weight, self.top_k)
 
     def route_normed(self, pending: PendingNorm, block_m: Optional[int]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:

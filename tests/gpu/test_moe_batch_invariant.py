@@ -5,8 +5,7 @@ experts of 768, hidden 2048, top-8, renormalised) and Mixtral-8x7B's (8 experts 
 
 A token's routing (weights, ids) and output have the same bits in every batch: the first 1, 7,
 64, 128 and 512 of one set of 2048 random tokens each give the rows the batch of 2048 gives them
-(the counts cross the routing's one-launch limit, 24 tokens at 128 experts and 384 at 8, the grouping kernel's of 2048
-slots, and the rows per expert at which the tiles grow to 32 and 64 rows and mma.sync gives way
+(the counts cross the routing's one-launch limit, 1 token, and the rows per expert at which the tiles grow to 32 and 64 rows and mma.sync gives way
 to wgmma: Qwen3-30B-A3B's 1 to 128 tokens take 16-row tiles, 512 tokens 32-row, 2048 tokens
 64-row; Mixtral's 1 to 64 tokens 16-row, 128 tokens 32-row, 512 and 2048 tokens 64-row. In
 batch-invariant mode the tiles are the default's with only the K steps pinned, so these

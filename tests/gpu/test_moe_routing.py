@@ -2,19 +2,20 @@
 Qwen3-30B-A3B (128 experts, hidden 2048, top-8, renormalised) and Mixtral-8x7B (8 experts, hidden
 4096, top-2), against the torch reference (layers/moe/router.py, layers/moe/align.py).
 
-Token counts 1, 8, 32, 256 and 300, 4096 (one launch up to `one_launch_max_tokens`: 24 tokens at
-128 experts, 96 at 32, 384 at 8; two launches past it), and ties (experts 2, 5, 6
-share one gate row that wins every token):
+Token counts 1, 8, 32, 256 and 300, 4096 on the default path (one launch at 1 token, two launches
+beyond) and, up to 2048 slots, on the one-launch path asked for; and ties (experts 2, 5, 6 share
+one gate row that wins every token):
 - logits within (1e-4, 1e-4) of `router_logits_torch` (fp32 products and sums of the same bf16
   inputs; logits of magnitude ~3: only the order of the fp32 sums differs);
 - ids equal to `select_experts` of the kernel's own logits, weights within (1e-5, 1e-5); tied
   experts lowest index first;
 - the grouping equal to `align_by_expert` of the ids, tensor for tensor, on the one-launch path;
 - the arrival counter zero after each call; a second call bit-identical to the first;
-- batch invariance: a token's logits, weights and ids are the same bits alone and in a batch of 32.
+- batch invariance: a token's logits, weights and ids are the same bits alone and in a batch of 32,
+  on either path.
 Then the routing captured in a CUDA graph and replayed with new inputs (against eager calls), and,
 printed with ``-s``, µs per call (CUDA graphs) of the routing before this kernel (fp32 F.linear,
-torch softmax + topk, the one-launch grouping) and of the one-launch routing.
+torch softmax + topk, the grouping launch) and of the default routing with its grouping.
 
 gpt-oss's router (a bias; softmax over the k chosen logits) at gpt-oss-20b's (32 experts) and
 gpt-oss-120b's (128 experts) shapes, hidden 2880, top-4, bf16 with a bf16 bias N(0, 1), the same
@@ -23,8 +24,8 @@ token counts and ties (the tied experts also share their bias):
   `route_topk_softmax` of the kernel's own logits, weights within (2e-6, 2e-6) of its weights
   (weights <= 1; the full softmax renormalised against the softmax of the k, and libdevice's
   exp against torch's: a few fp32 ulps); the grouping, the counter and a second call as above;
-- batch invariance: a token's logits, weights and ids alone, in a batch of 32 and in one of 300
-  (two launches) are the same bits;
+- batch invariance: a token's logits, weights and ids alone, in a batch of 32 (either path) and
+  in one of 300 (two launches) are the same bits;
 - `GptOssRouter.forward` on CUDA captured in a CUDA graph and replayed with new inputs: the bits
   of `route_triton` with the bias; then, printed with ``-s``, µs per call of gpt-oss's routing
   before (fp32 copies of W and b, fp32 F.linear, sort, gather, softmax, int cast) and of
@@ -40,8 +41,8 @@ pytest.importorskip("triton")
 from arfusion.layers.moe.align import align_by_expert  # noqa: E402
 from arfusion.layers.moe.gpt_oss_moe import GptOssRouter, route_topk_softmax  # noqa: E402
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton  # noqa: E402
-from arfusion.layers.moe.kernels.triton_router import (route_triton, takes_one_launch,  # noqa: E402
-                                              route_triton_with_logits)
+from arfusion.layers.moe.kernels.triton_router import (FUSED_MAX_SLOTS, route_triton,  # noqa: E402
+                                                       route_triton_with_logits)
 from arfusion.layers.moe.router import router_logits_torch, select_experts  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -64,15 +65,27 @@ def inputs(shape: str, tokens: int, seed: int, ties: bool = False) -> tuple[torc
     return h.bfloat16(), weight.bfloat16()
 
 
-CASES = [(s, t, False) for s in SHAPES for t in TOKENS] + [(s, 32, True) for s in SHAPES]
+def paths(shapes: dict, tokens: int) -> list:
+    """``one_launch`` values a case of ``tokens`` runs with: the default (None), and the one-launch path
+    asked for (True) where it is not the default and the slots fit it."""
+    fit = [s for s, (_, _, top_k) in shapes.items() if tokens * top_k <= FUSED_MAX_SLOTS]
+    return [(s, None) for s in shapes] + [(s, True) for s in fit if tokens > 1]
 
 
-@pytest.mark.parametrize("shape,tokens,ties", CASES)
-def test_against_torch_reference(shape, tokens, ties):
+def one_launch_taken(tokens: int, one_launch) -> bool:
+    return bool(one_launch) or tokens == 1
+
+
+CASES = [(s, t, False, p) for t in TOKENS for s, p in paths(SHAPES, t)] + [(s, 32, True, p) for s, p in paths(SHAPES, 32)]
+
+
+@pytest.mark.parametrize("shape,tokens,ties,one_launch", CASES)
+def test_against_torch_reference(shape, tokens, ties, one_launch):
     experts, _, top_k = SHAPES[shape]
     h, weight = inputs(shape, tokens, seed=tokens, ties=ties)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M,
+                                                            one_launch=one_launch)
     assert int(counter) == 0
     torch.testing.assert_close(logits, router_logits_torch(h, weight), rtol=1e-4, atol=1e-4)
     expected_weights, expected_ids = select_experts(logits, top_k, True)
@@ -81,29 +94,30 @@ def test_against_torch_reference(shape, tokens, ties):
     if ties:
         first = min(top_k, len(TIED))
         assert bool((ids[:, :first] == torch.tensor(TIED[:first], dtype=torch.int32, device=DEVICE)).all())
-    if not takes_one_launch(tokens, experts, top_k):
+    if not one_launch_taken(tokens, one_launch):
         assert blocks is None
     else:
         expected = align_by_expert(ids, experts, BLOCK_M)
         for field in ("sorted_slots", "block_expert", "num_rows"):
             assert torch.equal(getattr(blocks, field), getattr(expected, field)), field
-    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, one_launch=one_launch)
     assert torch.equal(again[0], weights) and torch.equal(again[1], ids) and torch.equal(again[3], logits)
 
 
+@pytest.mark.parametrize("one_launch", [None, True], ids=["default path", "one launch"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_batch_invariant(shape):
+def test_batch_invariant(shape, one_launch):
     _, _, top_k = SHAPES[shape]
     h, weight = inputs(shape, 32, seed=7)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    batch = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M)
+    batch = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, one_launch=one_launch)
     for t in (0, 13, 31):
         alone = route_triton_with_logits(h[t:t + 1], weight, top_k, True, counter, BLOCK_M)
         for i in (0, 1, 3):
             assert torch.equal(alone[i][0], batch[i][t]), (t, i)
 
 
-@pytest.mark.parametrize("tokens", [1, 24, 32])  # one launch with its grouping; 32: two launches, no grouping
+@pytest.mark.parametrize("tokens", [1, 2])  # one launch with its grouping; 2: two launches, no grouping
 def test_in_a_cuda_graph(tokens):
     experts, _, top_k = SHAPES["qwen3-30b-a3b"]
     static_h, weight = inputs("qwen3-30b-a3b", tokens, seed=1)
@@ -116,7 +130,7 @@ def test_in_a_cuda_graph(tokens):
         graph.replay()
         eager_weights, eager_ids, eager_blocks = route_triton(h, weight, top_k, True, counter, BLOCK_M)
         assert torch.equal(weights, eager_weights) and torch.equal(ids, eager_ids)
-        if not takes_one_launch(tokens, experts, top_k):
+        if not one_launch_taken(tokens, None):
             assert blocks is None and eager_blocks is None
             continue
         assert torch.equal(blocks.sorted_slots, eager_blocks.sorted_slots)
@@ -131,6 +145,13 @@ def _routing_before(h: torch.Tensor, weight32: torch.Tensor, top_k: int) -> None
     align_by_expert_triton(ids.to(torch.int32), weight32.shape[0], BLOCK_M)
 
 
+def route_and_group(h: torch.Tensor, weight: torch.Tensor, top_k: int, counter: torch.Tensor) -> None:
+    """The default routing with the slots grouped: by the one launch, else by the grouping launch."""
+    _, ids, blocks = route_triton(h, weight, top_k, True, counter, BLOCK_M)
+    if blocks is None:
+        align_by_expert_triton(ids, weight.shape[0], BLOCK_M)
+
+
 def test_timing_table():
     rows = []
     for shape in SHAPES:
@@ -140,8 +161,8 @@ def test_timing_table():
             weight32 = weight.float()
             counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
             before = median_us_per_call(lambda: _routing_before(h, weight32, top_k), 1)
-            after = median_us_per_call(lambda: route_triton(h, weight, top_k, True, counter, BLOCK_M), 1)
-            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  one launch {after:7.1f} us")
+            after = median_us_per_call(lambda: route_and_group(h, weight, top_k, counter), 1)
+            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  now {after:7.1f} us")
     print("\n" + "\n".join(rows))
 
 
@@ -167,15 +188,17 @@ def gpt_oss_inputs(shape: str, tokens: int, seed: int, ties: bool = False
     return h.bfloat16(), weight.bfloat16(), bias.bfloat16()
 
 
-GPT_OSS_CASES = [(s, t, False) for s in GPT_OSS for t in TOKENS] + [(s, 32, True) for s in GPT_OSS]
+GPT_OSS_CASES = ([(s, t, False, p) for t in TOKENS for s, p in paths(GPT_OSS, t)]
+                 + [(s, 32, True, p) for s, p in paths(GPT_OSS, 32)])
 
 
-@pytest.mark.parametrize("shape,tokens,ties", GPT_OSS_CASES)
-def test_gpt_oss_against_torch_reference(shape, tokens, ties):
+@pytest.mark.parametrize("shape,tokens,ties,one_launch", GPT_OSS_CASES)
+def test_gpt_oss_against_torch_reference(shape, tokens, ties, one_launch):
     experts, _, top_k = GPT_OSS[shape]
     h, weight, bias = gpt_oss_inputs(shape, tokens, seed=tokens, ties=ties)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias)
+    weights, ids, blocks, logits = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias,
+                                                            one_launch=one_launch)
     assert int(counter) == 0
     torch.testing.assert_close(logits, router_logits_torch(h, weight, bias), rtol=1e-4, atol=1e-4)
     expected_weights, expected_ids = route_topk_softmax(logits, top_k)
@@ -183,35 +206,37 @@ def test_gpt_oss_against_torch_reference(shape, tokens, ties):
     torch.testing.assert_close(weights, expected_weights, **GPT_OSS_WEIGHTS)
     if ties:
         assert bool((ids[:, :len(TIED)] == torch.tensor(TIED, dtype=torch.int32, device=DEVICE)).all())
-    if not takes_one_launch(tokens, experts, top_k):
+    if not one_launch_taken(tokens, one_launch):
         assert blocks is None
     else:
         expected = align_by_expert(ids, experts, BLOCK_M)
         for field in ("sorted_slots", "block_expert", "num_rows"):
             assert torch.equal(getattr(blocks, field), getattr(expected, field)), field
-    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias)
+    again = route_triton_with_logits(h, weight, top_k, True, counter, BLOCK_M, bias, one_launch=one_launch)
     assert torch.equal(again[0], weights) and torch.equal(again[1], ids) and torch.equal(again[3], logits)
 
 
 @pytest.mark.parametrize("shape", list(GPT_OSS))
 def test_gpt_oss_batch_invariant(shape):
-    """A token's bits alone, in a batch of 32 (one launch at 32 experts, two at 128) and in a batch of
-    300 (two launches)."""
+    """A token's bits alone (one launch), in a batch of 32 (two launches by default, and one asked
+    for) and in a batch of 300 (two launches)."""
     _, _, top_k = GPT_OSS[shape]
     h, weight, bias = gpt_oss_inputs(shape, 300, seed=7)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     large = route_triton_with_logits(h, weight, top_k, True, counter, None, bias)
     batch = route_triton_with_logits(h[:32], weight, top_k, True, counter, BLOCK_M, bias)
+    asked = route_triton_with_logits(h[:32], weight, top_k, True, counter, BLOCK_M, bias, one_launch=True)
     for t in (0, 13, 31):
         alone = route_triton_with_logits(h[t:t + 1], weight, top_k, True, counter, BLOCK_M, bias)
         for i in (0, 1, 3):
             assert torch.equal(alone[i][0], batch[i][t]) and torch.equal(large[i][t], batch[i][t]), (t, i)
+            assert torch.equal(asked[i][t], batch[i][t]), (t, i)
 
 
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_gpt_oss_router_module_in_a_cuda_graph(tokens):
-    """`GptOssRouter.forward` on CUDA is the one launch (the same bits as `route_triton` with its
-    bias), captured and replayed with new inputs."""
+    """`GptOssRouter.forward` on CUDA is `route_triton` with its bias (the same bits: one launch at 1
+    token, two at 32), captured and replayed with new inputs."""
     experts, hidden, top_k = GPT_OSS["gpt-oss-20b"]
     static_h, weight, bias = gpt_oss_inputs("gpt-oss-20b", tokens, seed=1)
     router = GptOssRouter(hidden, experts, top_k, torch.bfloat16, DEVICE)
@@ -246,5 +271,5 @@ def test_gpt_oss_timing_table():
             router.bias.data.copy_(bias)
             before = median_us_per_call(lambda: _gpt_oss_routing_before(h, weight, bias, top_k), 1)
             after = median_us_per_call(lambda: router(h), 1)
-            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  one launch {after:7.1f} us")
+            rows.append(f"{shape:14s} T={tokens:4d}  routing before {before:7.1f} us  now {after:7.1f} us")
     print("\n" + "\n".join(rows))

@@ -29,8 +29,8 @@ h), then makes ``s`` and ``h`` of its own split (`summed_rows`) and takes its pa
 that ``h`` as it did from a stored one. The programs of expert tile 0 store their split of ``h``
 into ``normed`` and of ``s`` into ``residual_out``: one writer per element. No program writes x or
 the old residual, so every program reads them whole, whatever the others have done: no race.
-Only the one-launch path takes a norm (triton_router.py: at most `one_launch_max_tokens`
-tokens and FUSED_MAX_SLOTS slots).
+Only the one-launch path takes a norm (triton_router.py: `ONE_LAUNCH_MAX_TOKENS` by default, up
+to FUSED_MAX_SLOTS slots when asked for).
 """
 from __future__ import annotations
 

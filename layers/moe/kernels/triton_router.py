@@ -11,7 +11,8 @@ math and its reference are layers/moe/router.py's (`router_logits_torch`, `selec
                    equal ones (a max, then a min over the experts that reach it): no sort
     w[t, j]      = p[t, ids[t, j]], divided by sum_j w[t, j] when renormalising
 
-One launch (`route_triton` up to `one_launch_max_tokens` tokens and FUSED_MAX_SLOTS slots): a grid of
+One launch (`route_triton` at ONE_LAUNCH_MAX_TOKENS tokens, a decode step at batch 1; any batch of
+up to FUSED_MAX_SLOTS slots when the caller asks for it): a grid of
 (16 tokens x 16 experts x one split of the hidden size) programs, each writing its partial logits
 to an fp32 buffer and then incrementing an arrival counter (release/acquire at GPU scope, after a
 CTA barrier). The program that arrives last sums the partials, selects every token's experts,
@@ -19,9 +20,11 @@ writes ``weights`` / ``ids``, groups the slots by expert for the grouped GEMM (l
 ``ExpertBlocks``, from the per-expert counts of the selection and a cumulative sum of the taken
 experts down the tokens: no sort) and sets the counter back to zero for the next call: routing and
 alignment cost one launch per layer. Larger batches take two launches (the partials over the same
-grid, then their sum and the selection by blocks of tokens) and fused_moe's own alignment.
-Given a `RouteNorm` (``norm``), the one-launch path also runs the residual add + RMSNorm before
-the routing: its programs make h from x and the residual themselves (triton_route_norm.py).
+grid, then their sum and the selection by blocks of tokens) and the experts' own grouping launch
+(triton_align.py), which together cost less from 2 tokens on for every router timed
+(docs/results.md). Given a `RouteNorm` (``norm``), the one-launch path also runs the residual
+add + RMSNorm before the routing: its programs make h from x and the residual themselves
+(triton_route_norm.py).
 
 Every tile size is fixed (never chosen by the token count), so a token's logits, weights and ids
 are the same bits whatever batch it is in and whichever path runs (also what batch-invariant mode,
@@ -66,11 +69,11 @@ from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.align import ExpertBlocks, max_padded_rows
 from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_problem, inv_rms, problem, summed_rows
 
-# The last program of the one-launch path selects every token alone, SELECT_ELEMENTS // E_POW2 tokens a
-# step one after another (about 5 us a step at 128 experts); past this many steps two launches and
-# the experts' own grouping launch cost less (at 32 tokens of 128 experts, 4 steps: 26.8 us against
-# 7.8 + 15.6; docs/notes.md, "Routing launch, by phase").
-ONE_LAUNCH_MAX_SELECT_STEPS = 3
+# The batches the one-launch path takes by default: its last program selects every token alone,
+# SELECT_ELEMENTS // E_POW2 tokens a step one after another, and groups the slots with one pass down
+# the tokens; with the experts' grouping launch (a program per expert), two routing launches and the
+# grouping cost less from 2 tokens on at 8, 32 and 128 experts (bench_routing, docs/results.md).
+ONE_LAUNCH_MAX_TOKENS = 1
 FUSED_MAX_SLOTS = 2048  # slots the last program groups, at most (batch 256 at top-8; the largest tested)
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
 SPLIT_WIDTH = 2 * BLOCK_K  # hidden columns per program: many short programs keep many loads in flight
@@ -283,14 +286,13 @@ def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int,
                          f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
 
 
-def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, top_k: int,
-                 num_experts: int) -> Optional[str]:
-    """Why a routing launch of ``top_k`` among ``num_experts`` does not take the norm of ``x`` and
+def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, top_k: int) -> Optional[str]:
+    """Why a routing launch of ``top_k`` experts a token does not take the norm of ``x`` and
     ``residual`` (weight ``norm_weight``; `RouteNorm`) for this batch, or None: the batch must take
-    the one-launch path, on CUDA fp16 / bf16 tensors that the launch accepts. The reason names no
-    token count of the batch (a caller logs each reason once)."""
-    if x.dim() == 2 and not takes_one_launch(x.shape[0], num_experts, top_k):
-        return f"the launch normalises on its one-launch path only: {one_launch_bounds(num_experts)}"
+    the one-launch path by default, on CUDA fp16 / bf16 tensors that the launch accepts. The
+    reason names no token count of the batch (a caller logs each reason once)."""
+    if x.dim() == 2 and not takes_one_launch(x.shape[0], top_k):
+        return f"the launch normalises on its one-launch path only: {ONE_LAUNCH_BOUNDS}"
     if not x.is_cuda:
         return "the activations are not on a CUDA device"
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -300,11 +302,15 @@ def norm_refusal(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Ten
 
 def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                              counter: torch.Tensor, block_m: Optional[int] = None,
-                             bias: Optional[torch.Tensor] = None, norm: Optional[RouteNorm] = None
+                             bias: Optional[torch.Tensor] = None, norm: Optional[RouteNorm] = None,
+                             one_launch: Optional[bool] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks], torch.Tensor]:
     """`route_triton` and the fp32 logits ``[T, E]`` it selected from (the module docstring's
     ``logits``, bias included, for tests against the reference)."""
     _check_inputs(hidden_states, weight, top_k, counter, bias)
+    if one_launch and hidden_states.shape[0] * top_k > FUSED_MAX_SLOTS:
+        raise ValueError(f"the one-launch path groups at most {FUSED_MAX_SLOTS} slots (tokens x top-k), got "
+                         f"{hidden_states.shape[0]} x {top_k}")
     tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
     device = hidden_states.device
@@ -314,11 +320,11 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
     if tokens == 0:
         return weights, ids, None, logits
     num_slots = tokens * top_k
-    fused = takes_one_launch(tokens, num_experts, top_k)
+    fused = takes_one_launch(tokens, top_k) if one_launch is None else one_launch
     if norm is not None:
         found = problem(hidden_states, norm) or (
-            None if fused else f"a norm runs on the one-launch path only: {one_launch_bounds(num_experts)}; got "
-                               f"{tokens} tokens and {num_slots} slots")
+            None if fused else f"a norm runs on the one-launch path only ({ONE_LAUNCH_BOUNDS}); got {tokens} "
+                               f"tokens and {num_slots} slots")
         if found is not None:
             raise ValueError(found)
     align = fused and block_m is not None
@@ -366,23 +372,15 @@ def _select_tokens(num_experts: int) -> int:
     return max(1, SELECT_ELEMENTS // triton.next_power_of_2(num_experts))
 
 
-def one_launch_max_tokens(num_experts: int) -> int:
-    """The most tokens the one-launch path routes among ``num_experts`` experts:
-    ONE_LAUNCH_MAX_SELECT_STEPS selection steps (24 tokens at 128 experts, 96 at 32, 384 at 8);
-    FUSED_MAX_SLOTS bounds the slots too."""
-    return ONE_LAUNCH_MAX_SELECT_STEPS * _select_tokens(num_experts)
+ONE_LAUNCH_BOUNDS = (f"at most {ONE_LAUNCH_MAX_TOKENS} token(s) and {FUSED_MAX_SLOTS} slots (tokens x top-k) by "
+                     "default")
 
 
-def one_launch_bounds(num_experts: int) -> str:
-    """The one-launch path's bounds among ``num_experts`` experts, in words (for refusals)."""
-    return (f"at most {one_launch_max_tokens(num_experts)} tokens among {num_experts} experts and "
-            f"at most {FUSED_MAX_SLOTS} slots (tokens x top-k)")
-
-
-def takes_one_launch(tokens: int, num_experts: int, top_k: int) -> bool:
-    """Whether a batch of ``tokens`` routes in one launch (selection and grouping by its last
-    program) rather than two (the logits' partials, then the selection by blocks of tokens)."""
-    return tokens <= one_launch_max_tokens(num_experts) and tokens * top_k <= FUSED_MAX_SLOTS
+def takes_one_launch(tokens: int, top_k: int) -> bool:
+    """Whether `route_triton` routes a batch of ``tokens`` in one launch by default (selection and
+    grouping by its last program) rather than two (the logits' partials, then the selection by
+    blocks of tokens)."""
+    return tokens <= ONE_LAUNCH_MAX_TOKENS and tokens * top_k <= FUSED_MAX_SLOTS
 
 
 def select_experts_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +411,8 @@ def _launch_select(partials: torch.Tensor, logits: torch.Tensor, weights: torch.
 
 def route_triton(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                  counter: torch.Tensor, block_m: Optional[int] = None, bias: Optional[torch.Tensor] = None,
-                 norm: Optional[RouteNorm] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
+                 norm: Optional[RouteNorm] = None, one_launch: Optional[bool] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[ExpertBlocks]]:
     """``h [T, hidden]``, gate ``weight [E, hidden]`` (h's dtype) and optional ``bias [E]`` (any
     float dtype, added to the fp32 logits) -> new ``(weights fp32 [T, k], ids int32 [T, k],
     blocks)`` by the module docstring; ``blocks``: the slots grouped by expert
@@ -425,7 +424,11 @@ def route_triton(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, 
     ``norm``: ``hidden_states`` is x, and the launch first normalises it
     (layers/moe/kernels/triton_route_norm.py: h = rms_norm(round(x + norm.residual)) * norm.weight
     into ``norm.normed``, the rounded sum into ``norm.residual_out``; x and the residual only
-    read) and routes h; only on the one-launch path (`norm_refusal`), ValueError elsewhere."""
+    read) and routes h; only on the one-launch path (`norm_refusal`), ValueError elsewhere.
+
+    ``one_launch``: the path, one launch (True; at most FUSED_MAX_SLOTS slots, ValueError beyond)
+    or two (False); None: one launch for the batches `takes_one_launch` names. Both paths give the
+    same bits (module docstring)."""
     weights, ids, blocks, _ = route_triton_with_logits(hidden_states, weight, top_k, renormalize, counter, block_m,
-                                                       bias, norm)
+                                                       bias, norm, one_launch)
     return weights, ids, blocks
