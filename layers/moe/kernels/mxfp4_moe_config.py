@@ -66,10 +66,15 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
 
 # From this many slots MXFP4 experts take the tensor-core launches (`tensor_core_config`) where
 # they can run (bf16 activations, K a multiple of 32, scales up to 2^1; else the launches above):
-# on the GPU benchmark of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss) they
-# were slower than the matrix-vector launches at 1 and 2 tokens (top-4: 4 and 8 slots), even at
-# 4 tokens, and faster from 8 tokens on, as against the grouped launches at every larger count.
-TENSOR_CORE_MIN_SLOTS = 17
+# on the GPU benchmark of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss), with
+# K steps of 512 up to LONG_K_MAX_SLOTS slots, they were slower than the matrix-vector launches at
+# 1 token of gpt-oss-20b (4 slots) and faster at 2 and 4 (8 and 16 slots), as with K steps of 64
+# from 8 tokens on and against the grouped launches at every larger count.
+TENSOR_CORE_MIN_SLOTS = 8
+# Up to this many slots the tensor-core launches step K by 512 columns: the few programs of such a
+# call need many bytes in flight (docs/notes.md, gpt-oss); faster than steps of 64 or 256 at 4, 8
+# and 16 slots on the same benchmark.
+LONG_K_MAX_SLOTS = 16
 
 # The tensor-core launches load each K step one step ahead (``prefetch``) where the slots are
 # expected to reach at least this many experts (`expected_active_experts`): on the GPU benchmark
@@ -203,13 +208,12 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and the
     prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
     Within a few % of the best of seven tiles on the GPU benchmark at 16, 32 and 128 tokens
-    (docs/results.md, gpt-oss). Below `TENSOR_CORE_MIN_SLOTS` slots (reached with
-    ``--mxfp4-experts tensor-cores``), outside batch-invariant mode, K steps of 512 columns: the
-    few programs of such a call need the bytes in flight (docs/notes.md, gpt-oss); batch-invariant
-    mode keeps one K step at every batch (``batch_invariant``)."""
+    (docs/results.md, gpt-oss). Up to `LONG_K_MAX_SLOTS` slots, outside batch-invariant mode, K
+    steps of 512 columns; batch-invariant mode keeps one K step at every batch
+    (``batch_invariant``)."""
     rows_per_expert = num_slots / num_experts
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
-    if num_slots < TENSOR_CORE_MIN_SLOTS and not batch_invariant:
+    if num_slots <= LONG_K_MAX_SLOTS and not batch_invariant:
         return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=512, block_n_down=64,
                               block_k_down=512, num_warps=4, tensor_cores=True)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
