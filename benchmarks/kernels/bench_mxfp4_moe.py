@@ -16,8 +16,8 @@ its error in its row and the run goes on.
     python -m arfusion.benchmarks.kernels.bench_mxfp4_moe --tokens 1 8 32 128 512 --out out/bench_mxfp4_moe.json
 
 ``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
-fields that replace the default's at each token count (from 5 tokens the tensor-core launches'
-tiles, below them the matrix-vector launches'), e.g. ``block_m=16`` or ``prefetch=1`` for the
+fields that replace the default's at each token count (from `TENSOR_CORE_MIN_SLOTS` slots the
+tensor-core launches' tiles, below them the matrix-vector launches'), e.g. ``block_m=16`` or ``prefetch=1`` for the
 tensor-core launches, ``tensor_cores=0,swap=1,word_decode=1,block_m=8`` for the grouped ones, or
 ``tensor_cores=0,block_n_down=64,split_k_down=2,num_stages=4`` (booleans as 0 / 1; every field of
 `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K splits of the down
