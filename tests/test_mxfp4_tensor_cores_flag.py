@@ -6,7 +6,7 @@
   which needs them kept); a GptOssExperts in bf16 form refuses ``tensor_cores``;
 - a runner on the CPU refuses it at start-up (a tiny gpt-oss MXFP4 checkpoint), naming the flag;
 - `tensor_core_config` gives valid tiles at gpt-oss's shapes (TP1, TP2, TP4) for every rows per
-  expert, K steps that divide K (of 512 up to `LONG_K_MAX_SLOTS` slots outside
+  expert, K steps that divide K (of 512 up to `LONG_K_MAX_SLOTS` slots and 256 up to `MID_K_MAX_ROWS` rows per expert outside
   batch-invariant mode, with tail steps), blocks that hold the mean rows per expert; in
   batch-invariant mode the same K steps at every batch;
 - `gpt_oss_experts_triton` (its launches recorded, nothing run) takes those tiles for experts
@@ -23,7 +23,8 @@ import torch
 from arfusion.engine.models.config import ModelConfig
 from arfusion.engine.runtime.model_runner import RunnerSettings, _run_form, keep_mxfp4
 from arfusion.layers import batch_invariant
-from arfusion.layers.moe.kernels.mxfp4_moe_config import LONG_K_MAX_SLOTS, check_config, tensor_core_config
+from arfusion.layers.moe.kernels.mxfp4_moe_config import (LONG_K_MAX_SLOTS, MID_K_MAX_ROWS, check_config,
+                                                          tensor_core_config)
 from arfusion.server_args import ServerArgs, ServerArgsError
 from tests.dist_utils import run_distributed
 
@@ -82,7 +83,7 @@ def test_a_runner_on_the_cpu_refuses_it_naming_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize("inter", [2880, 1440, 736])
-@pytest.mark.parametrize("num_slots", [4, 8, 16, 17, 32, 43, 44, 48, 64, 256, 288, 512, 544, 1024, 1056, 9600])
+@pytest.mark.parametrize("num_slots", [4, 8, 16, 17, 32, 43, 44, 48, 64, 65, 256, 288, 512, 544, 1024, 1056, 9600])
 def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
     cfg = tensor_core_config(num_slots, 32, 2880, inter)
     check_config(cfg, True)
@@ -90,6 +91,8 @@ def test_tensor_core_tiles_are_valid_at_gpt_oss_shapes(inter, num_slots):
     assert cfg.tensor_cores
     if num_slots <= LONG_K_MAX_SLOTS:  # long K steps, the rest in steps of its powers of two
         assert cfg.block_k_gate_up == cfg.block_k_down == 512 and not cfg.prefetch
+    elif rows_per_expert <= MID_K_MAX_ROWS:
+        assert cfg.block_k_gate_up == cfg.block_k_down == 256
     else:
         assert 2880 % cfg.block_k_gate_up == 0 and inter % cfg.block_k_down == 0
     assert cfg.block_m >= min(rows_per_expert, 64) and (cfg.block_m == 8 or cfg.block_m / 2 < rows_per_expert)

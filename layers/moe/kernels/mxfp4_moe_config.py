@@ -71,10 +71,12 @@ GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024,
 # 1 token of gpt-oss-20b (4 slots) and faster at 2 and 4 (8 and 16 slots), as with K steps of 64
 # from 8 tokens on and against the grouped launches at every larger count.
 TENSOR_CORE_MIN_SLOTS = 8
-# Up to this many slots the tensor-core launches step K by 512 columns: the few programs of such a
-# call need many bytes in flight (docs/notes.md, gpt-oss); faster than steps of 64 or 256 at 4, 8
-# and 16 slots on the same benchmark.
+# K steps of the tensor-core launches: the few programs of a small call need many bytes in flight
+# (docs/notes.md, gpt-oss). On the same benchmark, 512 columns were the fastest at 4, 8 and 16
+# slots; past them 256 (1.06-1.30x steps of 64) wherever the mean rows per expert were at most
+# MID_K_MAX_ROWS (32 to 1,024 slots of gpt-oss-20b and -120b), 64 above (256 0.53-0.89x there).
 LONG_K_MAX_SLOTS = 16
+MID_K_MAX_ROWS = 8
 
 # The tensor-core launches load each K step one step ahead (``prefetch``) where the slots are
 # expected to reach at least this many experts (`expected_active_experts`): on the GPU benchmark
@@ -208,14 +210,18 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     `PREFETCH_MIN_ACTIVE_EXPERTS` experts. Batch-invariant mode takes them too: the blocks and the
     prefetch follow the batch but a row's sums do not (layers/moe/kernels/gluon_mxfp4_experts.py).
     Within a few % of the best of seven tiles on the GPU benchmark at 16, 32 and 128 tokens
-    (docs/results.md, gpt-oss). Up to `LONG_K_MAX_SLOTS` slots, outside batch-invariant mode, K
-    steps of 512 columns; batch-invariant mode keeps one K step at every batch
-    (``batch_invariant``)."""
+    (docs/results.md, gpt-oss). Outside batch-invariant mode, K steps of 512 columns up to
+    `LONG_K_MAX_SLOTS` slots and of 256 up to `MID_K_MAX_ROWS` rows per expert (the rest of K in
+    steps of its powers of two); batch-invariant mode keeps one K step at every batch (``batch_invariant``)."""
     rows_per_expert = num_slots / num_experts
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
+    prefetch = expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS
     if num_slots <= LONG_K_MAX_SLOTS and not batch_invariant:
         return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=512, block_n_down=64,
                               block_k_down=512, num_warps=4, tensor_cores=True)
+    if rows_per_expert <= MID_K_MAX_ROWS and not batch_invariant:
+        return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=256, block_n_down=64,
+                              block_k_down=256, num_warps=4, tensor_cores=True, prefetch=prefetch)
     return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
                           block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True,
-                          prefetch=expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS)
+                          prefetch=prefetch)
