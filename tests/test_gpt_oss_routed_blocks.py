@@ -2,8 +2,9 @@
 their own grouping launch (`GptOssExperts.block_m`, `gpt_oss_experts_triton(..., blocks=...)`).
 
 Under Triton's CPU interpreter (one spawned child; skipped without triton), fp32, 8 experts of
-hidden 64 / intermediate 96, top-4, 5 and 33 tokens (one and several blocks an expert): the
-routing launch's blocks (`route_triton` with the router's bias, ``block_m`` 8, 16 and 32) equal
+hidden 64 / intermediate 96, top-4, 1, 5 and 33 tokens (one and several blocks an expert; the
+one-launch path, the default at 1 token and asked for beyond): the routing launch's blocks
+(`route_triton` with the router's bias, ``block_m`` 8, 16 and 32) equal
 `align_by_expert`'s, and the experts' grouped launches give the same bits with them as with
 their own grouping; blocks of another ``block_m`` than the launches' are refused by name.
 Without a GPU: `GptOssMoeBlock` asks its experts for the block size and hands the routing's
@@ -19,7 +20,7 @@ from tests.test_gpt_oss_moe_triton import fill_experts
 
 pytest.importorskip("triton")
 
-TOKENS = (5, 33)
+TOKENS = (1, 5, 33)
 TILES = dict(block_m=16, block_n_gate_up=32, block_k_gate_up=64, block_n_down=32, block_k_down=32, num_warps=4,
              num_stages=1)
 
@@ -39,11 +40,13 @@ def _interpreted(rank: int, world: int) -> dict:
         x = torch.randn(tokens, 64, generator=g)
         same_blocks = True
         for block_m in (8, 32):  # the tensor-core launches' smallest blocks, and wider ones
-            _, ids_m, blocks_m = route_triton(x, router, 4, True, torch.zeros(1, dtype=torch.int32), block_m, bias)
+            _, ids_m, blocks_m = route_triton(x, router, 4, True, torch.zeros(1, dtype=torch.int32), block_m, bias,
+                                              one_launch=True)
             aligned = align_by_expert(ids_m, 8, block_m)
             same_blocks &= all(torch.equal(getattr(blocks_m, f), getattr(aligned, f))
                                for f in ("sorted_slots", "block_expert", "num_rows"))
-        weights, ids, blocks = route_triton(x, router, 4, True, torch.zeros(1, dtype=torch.int32), 16, bias)
+        weights, ids, blocks = route_triton(x, router, 4, True, torch.zeros(1, dtype=torch.int32), 16, bias,
+                                            one_launch=True)
         aligned = align_by_expert(ids, 8, 16)
         same_blocks &= all(torch.equal(getattr(blocks, f), getattr(aligned, f))
                            for f in ("sorted_slots", "block_expert", "num_rows"))

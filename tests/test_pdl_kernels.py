@@ -295,7 +295,8 @@ def _moe_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
 
     def routing(norm: bool = False) -> tuple:
         normed = RouteNorm(residual, norm_weight, 1e-6, torch.empty_like(h), torch.empty_like(h)) if norm else None
-        w, i, blocks = route_triton(h, gate, 2, True, torch.zeros(1, dtype=torch.int32), 16, bias, normed)
+        w, i, blocks = route_triton(h, gate, 2, True, torch.zeros(1, dtype=torch.int32), 16, bias, normed,
+                                    one_launch=True)
         return (w, i, blocks.sorted_slots, blocks.block_expert, blocks.num_rows) + (normed[3:] if norm else ())
 
     return {"routing (bias, grouped by expert)": routing,
