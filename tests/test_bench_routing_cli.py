@@ -1,7 +1,8 @@
 """benchmarks/kernels/bench_routing.py without a GPU: the default path of each batch (one launch at
 one token, two beyond; FUSED_MAX_SLOTS bounds the one-launch path), and `route_triton`'s refusal of
-a one-launch path asked for beyond FUSED_MAX_SLOTS, naming it; the command, and bench_align.py's,
-refuses to run without CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
+a one-launch path asked for beyond FUSED_MAX_SLOTS, naming it; the benchmark's routing groups the
+slots by the grouping launch only where the routing left them ungrouped and a block size is given
+(``--ungrouped``: none); the command, and bench_align.py's, refuses to run without CUDA, naming why. The kernel benchmarks' rows file (benchmarks/kernels/rows_file.py): JSON where a
 path is given, nothing written without one."""
 import sys
 
@@ -27,6 +28,19 @@ def test_a_one_launch_path_asked_for_beyond_its_slots_is_refused():
     counter = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"at most {triton_router.FUSED_MAX_SLOTS} slots .* got {tokens} x 8"):
         triton_router.route_triton(h, gate, 8, True, counter, one_launch=True)
+
+
+@pytest.mark.parametrize("one_launch,block_m,grouped", [(True, 16, False), (False, 16, True), (False, None, False)])
+def test_the_grouping_launch_runs_only_where_the_routing_left_it(monkeypatch, one_launch, block_m, grouped):
+    from arfusion.layers.moe.kernels import triton_align
+
+    launched = []
+    monkeypatch.setattr(triton_router, "route_triton", lambda h, gate, k, renorm, counter, m, bias, one_launch: (
+        None, "ids", "blocks" if one_launch and m is not None else None))
+    monkeypatch.setattr(triton_align, "align_by_expert_triton", lambda ids, experts, m: launched.append((ids, m)))
+    gate = __import__("torch").empty(8, 4)
+    bench_routing.route_and_group(None, gate, None, 2, block_m, None, one_launch)
+    assert launched == ([("ids", block_m)] if grouped else [])
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
