@@ -12,7 +12,9 @@
 - `gpt_oss_experts_triton` (its launches recorded, nothing run) takes those tiles for experts
   marked ``tensor_cores``, in batch-invariant mode too (the launches are batch-invariant by
   construction), and otherwise the matrix-vector launches, or the grouped batch-invariant tiles
-  in batch-invariant mode.
+  in batch-invariant mode;
+- unmarked experts whose tensor-core launches are refused take the launches before, the reason
+  logged once as a warning.
 """
 import dataclasses
 from types import SimpleNamespace
@@ -162,3 +164,19 @@ def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monke
         assert cfg == tensor_core_config(tokens * 4, 32, 2880, 1440, batch_invariant=deterministic)
     if name == "_grouped_partials":
         assert cfg.block_k_gate_up == cfg.block_k_down == 128 and not cfg.swap  # batch-invariant mode's pins
+
+
+def test_a_refusal_of_the_tensor_core_launches_is_logged_once(caplog, monkeypatch):
+    """Unmarked experts whose tensor-core launches are refused (here: fp16 activations) take the
+    launches before, and the reason is logged once a process, as a warning."""
+    pytest.importorskip("triton")
+    import logging
+
+    from arfusion.layers.moe.kernels import triton_mxfp4_moe
+
+    monkeypatch.setattr(triton_mxfp4_moe, "_REFUSALS_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger=triton_mxfp4_moe.__name__):
+        configs = [triton_mxfp4_moe.default_config(_stand_in(False, 120), 32, torch.float16) for _ in range(2)]
+    assert not any(cfg.tensor_cores for cfg in configs)
+    warned = [r.getMessage() for r in caplog.records if r.name == triton_mxfp4_moe.__name__]
+    assert len(warned) == 1 and "bf16 activations, got torch.float16" in warned[0], warned

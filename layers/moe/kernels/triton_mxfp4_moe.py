@@ -51,6 +51,7 @@ launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -269,19 +270,31 @@ def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+logger = logging.getLogger(__name__)
+_REFUSALS_LOGGED: set[str] = set()  # the tensor-core launches' refusals logged so far (each once a process)
+
+
 def default_config(experts, num_slots: int, dtype: torch.dtype) -> Mxfp4MoEConfig:
     """The launches' tiles and variant for ``num_slots`` slots of activations of ``dtype`` when the
     caller gives none. MXFP4 weights take the tensor-core launches (`tensor_core_config`) from
     `TENSOR_CORE_MIN_SLOTS` slots, and at every batch in batch-invariant mode (the
     launches are batch-invariant by construction) or for experts marked ``tensor_cores``, wherever
     `tensor_core_refusal` allows (experts marked ``tensor_cores`` take them regardless, and a
-    refusal is then an error); else `experts_block_config` (batch-invariant mode's when it is on).
+    refusal is then an error; otherwise each refusal's reason is logged once, as a warning); else
+    `experts_block_config` (batch-invariant mode's when it is on).
     Measured in docs/results.md (gpt-oss)."""
     deterministic = batch_invariant.enabled()
     if experts.mxfp4 and (experts.tensor_cores or deterministic or num_slots >= TENSOR_CORE_MIN_SLOTS):
         tensor = tensor_core_config(num_slots, experts.num_experts, experts.hidden_size, experts.local, deterministic)
-        if experts.tensor_cores or _tensor_core_refusal(dtype, experts, tensor) is None:
+        if experts.tensor_cores:
             return tensor
+        refusal = _tensor_core_refusal(dtype, experts, tensor)
+        if refusal is None:
+            return tensor
+        if refusal not in _REFUSALS_LOGGED:
+            _REFUSALS_LOGGED.add(refusal)
+            logger.warning("MXFP4 experts: the tensor-core launches refused (%s); the slower launches of "
+                           "experts_block_config run instead", refusal)
     return experts_block_config(num_slots, experts.num_experts, experts.mxfp4, deterministic)
 
 
