@@ -215,13 +215,11 @@ def tensor_core_config(num_slots: int, num_experts: int, hidden: int, inter: int
     steps of its powers of two); batch-invariant mode keeps one K step at every batch (``batch_invariant``)."""
     rows_per_expert = num_slots / num_experts
     block_m = next((m for m in (8, 16, 32) if rows_per_expert <= m), 64)
-    prefetch = expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS
-    if num_slots <= LONG_K_MAX_SLOTS and not batch_invariant:
-        return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=512, block_n_down=64,
-                              block_k_down=512, num_warps=4, tensor_cores=True)
-    if rows_per_expert <= MID_K_MAX_ROWS and not batch_invariant:
-        return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=256, block_n_down=64,
-                              block_k_down=256, num_warps=4, tensor_cores=True, prefetch=prefetch)
-    return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=64 if hidden % 64 == 0 else 32,
-                          block_n_down=64, block_k_down=64 if inter % 64 == 0 else 32, num_warps=4, tensor_cores=True,
-                          prefetch=prefetch)
+    if batch_invariant or rows_per_expert > MID_K_MAX_ROWS:
+        k_gate_up, k_down = (64 if hidden % 64 == 0 else 32), (64 if inter % 64 == 0 else 32)
+    else:
+        k_gate_up = k_down = 512 if num_slots <= LONG_K_MAX_SLOTS else 256
+    # (up to LONG_K_MAX_SLOTS slots fewer than PREFETCH_MIN_ACTIVE_EXPERTS experts are active: no prefetch)
+    return Mxfp4MoEConfig(block_m=block_m, block_n_gate_up=64, block_k_gate_up=k_gate_up, block_n_down=64,
+                          block_k_down=k_down, num_warps=4, tensor_cores=True,
+                          prefetch=expected_active_experts(num_slots, num_experts) >= PREFETCH_MIN_ACTIVE_EXPERTS)

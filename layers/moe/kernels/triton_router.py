@@ -75,6 +75,8 @@ from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_probl
 # grouping cost less from 2 tokens on at 8, 32 and 128 experts (bench_routing, docs/results.md).
 ONE_LAUNCH_MAX_TOKENS = 1
 FUSED_MAX_SLOTS = 2048  # slots the last program groups, at most (batch 256 at top-8; the largest tested)
+ONE_LAUNCH_BOUNDS = (f"at most {ONE_LAUNCH_MAX_TOKENS} token(s) and {FUSED_MAX_SLOTS} slots (tokens x top-k) by "
+                     "default")  # in words, for refusals
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 128  # the logits tile of one program (tl.dot needs >= 16 each way)
 SPLIT_WIDTH = 2 * BLOCK_K  # hidden columns per program: many short programs keep many loads in flight
 SELECT_ELEMENTS = 1024  # tokens x next_power_of_2(E) logits per selection step: 8 per thread at NUM_WARPS
@@ -370,10 +372,6 @@ def _norm_args(x: torch.Tensor, norm: Optional[RouteNorm]) -> dict:
 
 def _select_tokens(num_experts: int) -> int:
     return max(1, SELECT_ELEMENTS // triton.next_power_of_2(num_experts))
-
-
-ONE_LAUNCH_BOUNDS = (f"at most {ONE_LAUNCH_MAX_TOKENS} token(s) and {FUSED_MAX_SLOTS} slots (tokens x top-k) by "
-                     "default")
 
 
 def takes_one_launch(tokens: int, top_k: int) -> bool:
