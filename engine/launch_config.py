@@ -72,5 +72,5 @@ def runner_settings(args: ServerArgs) -> RunnerSettings:
         disable_cuda_graph=args.disable_cuda_graph, norm_into_qkv=args.norm_into_qkv,
         norm_into_route=args.norm_into_route, rotary_into_attention=args.rotary_into_attention,
         prefetch_o_proj=args.prefetch_o_proj,
-        enable_pdl=args.enable_pdl, fusion=fusion_config(args),
+        enable_pdl=args.enable_pdl, pdl_max_batch=args.pdl_max_batch, fusion=fusion_config(args),
     )

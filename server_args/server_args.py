@@ -82,6 +82,7 @@ class ServerArgs(BaseModel):
     cuda_graph_max_bs: int = Field(256, ge=1, description="Largest decode batch captured in a CUDA graph")
     disable_cuda_graph: bool = Field(False, description="Run decode eagerly")
     enable_pdl: bool = Field(False, description="Launch the Triton kernels of a decode step (o projection, rotary + q/k norm + KV store, decode attention, MoE routing, the MoE experts for a few tokens) with programmatic dependent launch: a kernel's blocks may be scheduled while the kernel before it runs, and wait on the GPU for its results (meant to shorten the idle time between kernels); the same output bits as without it; NVIDIA sm90 (Hopper) or newer, refused at start-up elsewhere (layers/kernels/pdl.py)")
+    pdl_max_batch: int = Field(1, ge=0, description="At TP size 1, decode batches of at most this many sequences launch the step's Triton kernels with programmatic dependent launch, as --enable-pdl does for every batch, where it can run (NVIDIA sm90 or newer with triton; elsewhere, and at larger TP sizes, it stays off and the reason is logged once): measured 2 to 3 percent faster at batch 1, neutral at batch 8 (docs/results.md); the same output bits either way; 0: only with --enable-pdl")
     skip_server_warmup: bool = Field(False, description="Skip the start-up warm-up (forwards of every shape class the server runs: Triton kernels, eager decode sizes, sampling), so the first requests pay those first-use costs")
     disable_overlap_schedule: bool = Field(False, description="Read each step's tokens on the host before launching the next step (without it, step n+1 is launched first, so the GPU does not wait for the host)")
 
@@ -195,7 +196,7 @@ class ServerArgs(BaseModel):
 # Options that act on a GPU only (on the CPU they change nothing, or are refused): --help marks them.
 GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
                       "norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj",
-                      "enable_pdl"})
+                      "enable_pdl", "pdl_max_batch"})
 GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.

@@ -10,7 +10,11 @@
   rank), and with the support check stood in (as on an sm90 GPU) each rank's forward runs with
   the switch on, and leaves it off after;
 - ``launch_server --enable-pdl`` at TP2 where PDL cannot run (under TRITON_INTERPRET=1, on any
-  machine) exits 2 with one line naming the flag and the reason.
+  machine) exits 2 with one line naming the flag and the reason;
+- ``--pdl-max-batch`` (default 1, without the flag): with the support check stood in, at TP1 a
+  decode step of at most that many sequences runs with the switch on and a prefill or a larger
+  decode batch with it off (the graphs' sizes follow the same rule); at TP2, or where PDL cannot
+  run (the CPU), every forward keeps it off and the runner starts.
 """
 from __future__ import annotations
 
@@ -135,3 +139,55 @@ def test_the_server_exits_2_naming_the_flag_and_the_reason(monkeypatch: pytest.M
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: --enable-pdl: "), result.stderr
     assert "Traceback" not in result.stderr + result.stdout, result.stderr
+
+
+def test_pdl_max_batch_defaults_to_one_and_reaches_the_runner_settings():
+    from arfusion.engine import bench_one_batch
+
+    assert ServerArgs().pdl_max_batch == 1 and runner_settings(ServerArgs()).pdl_max_batch == 1
+    args = ServerArgs.from_cli(["--pdl-max-batch", "4"])
+    assert launch_config(args).runner.pdl_max_batch == 4
+    assert bench_one_batch.parse_args(["--pdl-max-batch", "0"])[0].pdl_max_batch == 0
+    with pytest.raises(ServerArgsError, match="--pdl-max-batch: Input should be greater than or equal to 0"):
+        ServerArgs.from_cli(["--pdl-max-batch", "-1"])
+
+
+def _decode_switches(rank: int, world: int, supported: bool, max_batch: int) -> tuple[list[bool], list[bool], bool]:
+    """(the switch in each forward: a prefill of two prompts, a decode of both, a prefill and a
+    decode of one; whether graph sizes 1, 2 take PDL; the switch after) on the tiny model on the
+    CPU with ``--pdl-max-batch max_batch`` (the support check stood in when ``supported``)."""
+    from arfusion.engine.runtime.rank_parts import build_runner
+    from arfusion.engine.scheduling.static_batch import StaticBatch
+    from arfusion.layers.parallel_state import get_tp_group
+
+    if supported:
+        pdl.unsupported_reason = lambda device: None
+    args = ServerArgs.from_cli(["--pdl-max-batch", str(max_batch), "--tp-size", str(world),
+                                "--max-running-requests", "2", "--context-length", "64"])
+    runner = build_runner(launch_config(args).runner, get_tp_group())
+    seen = []
+    forward = runner._forward
+    runner._forward = lambda plan: (seen.append(pdl.enabled()), forward(plan))[1]
+    pair = StaticBatch(runner, [[1, 2, 3], [5, 6]], 2)
+    pair.prefill()
+    pair.decode([4, 7])
+    single = StaticBatch(runner, [[1, 2, 3]], 2)
+    single.prefill()
+    single.decode([4])
+    sizes = [runner._pdl_for_decode(bs) for bs in (1, 2)]
+    runner.destroy()
+    return seen, sizes, pdl.enabled()
+
+
+def test_decode_batches_up_to_the_bound_launch_with_pdl_at_tp1():
+    assert run_distributed(_decode_switches, world_size=1, args=(True, 1), timeout_s=180) == [
+        ([False, False, False, True], [True, False], False)]
+    assert run_distributed(_decode_switches, world_size=1, args=(True, 0), timeout_s=180) == [
+        ([False] * 4, [False, False], False)]
+
+
+def test_pdl_stays_off_at_tp2_and_where_it_cannot_run():
+    assert run_distributed(_decode_switches, world_size=2, args=(True, 1), timeout_s=180) == [
+        ([False] * 4, [False, False], False)] * 2
+    assert run_distributed(_decode_switches, world_size=1, args=(False, 1), timeout_s=180) == [
+        ([False] * 4, [False, False], False)]

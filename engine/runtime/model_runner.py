@@ -12,7 +12,8 @@ batch) launch the graphs' decode kernel, of one shape whatever the step.
 With ``enable_pdl`` (``--enable-pdl``, checked at start-up) every forward and every graph capture
 launches the decode step's Triton kernels with programmatic dependent launch
 (`layers.kernels.pdl`): the same bits, with a kernel's blocks scheduled while the one before
-it still runs.
+it still runs. Without it, decode steps of at most ``pdl_max_batch`` sequences (``--pdl-max-batch``,
+their forwards and graph captures) take it at TP size 1 where it can run (`pdl_decode_bound`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from arfusion.engine.weights.dummy import dummy_weights
 from arfusion.engine.weights.gguf_loader import ParsedGGUF
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
+from arfusion.layers.kernels import pdl
 from arfusion.layers.kernels.pdl import pdl_mode
 from arfusion.layers.kernels.triton_support import triton_available
 
@@ -65,9 +67,27 @@ class RunnerSettings:
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
     prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
+    pdl_max_batch: int = 1  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
+
+
+def pdl_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: int) -> int:
+    """Without ``enable_pdl``, the largest decode batch whose steps launch with PDL:
+    ``settings.pdl_max_batch`` at TP size 1 where PDL can run, else 0 (none), the reason logged
+    once (at larger TP sizes it is measured nowhere: there the collectives between the kernels
+    break the chain, and ``--enable-pdl`` turns it on)."""
+    if settings.enable_pdl or settings.pdl_max_batch == 0:
+        return 0
+    reason = pdl.unsupported_reason(device)
+    if reason is None and tp_size > 1:
+        reason = f"the TP size is {tp_size}; it is measured at TP size 1 only (--enable-pdl takes every batch)"
+    if reason is not None:
+        logger.info("decode batches up to %d keep programmatic dependent launch off: %s", settings.pdl_max_batch,
+                    reason)
+        return 0
+    return settings.pdl_max_batch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -176,6 +196,7 @@ class ModelRunner:
         self.device = group.device
         self.deterministic = settings.fusion.deterministic
         self.enable_pdl = settings.enable_pdl
+        self.pdl_decode_max = pdl_decode_bound(settings, self.device, group.world_size)
         self.stages = stages or StartupStages(None)
         self.progress = StepProgress(self.device)  # which steps began / finished (the dist-timeout watchdog)
         self.dtype = loaded.dtype
@@ -212,9 +233,9 @@ class ModelRunner:
         the decode graphs of batch sizes up to ``max_bs`` (which replace any before)."""
         self.drop_graphs()
         self.fusion.reserve(capture_sizes(max_bs)[-1])
-        with batch_invariant_mode(self.deterministic), pdl_mode(self.enable_pdl):
+        with batch_invariant_mode(self.deterministic):
             self.graphs = CudaGraphRunner(self.model, self.kv_cache, self.table, self.device, max_bs,
-                                          log_progress=self.group.rank == 0)
+                                          pdl_for_size=self._pdl_for_decode, log_progress=self.group.rank == 0)
 
     def drop_graphs(self) -> None:
         """Destroy the decode graphs, if any (later decode steps run eagerly)."""
@@ -260,8 +281,13 @@ class ModelRunner:
         `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
         of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
         self.progress.begin()
-        with batch_invariant_mode(self.deterministic), pdl_mode(self.enable_pdl):
+        pdl_on = self.enable_pdl or plan.kind == "decode" and self._pdl_for_decode(plan.batch_size)
+        with batch_invariant_mode(self.deterministic), pdl_mode(pdl_on):
             return self._forward(plan)
+
+    def _pdl_for_decode(self, batch_size: int) -> bool:
+        """Whether a decode step (or graph) of ``batch_size`` sequences launches with PDL."""
+        return self.enable_pdl or batch_size <= self.pdl_decode_max
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         prompt: tuple[TokenLogprobs, ...] = ()

@@ -44,12 +44,13 @@ arithmetic does not change either way: PDL moves when a kernel starts, not what 
 every output has the same bits with the switch on or off, and batch-invariant mode
 (``--deterministic``) keeps it on.
 
-The switch is off by default. ``--enable-pdl`` (`RunnerSettings.enable_pdl`, on every TP rank)
-has each rank refuse to start where PDL cannot run (`require_supported`: a ValueError naming the
-reason, which fails the launch on every rank) and its runner turn the switch on around each
-forward and each CUDA-graph capture (`pdl_mode`), as batch-invariant mode is (CUDA's stream
-capture records a PDL launch as a programmatic dependency between the two kernels, which every
-replay keeps).
+By default the switch is on for decode steps of at most ``--pdl-max-batch`` sequences (1) at TP
+size 1 where PDL can run, and off elsewhere (the runner logs why: `engine.runtime.model_runner.
+pdl_decode_bound`). ``--enable-pdl`` (`RunnerSettings.enable_pdl`, on every TP rank) has each
+rank refuse to start where PDL cannot run (`require_supported`: a ValueError naming the reason,
+which fails the launch on every rank) and its runner turn the switch on around each forward and
+each CUDA-graph capture (`pdl_mode`), as batch-invariant mode is (CUDA's stream capture records
+a PDL launch as a programmatic dependency between the two kernels, which every replay keeps).
 """
 from __future__ import annotations
 
