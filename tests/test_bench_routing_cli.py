@@ -14,10 +14,13 @@ from arfusion.benchmarks.kernels import bench_routing  # noqa: E402
 from arfusion.layers.moe.kernels import triton_router  # noqa: E402
 
 
-def test_one_launch_by_default_at_one_token_only():
+def test_one_launch_by_default_at_one_token_grouped_and_up_to_four_ungrouped():
     assert triton_router.takes_one_launch(1, 8)
     assert not triton_router.takes_one_launch(2, 8)
+    assert triton_router.takes_one_launch(4, 8, grouped=False)
+    assert not triton_router.takes_one_launch(5, 8, grouped=False)
     assert not triton_router.takes_one_launch(1, triton_router.FUSED_MAX_SLOTS + 1), "FUSED_MAX_SLOTS bounds it"
+    assert not triton_router.takes_one_launch(1, triton_router.FUSED_MAX_SLOTS + 1, grouped=False)
 
 
 def test_a_one_launch_path_asked_for_beyond_its_slots_is_refused():

@@ -48,7 +48,7 @@ def _run(rank: int, world: int, norm_into_route: bool, norm_into_qkv: bool, forc
 
         triton_router.norm_refusal = lambda x, residual, weight, top_k: triton_route_norm.batch_problem(
             x, residual, weight)
-        triton_router.takes_one_launch = lambda tokens, top_k: tokens * top_k <= triton_router.FUSED_MAX_SLOTS
+        triton_router.takes_one_launch = lambda tokens, top_k, grouped=True: tokens * top_k <= triton_router.FUSED_MAX_SLOTS
     out = greedy_run("tiny-moe", PROMPTS, PROMPT_LEN, STEPS, norm_into_qkv=norm_into_qkv,
                      norm_into_route=norm_into_route)
     out["calls"] = calls

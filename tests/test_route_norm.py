@@ -136,9 +136,9 @@ def test_bad_norm_inputs_are_named_before_any_launch():
     for match, norm in cases.items():
         with pytest.raises(ValueError, match=match):
             route_triton(x, gate, 2, True, counter, norm=norm)
-    two = torch.randn(2, 32)
-    with pytest.raises(ValueError, match=r"one-launch path only \(at most 1 token\(s\) .*got 2 tokens and 4 slots"):
-        route_triton(two, gate, 2, True, counter, norm=_norm(two))
+    two, five = torch.randn(2, 32), torch.randn(5, 32)
+    with pytest.raises(ValueError, match=r"one-launch path only \(at most 1 token\(s\) .*up to 4 tokens where .*got 5 tokens and 10 slots"):
+        route_triton(five, gate, 2, True, counter, norm=_norm(five))
     with pytest.raises(ValueError, match=r"one-launch path only .*got 2 tokens"):
         route_triton(two, gate, 2, True, counter, norm=_norm(two), one_launch=False)
 

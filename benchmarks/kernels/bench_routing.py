@@ -81,7 +81,7 @@ def main() -> None:
                     continue
                 cycle(one_launch)  # compiled before capture
                 timed[label] = median_us_per_call(lambda: cycle(one_launch), len(gates))
-            default = "one launch" if takes_one_launch(tokens, top_k) else "two launches"
+            default = "one launch" if takes_one_launch(tokens, top_k, block_m is not None) else "two launches"
             one = timed.get("one", float("nan"))
             print(f"{model:>14} {tokens:>6} {one:>13.2f} {timed['two']:>15.2f} {timed['two'] / one:>6.2f}  {default}")
             rows.append(dict(model=model, tokens=tokens, block_m=block_m, grouped=not args.ungrouped,

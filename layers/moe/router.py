@@ -75,7 +75,8 @@ class TopKRouter(nn.Module):
 
     On a CUDA ``h`` with triton the routing is one Triton launch for a batch of
     `triton_router.ONE_LAUNCH_MAX_TOKENS` token (`route` also groups the slots by expert for the
-    grouped GEMM in it), two for larger ones; ``_counter`` is the one launch's arrival counter
+    grouped GEMM in it), or of up to `triton_router.UNGROUPED_ONE_LAUNCH_MAX_TOKENS` where nothing
+    is grouped, two for larger ones; ``_counter`` is the one launch's arrival counter
     (int32, zero between calls: the launch resets it)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,

@@ -11,8 +11,9 @@ math and its reference are layers/moe/router.py's (`router_logits_torch`, `selec
                    equal ones (a max, then a min over the experts that reach it): no sort
     w[t, j]      = p[t, ids[t, j]], divided by sum_j w[t, j] when renormalising
 
-One launch (`route_triton` at ONE_LAUNCH_MAX_TOKENS tokens, a decode step at batch 1; any batch of
-up to FUSED_MAX_SLOTS slots when the caller asks for it): a grid of
+One launch (`route_triton` at ONE_LAUNCH_MAX_TOKENS tokens, a decode step at batch 1, or up to
+UNGROUPED_ONE_LAUNCH_MAX_TOKENS where the slots are not grouped; any batch of up to
+FUSED_MAX_SLOTS slots when the caller asks for it): a grid of
 (16 tokens x 16 experts x one split of the hidden size) programs, each writing its partial logits
 to an fp32 buffer and then incrementing an arrival counter (release/acquire at GPU scope, after a
 CTA barrier). The program that arrives last sums the partials, selects every token's experts,
@@ -74,6 +75,10 @@ from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm, batch_probl
 # the tokens; with the experts' grouping launch (a program per expert), two routing launches and the
 # grouping cost less from 2 tokens on at 8, 32 and 128 experts (bench_routing, docs/results.md).
 ONE_LAUNCH_MAX_TOKENS = 1
+# Where the slots are not grouped (the matrix-vector experts take them as they come), the one launch
+# stays ahead up to 4 tokens (3-8 % a launch at qwen3-30b-a3b's and gpt-oss-20b's routers, 2-4 tokens;
+# equal at 8: bench_routing --ungrouped, docs/results.md).
+UNGROUPED_ONE_LAUNCH_MAX_TOKENS = 4
 FUSED_MAX_SLOTS = 2048  # slots the last program groups, at most (batch 256 at top-8; the largest tested)
 ONE_LAUNCH_BOUNDS = (f"at most {ONE_LAUNCH_MAX_TOKENS} token(s) and {FUSED_MAX_SLOTS} slots (tokens x top-k) by "
                      "default")  # in words, for refusals
@@ -322,11 +327,12 @@ def route_triton_with_logits(hidden_states: torch.Tensor, weight: torch.Tensor, 
     if tokens == 0:
         return weights, ids, None, logits
     num_slots = tokens * top_k
-    fused = takes_one_launch(tokens, top_k) if one_launch is None else one_launch
+    fused = takes_one_launch(tokens, top_k, block_m is not None) if one_launch is None else one_launch
     if norm is not None:
         found = problem(hidden_states, norm) or (
-            None if fused else f"a norm runs on the one-launch path only ({ONE_LAUNCH_BOUNDS}); got {tokens} "
-                               f"tokens and {num_slots} slots")
+            None if fused else f"a norm runs on the one-launch path only ({ONE_LAUNCH_BOUNDS}; up to "
+                               f"{UNGROUPED_ONE_LAUNCH_MAX_TOKENS} tokens where the slots are not grouped); got "
+                               f"{tokens} tokens and {num_slots} slots")
         if found is not None:
             raise ValueError(found)
     align = fused and block_m is not None
@@ -374,11 +380,12 @@ def _select_tokens(num_experts: int) -> int:
     return max(1, SELECT_ELEMENTS // triton.next_power_of_2(num_experts))
 
 
-def takes_one_launch(tokens: int, top_k: int) -> bool:
-    """Whether `route_triton` routes a batch of ``tokens`` in one launch by default (selection and
-    grouping by its last program) rather than two (the logits' partials, then the selection by
-    blocks of tokens)."""
-    return tokens <= ONE_LAUNCH_MAX_TOKENS and tokens * top_k <= FUSED_MAX_SLOTS
+def takes_one_launch(tokens: int, top_k: int, grouped: bool = True) -> bool:
+    """Whether `route_triton` routes a batch of ``tokens`` in one launch by default (selection and,
+    when ``grouped`` (a ``block_m`` given), grouping by its last program) rather than two (the
+    logits' partials, then the selection by blocks of tokens)."""
+    bound = ONE_LAUNCH_MAX_TOKENS if grouped else UNGROUPED_ONE_LAUNCH_MAX_TOKENS
+    return tokens <= bound and tokens * top_k <= FUSED_MAX_SLOTS
 
 
 def select_experts_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
