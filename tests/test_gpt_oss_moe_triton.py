@@ -12,11 +12,8 @@ the weight as the left operand (swap) with token blocks of 8, 4 and 1 rows, and 
 down projection (2 and 3, one of them empty) at 1 / 3 / 8 / 33 tokens, hidden and intermediate
 96 or 160 (two K-tiles of 128, the second masked); the matrix-vector launches (gemv: MXFP4's default
 at 5 tokens, and small tiles at 1 / 3 / 8 tokens over several K steps with a masked tail
-and several row tiles with a masked last one); the same tiles in one launch (gemv_one_launch, 1 and 3
-tokens, both weight forms, the TP2 shards): also the two launches' bits on the same inputs, a second
-call's bits (its counters were zero again; under the interpreter the programs run in grid order,
-so no program ever spins). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0 with some scale bytes 0
-(2^-127).
+and several row tiles with a masked last one). MXFP4 scales 2^-4 .. 2^-2, or 2^-9 .. 2^0
+with some scale bytes 0 (2^-127).
 
 TP2 shards (two spawned ranks over gloo, interpreter): each rank loads full MXFP4 checkpoint
 tensors (gate/up interleaved) through `GptOssExperts.weight_loader` and runs the kernel on its
@@ -36,7 +33,6 @@ import torch
 from tests.dist_utils import run_under_triton_interpreter
 
 RTOL = ATOL = 1e-4
-GEMV = dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True)
 # the kernel's configurations (`Mxfp4MoEConfig` fields; None: the default tiles): every variant,
 # token blocks of 16 .. 1 rows, K splits of the down projection that leave a split empty or not
 CONFIGS = {
@@ -51,8 +47,7 @@ CONFIGS = {
                       swap=True, word_decode=True, split_k_down=3),
     "swap_word_m1": dict(block_m=1, block_n_gate_up=64, block_k_gate_up=128, block_n_down=64, block_k_down=128,
                          swap=True, word_decode=True, split_k_down=2),
-    "gemv": GEMV,
-    "gemv_one_launch": dict(GEMV, one_launch=True),
+    "gemv": dict(block_m=1, block_n_gate_up=16, block_k_gate_up=64, block_n_down=32, block_k_down=32, gemv=True),
 }
 # (tokens, mxfp4, hidden, intermediate, configuration, wide_scales)
 CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", False),
@@ -66,9 +61,7 @@ CASES = [(1, False, 64, 64, "default", False), (5, True, 64, 64, "default", Fals
          (1, False, 96, 96, "swap", False), (3, False, 96, 96, "swap", False), (8, False, 96, 96, "swap", False),
          (33, False, 96, 96, "swap", False),
          (1, True, 160, 96, "gemv", False), (3, True, 96, 160, "gemv", True), (8, True, 160, 160, "gemv", False),
-         (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False),
-         (1, True, 96, 64, "gemv_one_launch", False), (3, True, 64, 64, "gemv_one_launch", True),
-         (1, False, 64, 96, "gemv_one_launch", False), (3, False, 96, 64, "gemv_one_launch", False)]
+         (1, False, 96, 160, "gemv", False), (8, False, 160, 96, "gemv", False)]
 
 def fill_experts(experts, seed: int) -> None:
     """Seeded random weights in place: bf16-form weights N(0, 0.5) on gate/up, N(0, 0.1) on down;
@@ -89,49 +82,28 @@ def make_config(name: str):
     return None if CONFIGS[name] is None else Mxfp4MoEConfig(**CONFIGS[name])
 
 
-def case_id(case: tuple) -> str:
-    tokens, mxfp4, hidden, inter, config, wide = case
-    return f"tokens{tokens}-{'mxfp4' if mxfp4 else 'bf16form'}-hidden{hidden}-inter{inter}-{config}" + (
-        "-wide_scales" if wide else "")
-
-
-def _case_inputs(seed: int, case: tuple) -> tuple:
-    """``(experts, x, weights, ids)`` of a CASES entry, seeded (module docstring)."""
-    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
-
-    tokens, mxfp4, hidden, inter, _, wide = case
-    experts = GptOssExperts(8, hidden, inter, 1.702, 7.0, mxfp4, torch.float32, None)
-    fill_experts(experts, seed)
-    g = torch.Generator().manual_seed(100 + seed)
-    if wide:
-        for scales in (experts.w13_scales, experts.w2_scales):
-            drawn = torch.randint(118, 128, scales.shape, generator=g, dtype=torch.uint8)
-            scales.data.copy_(torch.where(torch.rand(scales.shape, generator=g) < 0.1, 0, drawn))
-    x = torch.randn(tokens, hidden, generator=g)
-    ids = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(tokens)]).to(torch.int32)  # experts 6, 7 idle
-    return experts, x, torch.softmax(torch.randn(tokens, 4, generator=g), dim=-1), ids
-
-
 def _interpreted(rank: int, world: int) -> dict:
-    """``{case: {"out", "expected"}}``; one-launch cases also ``"two_launches"`` (the same tiles
-    in two launches), ``"again"`` (a second call) and ``"counters"`` (nonzero counters after)."""
     import triton
 
-    from arfusion.layers.moe.kernels.triton_mxfp4_gemv import ARRIVALS
+    from arfusion.layers.moe.gpt_oss_moe import GptOssExperts
     from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
     assert triton.knobs.runtime.interpret
     results = {}
     for seed, case in enumerate(CASES):
-        experts, x, weights, ids = _case_inputs(seed, case)
-
-        def run(name: str) -> torch.Tensor:
-            return gpt_oss_experts_triton(x, experts, weights, ids, make_config(name))
-
-        results[case] = {"out": run(case[4]), "expected": experts.forward_torch(x, weights, ids)}
-        if case[4] == "gemv_one_launch":
-            results[case].update(two_launches=run("gemv"), again=run(case[4]),
-                                 counters=int(ARRIVALS.by_device[x.device].count_nonzero()))
+        tokens, mxfp4, hidden, inter, config, wide = case
+        experts = GptOssExperts(8, hidden, inter, 1.702, 7.0, mxfp4, torch.float32, None)
+        fill_experts(experts, seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        if wide:
+            for scales in (experts.w13_scales, experts.w2_scales):
+                drawn = torch.randint(118, 128, scales.shape, generator=g, dtype=torch.uint8)
+                scales.data.copy_(torch.where(torch.rand(scales.shape, generator=g) < 0.1, 0, drawn))
+        x = torch.randn(tokens, hidden, generator=g)
+        ids = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(tokens)]).to(torch.int32)  # experts 6, 7 idle
+        weights = torch.softmax(torch.randn(tokens, 4, generator=g), dim=-1)
+        results[case] = (gpt_oss_experts_triton(x, experts, weights, ids, make_config(config)),
+                         experts.forward_torch(x, weights, ids))
     return results
 
 
@@ -142,31 +114,18 @@ def interpreted():
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "tokens{}-{}-hidden{}-inter{}-{}{}".format(
+    c[0], "mxfp4" if c[1] else "bf16form", c[2], c[3], c[4], "-wide_scales" if c[5] else ""))
 def test_matches_torch_reference(interpreted, case):
-    torch.testing.assert_close(interpreted[case]["out"], interpreted[case]["expected"], rtol=RTOL, atol=ATOL)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "gemv_one_launch"], ids=case_id)
-def test_one_launch_gives_the_two_launches_bits(interpreted, case):
-    """The one launch's output has the two launches' bits; its counters are zero after each call,
-    so a second call gives the same bits."""
-    result = interpreted[case]
-    assert torch.equal(_bits(result["out"]), _bits(result["two_launches"]))
-    assert result["counters"] == 0
-    assert torch.equal(_bits(result["again"]), _bits(result["out"]))
+    out, expected = interpreted[case]
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
 
 
 # TP shards: (configuration as above, hidden, full intermediate); each rank's share of the
 # intermediate is a multiple of 32, one group (32) or several (64, 96), or not (80, 48: padded
 # with zeros to 96 and 64, `layers.moe.gpt_oss_moe.rank_share`)
 TP_CASES = [("default", 64, 128), ("small", 96, 192), ("small", 64, 64), ("swap_word", 160, 128), ("gemv", 96, 192),
-            ("default", 64, 160), ("gemv", 96, 96), ("gemv_one_launch", 64, 64)]
+            ("default", 64, 160), ("gemv", 96, 96)]
 
 
 def _full_checkpoint(hidden: int, inter: int, seed: int) -> dict:

@@ -1,8 +1,7 @@
 """Which launches gpt-oss's experts take (layers/moe/kernels/mxfp4_moe_config.py, no GPU or
 interpreter needed): the matrix-vector launches for MXFP4 weights up to GEMV_MAX_SLOTS slots
 outside batch-invariant mode, the grouped launches otherwise (past those slots, the decode table's
-entry in either mode); their configuration limits (one launch of the matrix-vector launches
-included)."""
+entry in either mode); their configuration limits."""
 import pytest
 
 from arfusion.layers.moe.kernels import mxfp4_moe_config as mc
@@ -40,18 +39,6 @@ def test_matrix_vector_launches_have_no_k_splits():
     with pytest.raises(ValueError, match="gemv has no K splits"):
         mc.check_config(bad, mxfp4=True)
     mc.check_config(mc.GEMV_CONFIG, mxfp4=True)  # block_m 1 without swap is fine for gemv
-
-
-def test_one_launch_is_a_variant_of_the_matrix_vector_launches():
-    grouped = mc.Mxfp4MoEConfig(**BYTES, one_launch=True)
-    with pytest.raises(ValueError, match="one_launch .* needs gemv=True"):
-        mc.check_config(grouped, mxfp4=True)
-    other_warps = mc.Mxfp4MoEConfig(**{**mc.GEMV_CONFIG.__dict__, "one_launch": True, "num_warps_down": 4})
-    with pytest.raises(ValueError, match="num_warps_down must be 0 or equal"):
-        mc.check_config(other_warps, mxfp4=True)
-    for warps_down in (0, mc.GEMV_CONFIG.num_warps):
-        mc.check_config(mc.Mxfp4MoEConfig(**{**mc.GEMV_CONFIG.__dict__, "one_launch": True,
-                                             "num_warps_down": warps_down}), mxfp4=True)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -4,8 +4,7 @@ without a GPU.
 Compiled for sm90 (tests/offline_triton.py: the launches each public function makes are recorded,
 with the switch off and on, then compiled with the specialisation a GPU launch would get; skipped
 where triton's NVIDIA backend cannot compile), at Qwen3-30B-A3B's decode shapes (gpt-oss-20b's
-for the MXFP4 experts, in two launches and in one), one token, the routing with and without the
-post-attention norm inside:
+for the MXFP4 experts), one token, the routing with and without the post-attention norm inside:
 - every launch passes ``USE_PDL`` and the launch option ``launch_pdl`` equal to the switch;
 - with the switch on the PTX holds ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``
   (in that order), with it off neither: the switch is not a path that does nothing;
@@ -16,10 +15,7 @@ post-attention norm inside:
   the others (decode attention's two kernels, the MoE experts' matrix-vector kernels, whose
   weights depend on the routing) load nothing before it;
 - every dot takes the same tensor-core instruction (family and k) either way, and the decode
-  attention that rotates takes the split kernel's;
-- the MXFP4 experts' one launch counts with the atomics its docstring states: a relaxed ticket,
-  a release arrival and an acquire wait at GPU scope, the activations loaded past L1 (``.cg``),
-  an acq_rel count of the finished programs.
+  attention that rotates takes the split kernel's.
 
 Under Triton's interpreter (one spawned child), which runs programs one at a time and has no
 griddepcontrol instructions (it raises on them), the two calls are stood in by functions that do
@@ -46,12 +42,10 @@ from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
 LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel"}
-# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down; then
-# the two in one launch)
+# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
             "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
-            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
-            "_gemv_one_launch_kernel")
+            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
 BF16 = torch.bfloat16
 
 
@@ -75,8 +69,6 @@ def _decode_step_calls() -> None:
     from arfusion.layers.kernels.triton_rotary import rotary_embedding_store_kv
     from arfusion.layers.kernels.triton_rotary_decode_attention import decode_attention_rotary
     from arfusion.layers.kernels.triton_skinny_matmul import skinny_linear
-    from dataclasses import replace
-
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
     from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
     from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
@@ -114,9 +106,8 @@ def _decode_step_calls() -> None:
         w2_blocks=torch.empty(4, hidden, local // 32, 16, dtype=torch.uint8),
         w2_scales=torch.empty(4, hidden, local // 32, dtype=torch.uint8),
         w13_bias=torch.empty(4, 2 * local, dtype=BF16), w2_bias=torch.empty(4, hidden, dtype=BF16))
-    for config in (GEMV_CONFIG, replace(GEMV_CONFIG, one_launch=True)):
-        gemv_partials(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.arange(4, dtype=torch.int32)[None],
-                      config)
+    gemv_partials(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.arange(4, dtype=torch.int32)[None],
+                  GEMV_CONFIG)
 
 
 def _label(fn: Any, kwargs: dict) -> str:
@@ -145,7 +136,7 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
               "_combine_kernel": triton_decode_attention, "_rotary_split_kernel": triton_rotary_decode_attention,
               "_route_kernel": triton_router,
               "_gate_up_silu_gemv_kernel": triton_moe_gemv, "_down_combine_gemv_kernel": triton_moe_gemv,
-              "_gemv_kernel": triton_mxfp4_gemv, "_gemv_one_launch_kernel": triton_mxfp4_gemv}
+              "_gemv_kernel": triton_mxfp4_gemv}
     out = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
@@ -230,15 +221,6 @@ def test_sm90_the_rotating_attention_dots_as_the_split_kernel(compiled):
     fused, split = compiled["_rotary_split_kernel", False], compiled["_split_kernel", False]
     assert mma_versions(fused["ttgir"]) == mma_versions(split["ttgir"])
     assert ptx_mma_k(fused["ptx"]) == ptx_mma_k(split["ptx"])
-
-
-def test_sm90_the_one_launch_orders_its_counters(compiled):
-    ptx = compiled["_gemv_one_launch_kernel", False]["ptx"]
-    assert re.search(r"\batom\.global\.gpu\.relaxed\.add", ptx), "the ticket"
-    assert re.search(r"\b(?:red|atom)\.global\.gpu\.release\.add", ptx), "a slot's arrival"
-    assert re.search(r"\b(?:ld|atom)\.global\.gpu\.acquire", ptx), "the down programs' wait"
-    assert re.search(r"\bld\.global\.cg", ptx), "the activations past L1"
-    assert re.search(r"\batom\.global\.gpu\.acq_rel\.add", ptx), "the finished count"
 
 
 # --- under the interpreter: the same bits with the switch on ----------------------------------

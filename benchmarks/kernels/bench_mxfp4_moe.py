@@ -18,8 +18,7 @@ its error in its row and the run goes on.
 ``--configs`` times other configurations too, each a comma-separated list of `Mxfp4MoEConfig`
 fields that replace the default's at each token count (from `TENSOR_CORE_MIN_SLOTS` slots the
 tensor-core launches' tiles, below them the matrix-vector launches'), e.g. ``block_m=16`` or ``prefetch=1`` for the
-tensor-core launches, ``one_launch=1`` for the matrix-vector launches in one,
-``tensor_cores=0,swap=1,word_decode=1,block_m=8`` for the grouped ones, or
+tensor-core launches, ``tensor_cores=0,swap=1,word_decode=1,block_m=8`` for the grouped ones, or
 ``tensor_cores=0,block_n_down=64,split_k_down=2,num_stages=4`` (booleans as 0 / 1; every field of
 `Mxfp4MoEConfig`: tiles, K steps, warps and stages of either launch, K splits of the down
 projection). A configuration the default's launches cannot take prints its refusal in its row.
@@ -169,7 +168,7 @@ def describe(row: dict) -> str:
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
              "split_k_down": "split", "num_warps_down": "w2", "num_stages_down": "st2", "gemv": "gemv",
-             "one_launch": "one", "tensor_cores": "tc", "prefetch": "pre"}
+             "tensor_cores": "tc", "prefetch": "pre"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 

@@ -18,14 +18,11 @@ class Mxfp4MoEConfig:
     ``num_warps_down`` / ``num_stages_down`` are set (0: the same). ``gemv``: the matrix-vector
     launches of layers/moe/kernels/triton_mxfp4_gemv.py instead (a program per slot and
     ``block_n_*`` rows, ``block_k_*`` columns a K step, the warps as above; ``block_m``, ``swap``,
-    ``word_decode`` and the stages unused, no K splits). ``one_launch`` (``gemv`` only): its two
-    launches as one, each slot's down programs starting once that slot's activations are stored
-    (the same bits; the module's docstring); both on ``num_warps`` (``num_warps_down`` 0 or equal).
-    ``tensor_cores``: the grouped launches of layers/moe/kernels/gluon_mxfp4_experts.py instead
-    (MXFP4 only; rows grouped by expert in blocks of ``block_m`` = 8 to 64, the MMA's N side;
-    ``block_n_*`` a multiple of 16 x the warps; ``block_k_*`` 32 to 512, the K steps up to the
-    last multiple of it, then a step of each power of two in the rest; no swap, word decoder or K
-    splits; the stages unused).
+    ``word_decode`` and the stages unused, no K splits). ``tensor_cores``: the grouped launches of
+    layers/moe/kernels/gluon_mxfp4_experts.py instead (MXFP4 only; rows grouped by expert in
+    blocks of ``block_m`` = 8 to 64, the MMA's N side; ``block_n_*`` a multiple of 16 x the warps;
+    ``block_k_*`` 32 to 512, the K steps up to the last multiple of it, then a step of each power
+    of two in the rest; no swap, word decoder or K splits; the stages unused).
     ``prefetch`` (``tensor_cores`` only): each K step's weights, scales and activations loaded one
     step ahead, while the step before is decoded and multiplied."""
 
@@ -42,7 +39,6 @@ class Mxfp4MoEConfig:
     num_warps_down: int = 0
     num_stages_down: int = 0
     gemv: bool = False
-    one_launch: bool = False
     tensor_cores: bool = False
     prefetch: bool = False
 
@@ -177,8 +173,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
-    if cfg.one_launch:
-        _check_one_launch(cfg)
     if cfg.tensor_cores:
         _check_tensor_cores(cfg, mxfp4)
     elif cfg.prefetch:
@@ -188,15 +182,6 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
         if getattr(cfg, name) < least:
             raise ValueError(f"{name} must be at least {least} here ({'MXFP4' if mxfp4 else 'bf16'} weights"
                              f"{', word decoder' if mxfp4 and cfg.word_decode else ''}), got {getattr(cfg, name)}")
-
-
-def _check_one_launch(cfg: Mxfp4MoEConfig) -> None:
-    """ValueError naming what a ``one_launch`` configuration (`Mxfp4MoEConfig`) needs."""
-    if not cfg.gemv:
-        raise ValueError("one_launch is a variant of the matrix-vector launches: it needs gemv=True")
-    if cfg.num_warps_down not in (0, cfg.num_warps):
-        raise ValueError(f"one_launch runs gate/up and down in one launch of num_warps ({cfg.num_warps}) warps: "
-                         f"num_warps_down must be 0 or equal, got {cfg.num_warps_down}")
 
 
 def _check_tensor_cores(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:

@@ -15,8 +15,8 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 (round: to the activations' dtype, as the reference rounds each expert's output). The split count
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only. A configuration with
 ``gemv`` (MXFP4 at decode sizes, `experts_block_config`) runs launches 1 and 2 as matrix-vector
-products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert; with
-``one_launch`` both in one launch, the same bits) and shares launch 3 with S = 1; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
+products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert) and
+shares launch 3 with S = 1; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
 decoded into the MMA's registers (layers/moe/kernels/gluon_mxfp4_experts.py), also with S = 1.
 
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
