@@ -10,7 +10,9 @@ runner decoding its own tokens: eagerly and replayed from a CUDA graph, PDL off 
 mode, the two runs' tokens and logits must be equal bit for bit; then the last decode step is
 run REPEATS more times (the same token at the same position and KV slot: the same inputs), and
 every repeat's logits must equal that step's bits: a kernel that read its predecessor's output
-before it was complete, or wrote over what the predecessor still read, would change some. Also
+before it was complete, or wrote over what the predecessor still read, would change some. Without
+either flag (``--pdl-max-batch`` 1, the default) the batch-1 decode takes PDL too, with the bits
+of ``--pdl-max-batch 0``. Also
 with ``--norm-into-qkv`` (the input norm inside the q/k/v launch, which takes part too), and with
 it and ``--norm-into-route`` (the post-attention norm inside the routing launch, too).
 
@@ -37,11 +39,12 @@ def _require_sm90() -> None:
         pytest.skip(f"programmatic dependent launch needs sm90 or newer, found sm{major}{minor}")
 
 
-def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: str) -> dict:
+def _decode(rank: int, world: int, graphs: bool, pdl: str, fold: str) -> dict:
     """Logits ``[1 + STEPS, 1, vocab]`` and tokens of one greedy generation, then the last step's
-    logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel. ``fold``:
-    the norms folded into the launch after them ("", "qkv", "qkv+route"), "+rotary" the rotary
-    embedding into the attention's."""
+    logits repeated ``[REPEATS, 1, vocab]``; whether the launch cache kept a PDL kernel. ``pdl``:
+    "on" (``--enable-pdl``), "off" (``--pdl-max-batch 0``) or "default" (neither: PDL at batch 1).
+    ``fold``: the norms folded into the launch after them ("", "qkv", "qkv+route"), "+rotary" the
+    rotary embedding into the attention's."""
     from arfusion.engine.runtime.model_runner import RunnerSettings
     from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.engine.scheduling.static_batch import StaticBatch, random_prompts
@@ -49,7 +52,8 @@ def _decode(rank: int, world: int, graphs: bool, pdl: bool, fold: str) -> dict:
     from arfusion.layers.parallel_state import get_tp_group
 
     settings = RunnerSettings(model_path="tiny-moe", dtype="bfloat16", context_length=CONTEXT, max_running_requests=2,
-                              cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl, kv_slots=1024,
+                              cuda_graph_max_bs=1, disable_cuda_graph=not graphs, enable_pdl=pdl == "on",
+                              pdl_max_batch=0 if pdl == "off" else 1, kv_slots=1024,
                               norm_into_qkv="qkv" in fold, norm_into_route="route" in fold,
                               rotary_into_attention="rotary" in fold)
     runner = build_runner(settings, get_tp_group())
@@ -82,8 +86,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_decode_with_pdl_has_the_bits_of_decode_without(graphs, fold):
     _require_sm90()
     runs = {pdl: run_distributed(_decode, world_size=1, args=(graphs, pdl, fold), device_kind="cuda",
-                                 timeout_s=600)[0] for pdl in (False, True)}
-    off, on = runs[False], runs[True]
+                                 timeout_s=600)[0] for pdl in ("off", "on")}
+    off, on = runs["off"], runs["on"]
     assert on["kept_pdl"] and not off["kept_pdl"]
     assert on["tokens"] == off["tokens"]
     assert torch.equal(_bits(on["logits"]), _bits(off["logits"]))
@@ -128,6 +132,16 @@ def _mxfp4_experts(rank: int, world: int) -> dict:
         replays.append(out.clone())
     torch.cuda.synchronize()
     return {"eager": torch.stack(eager).cpu(), "replays": torch.stack(replays).cpu()}
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
+def test_the_default_takes_pdl_at_batch_1_with_the_bits_without(graphs):
+    _require_sm90()
+    off, default = (run_distributed(_decode, world_size=1, args=(graphs, pdl, ""), device_kind="cuda",
+                                    timeout_s=600)[0] for pdl in ("off", "default"))
+    assert default["kept_pdl"] and not off["kept_pdl"]
+    assert default["tokens"] == off["tokens"]
+    assert torch.equal(_bits(default["logits"]), _bits(off["logits"]))
 
 
 def test_mxfp4_experts_with_pdl_replay_the_bits_without():
