@@ -13,7 +13,8 @@ With ``enable_pdl`` (``--enable-pdl``, checked at start-up) every forward and ev
 launches the decode step's Triton kernels with programmatic dependent launch
 (`layers.kernels.pdl`): the same bits, with a kernel's blocks scheduled while the one before
 it still runs. Without it, decode steps of at most ``pdl_max_batch`` sequences (``--pdl-max-batch``,
-their forwards and graph captures) take it at TP size 1 where it can run (`pdl_decode_bound`).
+their forwards and graph captures) take it at TP size 1 where it can run (`pdl_decode_bound`) and
+where every MoE block's launches at that batch take part (`_pdl_for_decode`).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class RunnerSettings:
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
     prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
-    pdl_max_batch: int = 1  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
+    pdl_max_batch: int = 4  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
@@ -203,6 +204,7 @@ class ModelRunner:
         self.config = loaded.config
         self.fusion = loaded.fusion
         self.model = loaded.model
+        self._moe_blocks = [m for m in self.model.modules() if callable(getattr(m, "takes_pdl", None))]
         self.kv_cache = kv.kv_cache
         self.table = kv.table
         self.max_rows = kv.max_rows
@@ -281,13 +283,19 @@ class ModelRunner:
         `commit_tokens` when the plan's next tokens are to come from the device. Begins a step
         of ``progress`` (`engine.runtime.step_progress`), which `commit_tokens` ends."""
         self.progress.begin()
-        pdl_on = self.enable_pdl or plan.kind == "decode" and self._pdl_for_decode(plan.batch_size)
-        with batch_invariant_mode(self.deterministic), pdl_mode(pdl_on):
-            return self._forward(plan)
+        with batch_invariant_mode(self.deterministic):
+            pdl_on = self.enable_pdl or plan.kind == "decode" and self._pdl_for_decode(plan.batch_size)
+            with pdl_mode(pdl_on):
+                return self._forward(plan)
 
     def _pdl_for_decode(self, batch_size: int) -> bool:
-        """Whether a decode step (or graph) of ``batch_size`` sequences launches with PDL."""
-        return self.enable_pdl or batch_size <= self.pdl_decode_max
+        """Whether a decode step (or graph) of ``batch_size`` sequences launches with PDL: always
+        with ``enable_pdl``; else up to ``pdl_decode_max`` sequences where every MoE block's
+        launches take part at that batch (`layers.moe.routed_experts.experts_take_pdl`; read in
+        the run's batch-invariant mode, which may choose other expert launches)."""
+        if self.enable_pdl:
+            return True
+        return batch_size <= self.pdl_decode_max and all(block.takes_pdl(batch_size) for block in self._moe_blocks)
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         prompt: tuple[TokenLogprobs, ...] = ()

@@ -43,7 +43,7 @@ from arfusion.layers.linear import check_shape, divide
 from arfusion.layers.moe.align import ExpertBlocks
 from arfusion.layers.moe.mxfp4 import (GROUP, KEPT_MAX_SCALE, NAN_SCALE, TENSOR_CORE_MAX_SCALE, dequantize_mxfp4,
                                       scale_problem)
-from arfusion.layers.moe.routed_experts import run_routed_experts
+from arfusion.layers.moe.routed_experts import experts_take_pdl, run_routed_experts
 from arfusion.layers.moe.router import TopKRouter, router_logits_torch
 from arfusion.layers.moe.torch_experts import combine_topk
 from arfusion.layers.parallel_state import get_tp_group
@@ -261,3 +261,7 @@ class GptOssMoeBlock(nn.Module):
 
     def forward(self, hidden_states: MlpInput) -> torch.Tensor:
         return run_routed_experts(self.router, self.experts, hidden_states)
+
+    def takes_pdl(self, tokens: int) -> bool:
+        """`routed_experts.experts_take_pdl` of a batch of ``tokens``."""
+        return experts_take_pdl(self.router, self.experts, tokens)

@@ -31,6 +31,14 @@ class GroupedExperts(Protocol):
                  blocks: Optional[ExpertBlocks] = None) -> torch.Tensor: ...
 
 
+def experts_take_pdl(router: TopKRouter, experts: GroupedExperts, tokens: int) -> bool:
+    """Whether a batch of ``tokens`` runs this block's launches with programmatic dependent launch
+    when the switch is on (layers/kernels/pdl.py): the routing launch always takes part, the
+    experts' matrix-vector launches (no grouping) too, their grouped launches not (a decode step
+    with such a launch between its PDL kernels was measured slower: docs/results.md)."""
+    return experts.block_m(tokens, router.top_k) is None
+
+
 def run_routed_experts(router: TopKRouter, experts: GroupedExperts, hidden_states: MlpInput) -> torch.Tensor:
     """``[T, hidden]`` (reduced, normed; or a `PendingNorm`) -> this rank's partial MoE output
     ``[T, hidden]`` (module docstring): the routing groups the slots by expert where the experts'

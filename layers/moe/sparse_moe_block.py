@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from arfusion.layers.moe.experts import MoEExperts
-from arfusion.layers.moe.routed_experts import run_routed_experts
+from arfusion.layers.moe.routed_experts import experts_take_pdl, run_routed_experts
 from arfusion.layers.moe.router import TopKRouter
 from arfusion.layers.pending_norm import MlpInput
 
@@ -36,3 +36,7 @@ class SparseMoeBlock(nn.Module):
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which the routing runs:
         `TopKRouter.route_normed`) -> this rank's partial MoE output ``[T, hidden]``."""
         return run_routed_experts(self.gate, self.experts, hidden_states)
+
+    def takes_pdl(self, tokens: int) -> bool:
+        """`routed_experts.experts_take_pdl` of a batch of ``tokens``."""
+        return experts_take_pdl(self.gate, self.experts, tokens)
