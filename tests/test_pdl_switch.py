@@ -11,7 +11,7 @@
   the switch on, and leaves it off after;
 - ``launch_server --enable-pdl`` at TP2 where PDL cannot run (under TRITON_INTERPRET=1, on any
   machine) exits 2 with one line naming the flag and the reason;
-- ``--pdl-max-batch`` (default 4, without the flag): with the support check stood in, at TP1 a
+- ``--pdl-max-batch`` (default 1, without the flag): with the support check stood in, at TP1 a
   decode step of at most that many sequences runs with the switch on and a prefill or a larger
   decode batch with it off (the graphs' sizes follow the same rule); at TP2, or where PDL cannot
   run (the CPU), every forward keeps it off and the runner starts; a MoE model's batch whose
@@ -145,7 +145,7 @@ def test_the_server_exits_2_naming_the_flag_and_the_reason(monkeypatch: pytest.M
 def test_pdl_max_batch_defaults_to_one_and_reaches_the_runner_settings():
     from arfusion.engine import bench_one_batch
 
-    assert ServerArgs().pdl_max_batch == 4 and runner_settings(ServerArgs()).pdl_max_batch == 4
+    assert ServerArgs().pdl_max_batch == 1 and runner_settings(ServerArgs()).pdl_max_batch == 1
     args = ServerArgs.from_cli(["--pdl-max-batch", "4"])
     assert launch_config(args).runner.pdl_max_batch == 4
     assert bench_one_batch.parse_args(["--pdl-max-batch", "0"])[0].pdl_max_batch == 0
@@ -196,13 +196,14 @@ def test_pdl_stays_off_at_tp2_and_where_it_cannot_run():
 
 def _moe_decode_sizes(rank: int, world: int, grouped_from: int) -> list[bool]:
     """Whether decode sizes 1, 2, 4, 5 take PDL on the tiny MoE model (TP1, CPU, the support check
-    stood in, the default bound), its experts grouping their slots from ``grouped_from`` tokens on
+    stood in, ``--pdl-max-batch 4``), its experts grouping their slots from ``grouped_from`` tokens on
     (stood in: on the CPU they run the torch reference, which groups nothing)."""
     from arfusion.engine.runtime.rank_parts import build_runner
     from arfusion.layers.parallel_state import get_tp_group
 
     pdl.unsupported_reason = lambda device: None
-    args = ServerArgs.from_cli(["--model-path", "tiny-moe", "--max-running-requests", "2", "--context-length", "64"])
+    args = ServerArgs.from_cli(["--model-path", "tiny-moe", "--pdl-max-batch", "4", "--max-running-requests", "2",
+                                "--context-length", "64"])
     runner = build_runner(launch_config(args).runner, get_tp_group())
     assert runner._moe_blocks, "the MoE blocks are found"
     for block in runner._moe_blocks:

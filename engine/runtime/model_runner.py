@@ -68,7 +68,7 @@ class RunnerSettings:
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
     prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
-    pdl_max_batch: int = 4  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
+    pdl_max_batch: int = 1  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
     fusion: FusionConfig = FusionConfig()
     kv_slots: Optional[int] = None  # fixed KV size (tests, CPU); None: from free GPU memory
     tokenizer_vocab_size: Optional[int] = None  # ids from this on (a padded LM head's rows) are never sampled
