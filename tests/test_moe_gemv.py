@@ -26,10 +26,8 @@ CASES = {"1 token top-2": (1, 2, None), "1 token top-8": (1, 8, None), "3 tokens
          "4 tokens top-8": (4, 8, None), "one expert": (4, 1, 5)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 # MoEGemvConfig's fields in order; "summed steps" (as the default): launch 1 sums each K step at
-# once; "small" keeps an accumulator per output and column; "rows first": launch 2's tile ordered
-# [rows, slots, K]
-TILES = {"default": None, "small": (4, 32, 8, 16, 1, 2, False), "summed steps": (8, 32, 8, 16, 2, 4, True),
-         "rows first": (8, 32, 8, 16, 2, 4, True, True)}
+# once; "small" keeps an accumulator per output and column
+TILES = {"default": None, "small": (4, 32, 8, 16, 1, 2, False), "summed steps": (8, 32, 8, 16, 2, 4, True)}
 
 
 def case_inputs(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

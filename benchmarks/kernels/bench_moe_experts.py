@@ -15,8 +15,7 @@ difference from the grouped launches' output; with ``--profile`` each launch's G
 ``--configs``: matrix-vector tiles, each
 ``block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,num_warps_gate_up,num_warps_down``, and
 ``,summed`` for launch 1 summing each K step at once (`MoEGemvConfig.sum_each_step`, the
-default's way; a config without it keeps an accumulator per output and column), ``,rows_first``
-for launch 2's tile ordered [rows, slots, K] (`MoEGemvConfig.down_rows_first`).
+default's way; a config without it keeps an accumulator per output and column).
 Slot counts above the matrix-vector path's GEMV_MAX_SLOTS are timed too (to show where the
 grouped launches take over).
 """
@@ -44,10 +43,9 @@ def parse_config(text: str):
     from arfusion.layers.moe.kernels.triton_moe_gemv import MoEGemvConfig
 
     fields, words = text.split(",")[:6], text.split(",")[6:]
-    if len(fields) != 6 or not all(v.isdigit() for v in fields) or not set(words) <= {"summed", "rows_first"}:
-        raise argparse.ArgumentTypeError("a config is 6 comma-separated integers, then optionally 'summed' and "
-                                         f"'rows_first', got {text!r}")
-    return MoEGemvConfig(*map(int, fields), sum_each_step="summed" in words, down_rows_first="rows_first" in words)
+    if len(fields) != 6 or not all(v.isdigit() for v in fields) or not set(words) <= {"summed"}:
+        raise argparse.ArgumentTypeError(f"a config is 6 comma-separated integers, then optionally 'summed', got {text!r}")
+    return MoEGemvConfig(*map(int, fields), sum_each_step="summed" in words)
 
 
 def time_calls(fn, profile: bool) -> tuple[float, dict]:
@@ -105,7 +103,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
                         help="more matrix-vector tiles: block_n_gate_up,block_k_gate_up,block_n_down,block_k_down,"
-                             "num_warps_gate_up,num_warps_down[,summed][,rows_first] (module docstring)")
+                             "num_warps_gate_up,num_warps_down[,summed] (module docstring)")
     parser.add_argument("--profile", action="store_true", help="also print each launch's GPU µs per call")
     parser.add_argument("--out", default=None, help="write every row to this JSON file")
     args = parser.parse_args()

@@ -49,10 +49,7 @@ class MoEGemvConfig:
     numbers are in docs/results.md); a size that is no power of two is a ValueError naming it.
     ``sum_each_step``: launch 1's accumulators one per output instead of one per output and
     column of a K step (module docstring); on by default, faster at 1 to 8 tokens in the same
-    sweep. ``down_rows_first``: launch 2's weight tile ordered [rows, slots, K] instead of
-    [slots, rows, K]: compiled for sm90 its slots' activations then arrive in the weights' own
-    layout, with no exchange through shared memory (4 stores, 16 loads and 8 barriers a K step at
-    the default tiles) and fewer registers; off until measured on the GPU."""
+    sweep."""
 
     block_n_gate_up: int = 8
     block_k_gate_up: int = 512
@@ -61,7 +58,6 @@ class MoEGemvConfig:
     num_warps_gate_up: int = 2
     num_warps_down: int = 4
     sum_each_step: bool = True
-    down_rows_first: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -132,10 +128,10 @@ def token_slots(ids_ptr, token, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr):
 
 
 @triton.jit
-def _down_products(w_rows, w_mask, act_rows, j_mask, inter, SLOT_AXIS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``sum_c W2[e_j, n, c] * act[slot j, c]`` for the 2-D tile of row pointers ``w_rows``
-    (slots j along SLOT_AXIS, rows n along the other; masked by ``w_mask``) and the slots'
-    activation rows ``act_rows [J, 1]``: each K step's products summed over its columns."""
+def _down_products(w_rows, w_mask, act_rows, j_mask, inter, BLOCK_K: tl.constexpr):
+    """fp32 ``sum_c W2[e_j, n, c] * act[slot j, c]`` for the tile of row pointers ``w_rows [J, N]``
+    (masked by ``w_mask``) and the slots' activation rows ``act_rows [J, 1]``: each K step's
+    products summed over its columns."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros(w_rows.shape, dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
@@ -144,18 +140,14 @@ def _down_products(w_rows, w_mask, act_rows, j_mask, inter, SLOT_AXIS: tl.conste
         a = tl.load(act_rows + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=w_mask[:, :, None] & k_mask[None, None, :],
                     other=0.0).to(tl.float32)
-        if SLOT_AXIS == 0:
-            acc += tl.sum(w * a[:, None, :], axis=2)
-        else:
-            acc += tl.sum(w * a[None, :, :], axis=2)
+        acc += tl.sum(w * a[:, None, :], axis=2)
     return acc
 
 
 @triton.jit
 def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_ptr, hidden, inter, stride_act,
                               stride_we, stride_wn, stride_out, TOPK: tl.constexpr, TOPK_POW2: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_FIRST: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -166,14 +158,9 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
     routing = tl.load(topk_weights_ptr + slots, mask=j_mask, other=0.0)
     act_rows = act_ptr + slots[:, None] * stride_act  # [J, 1]
     rows = offs_n.to(tl.int64) * stride_wn
-    if ROWS_FIRST:  # tile [N, J, K]: the slots' activations broadcast along the rows, in the weights' layout
-        w_rows = w2_ptr + rows[:, None] + experts[None, :] * stride_we
-        acc = _down_products(w_rows, n_mask[:, None] & j_mask[None, :], act_rows, j_mask, inter, 1, BLOCK_K)
-        total = tl.sum(acc * routing[None, :], axis=1)
-    else:  # tile [J, N, K]
-        w_rows = w2_ptr + experts[:, None] * stride_we + rows[None, :]
-        acc = _down_products(w_rows, j_mask[:, None] & n_mask[None, :], act_rows, j_mask, inter, 0, BLOCK_K)
-        total = tl.sum(acc * routing[:, None], axis=0)
+    w_rows = w2_ptr + experts[:, None] * stride_we + rows[None, :]  # tile [J, N, K]
+    acc = _down_products(w_rows, j_mask[:, None] & n_mask[None, :], act_rows, j_mask, inter, BLOCK_K)
+    total = tl.sum(acc * routing[:, None], axis=0)
     tl.store(out_ptr + token * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -208,6 +195,5 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOPK=top_k, TOPK_POW2=triton.next_power_of_2(top_k), BLOCK_N=config.block_n_down,
-        BLOCK_K=config.block_k_down, ROWS_FIRST=config.down_rows_first, USE_PDL=use_pdl,
-        num_warps=config.num_warps_down, launch_pdl=use_pdl)
+        BLOCK_K=config.block_k_down, USE_PDL=use_pdl, num_warps=config.num_warps_down, launch_pdl=use_pdl)
     return out
