@@ -205,6 +205,7 @@ class ModelRunner:
         self.fusion = loaded.fusion
         self.model = loaded.model
         self._moe_blocks = [m for m in self.model.modules() if callable(getattr(m, "takes_pdl", None))]
+        self._moe_pdl: dict[tuple[int, bool], bool] = {}  # (batch, deterministic) -> every MoE block takes PDL
         self.kv_cache = kv.kv_cache
         self.table = kv.table
         self.max_rows = kv.max_rows
@@ -295,7 +296,12 @@ class ModelRunner:
         the run's batch-invariant mode, which may choose other expert launches)."""
         if self.enable_pdl:
             return True
-        return batch_size <= self.pdl_decode_max and all(block.takes_pdl(batch_size) for block in self._moe_blocks)
+        if batch_size > self.pdl_decode_max:
+            return False
+        key = (batch_size, self.deterministic)
+        if key not in self._moe_pdl:  # shapes and mode decide the experts' launches: asked once
+            self._moe_pdl[key] = all(block.takes_pdl(batch_size) for block in self._moe_blocks)
+        return self._moe_pdl[key]
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         prompt: tuple[TokenLogprobs, ...] = ()
