@@ -40,7 +40,6 @@ from arfusion.engine.weights.gguf_loader import ParsedGGUF
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
 from arfusion.layers.kernels import pdl
-from arfusion.layers.kernels.pdl import pdl_mode
 from arfusion.layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
@@ -286,7 +285,7 @@ class ModelRunner:
         self.progress.begin()
         with batch_invariant_mode(self.deterministic):
             pdl_on = self.enable_pdl or plan.kind == "decode" and self._pdl_for_decode(plan.batch_size)
-            with pdl_mode(pdl_on):
+            with pdl.pdl_mode(pdl_on):
                 return self._forward(plan)
 
     def _pdl_for_decode(self, batch_size: int) -> bool:
