@@ -35,8 +35,15 @@ these rules:
 3. The wait is on every program's path, before any exit: no PDL kernel completes before its
    predecessor has, so ordering is transitive (after its wait a kernel sees the writes of every
    earlier kernel of the stream, not only of the one before it). A kernel launched without PDL
-   (cuBLAS, torch, flashinfer, or these with the switch off) waits for its predecessor's
-   completion as always.
+   (cuBLAS, torch, or these with the switch off) waits for its predecessor's completion as
+   always.
+
+flashinfer 0.7.2 launches its RMSNorm and fused add-RMSNorm kernels (fusion/norm.py) with PDL
+on sm90 whatever this switch says (their ``enable_pdl`` default), keeping the same rules: each
+block waits first and lets its dependents launch after its stores. So the norms between the o
+projection, the routing and the next layer's q/k/v stay in the chain; cuBLAS's q/k/v and
+gate/up break it (the q/k/v on the decode-sized matmul launch instead, to keep the chain, was
+slower: docs/results.md).
 
 With USE_PDL False a kernel compiles without the two instructions (the Triton interpreter,
 ``TRITON_INTERPRET=1``, has none and raises on them; below sm90 they do not exist). The
