@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from arfusion.layers import batch_invariant
+from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
 from arfusion.layers.moe.kernels.mxfp4_decode import (byte_halves, expert_weight_operands, fp16_half, load_words,
                                                       word_pairs)
@@ -253,10 +254,14 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
 
 @triton.jit
 def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split, stride_slot, stride_out,
-                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[t, cols] = sum_j w[t, j] * round(sum_s p[s, t*k+j, cols])``: the splits summed in
     order, rounded to out's dtype (the expert's output), weighted and summed over j in order in
-    fp32, rounded once."""
+    fp32, rounded once. With USE_PDL it waits for the previous kernel first: everything it reads
+    is written in the step (layers/kernels/pdl.py)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -344,9 +349,11 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
         grouped = _tensor_core_partials if cfg.tensor_cores else _grouped_partials
         partial = grouped(x, experts, topk_ids, blocks, cfg)
     out = x.new_empty(tokens, hidden)
+    use_pdl = pdl.enabled()
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
-        out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, num_warps=4)
+        out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl)
     return out
 
 
