@@ -56,7 +56,7 @@ BENCH_FIELDS = (
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
     "allreduce_fusion_tuning_cache_dir", "norm_into_qkv", "norm_into_route", "rotary_into_attention",
-    "prefetch_o_proj",
+    "prefetch_o_proj", "prefetch_o_proj_max_batch",
     "mem_fraction_static", "disable_cuda_graph", "enable_pdl", "pdl_max_batch", "disable_overlap_schedule",
     "log_level",
 )
@@ -221,7 +221,8 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     schedule += " norm-into-qkv" if server.norm_into_qkv else ""
     schedule += " norm-into-route" if server.norm_into_route else ""
     schedule += " rotary-into-attention" if server.rotary_into_attention else ""
-    schedule += " prefetch-o-proj" if server.prefetch_o_proj else ""
+    schedule += (" prefetch-o-proj" if server.prefetch_o_proj
+                 else f" prefetch-o-proj<={server.prefetch_o_proj_max_batch}" if server.prefetch_o_proj_max_batch else "")
     schedule += " pdl" if server.enable_pdl else f" pdl<={server.pdl_max_batch}" if server.pdl_max_batch else ""
     lines = [f"model={server.model_path} tp={server.tp_size} input_len={args.input_len} output_len={args.output_len} "
              f"{schedule} (ms; floor = bytes a decode step reads / 4.8 TB/s; gain = 1 - setting / off; "

@@ -89,3 +89,61 @@ def test_the_flag_is_off_by_default_and_reaches_the_runner_and_the_benchmark():
     assert runner_settings(ServerArgs.from_cli(["--prefetch-o-proj"])).prefetch_o_proj
     server, _ = bench_one_batch.parse_args(["--prefetch-o-proj"])
     assert server.prefetch_o_proj and "--prefetch-o-proj" in bench_one_batch.build_parser().format_help()
+
+
+def test_the_batch_bound_defaults_to_one_and_reaches_the_runner_and_the_benchmark():
+    from arfusion.engine import bench_one_batch
+    from arfusion.engine.launch_config import runner_settings
+    from arfusion.server_args import ServerArgs
+
+    assert ServerArgs().prefetch_o_proj_max_batch == 1 and runner_settings(ServerArgs()).prefetch_o_proj_max_batch == 1
+    assert runner_settings(ServerArgs.from_cli(["--prefetch-o-proj-max-batch", "4"])).prefetch_o_proj_max_batch == 4
+    assert bench_one_batch.parse_args(["--prefetch-o-proj-max-batch", "0"])[0].prefetch_o_proj_max_batch == 0
+    with pytest.raises(ValueError):
+        ServerArgs(prefetch_o_proj_max_batch=-1)
+
+
+def test_the_bound_holds_at_tp1_where_the_prefetch_runs_and_says_why_elsewhere(monkeypatch, caplog):
+    from arfusion.engine.runtime import model_runner
+    from arfusion.engine.runtime.model_runner import RunnerSettings, prefetch_decode_bound
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+        assert prefetch_decode_bound(RunnerSettings(), cpu, 1) == 0
+    assert caplog.records[-1].getMessage() == "decode batches up to 1 prefetch no o_proj weight: a cpu tensor"
+    monkeypatch.setattr(model_runner.l2_prefetch, "device_refusal", lambda device: None)
+    assert prefetch_decode_bound(RunnerSettings(), gpu, 1) == 1
+    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj_max_batch=8), gpu, 1) == 8
+    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj_max_batch=0), gpu, 1) == 0
+    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj=True), gpu, 1) == 0  # every decode batch anyway
+    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+        assert prefetch_decode_bound(RunnerSettings(), gpu, 2) == 0
+    assert "the TP size is 2" in caplog.records[-1].getMessage()
+
+
+def _bounded_run(rank: int, world: int, prompts: int, bound: int) -> dict:
+    from arfusion.engine.models import llama
+    from arfusion.engine.runtime import rank_parts
+
+    entered = [0]
+    original = llama.ahead
+
+    def counted(t):
+        entered[0] += 1
+        return original(t)
+
+    llama.ahead = counted
+    rank_parts.prefetch_decode_bound = lambda settings, device, tp_size: settings.prefetch_o_proj_max_batch
+    out = greedy_run("tiny", prompts, PROMPT_LEN, STEPS, prefetch_o_proj_max_batch=bound)
+    out["entered"] = entered[0]
+    return out
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_decode_batches_up_to_the_bound_prefetch_with_the_bits_of_none(prompts):
+    none = run_distributed(_bounded_run, world_size=1, args=(prompts, 0), timeout_s=300)[0]
+    bounded = run_distributed(_bounded_run, world_size=1, args=(prompts, 1), timeout_s=300)[0]
+    layers = bounded["config"].num_hidden_layers
+    assert none["entered"] == 0
+    assert bounded["entered"] == (STEPS * layers if prompts == 1 else 0)
+    assert bounded["tokens"] == none["tokens"] and torch.equal(bounded["logits"], none["logits"])

@@ -37,6 +37,7 @@ class LlamaAttention(nn.Module):
         self.attn = self.make_attention(config, layer_id, device)
         self.rotary_into_attention = config.rotary_into_attention
         self.prefetch_o_proj = config.prefetch_o_proj
+        self.prefetch_o_proj_max_batch = config.prefetch_o_proj_max_batch
 
     def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
         """This rank's heads attending with softmax scale ``head_dim ** -0.5``."""
@@ -48,9 +49,11 @@ class LlamaAttention(nn.Module):
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which qkv_proj runs) -> this
         rank's partial o_proj output ``[T, hidden]``. With ``prefetch_o_proj`` a decode batch's
         o_proj weight is prefetched into L2 beside the rotary and attention launches
-        (layers/kernels/l2_prefetch.py ``ahead``)."""
+        (layers/kernels/l2_prefetch.py ``ahead``); without it, a decode batch of at most
+        ``prefetch_o_proj_max_batch`` sequences."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        if not (self.prefetch_o_proj and batch.is_decode):
+        prefetch = self.prefetch_o_proj or batch.batch_size <= self.prefetch_o_proj_max_batch
+        if not (prefetch and batch.is_decode):
             return self.o_proj(self._attend(positions, q, k, v, batch, kv_cache))
         with ahead(self.o_proj.weight):
             out = self._attend(positions, q, k, v, batch, kv_cache)

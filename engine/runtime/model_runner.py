@@ -39,7 +39,7 @@ from arfusion.engine.weights.dummy import dummy_weights
 from arfusion.engine.weights.gguf_loader import ParsedGGUF
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup
 from arfusion.layers.batch_invariant import batch_invariant_mode, set_enabled
-from arfusion.layers.kernels import pdl
+from arfusion.layers.kernels import l2_prefetch, pdl
 from arfusion.layers.kernels.triton_support import triton_available
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class RunnerSettings:
     norm_into_route: bool = False  # `ModelConfig.norm_into_route`
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
     prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
+    prefetch_o_proj_max_batch: int = 1  # without prefetch_o_proj: decode batches up to this size prefetch (`prefetch_decode_bound`)
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
     pdl_max_batch: int = 1  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
     fusion: FusionConfig = FusionConfig()
@@ -88,6 +89,23 @@ def pdl_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: in
                     reason)
         return 0
     return settings.pdl_max_batch
+
+
+def prefetch_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: int) -> int:
+    """Without ``prefetch_o_proj``, the largest decode batch that prefetches its o_proj weights
+    into L2 (`ModelConfig.prefetch_o_proj_max_batch`): ``settings.prefetch_o_proj_max_batch`` at
+    TP size 1 where the prefetch can run, else 0 (none), the reason logged once (it is measured
+    at TP size 1 only)."""
+    if settings.prefetch_o_proj or settings.prefetch_o_proj_max_batch == 0:
+        return 0
+    reason = l2_prefetch.device_refusal(device)
+    if reason is None and tp_size > 1:
+        reason = f"the TP size is {tp_size}; it is measured at TP size 1 only (--prefetch-o-proj takes every batch)"
+    if reason is not None:
+        logger.info("decode batches up to %d prefetch no o_proj weight: %s", settings.prefetch_o_proj_max_batch,
+                    reason)
+        return 0
+    return settings.prefetch_o_proj_max_batch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -24,6 +24,7 @@ and end; ``startup_s`` records its seconds).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from contextlib import ExitStack
@@ -37,7 +38,8 @@ from arfusion.engine.models.registry import build_model
 from arfusion.engine.runtime.cuda_graph_runner import capture_sizes
 from arfusion.engine.runtime.load_agreement import load_together
 from arfusion.engine.runtime.model_runner import (CPU_KV_SLOTS, KVPart, LoadedModel, ModelRunner, RunnerSettings,
-                                                  StartupContext, load_config_and_weights, resolve_dtype)
+                                                  StartupContext, load_config_and_weights, prefetch_decode_bound,
+                                                  resolve_dtype)
 from arfusion.engine.runtime.step_plan import RequestTable
 from arfusion.fusion import AllReduceFusion, FusionConfig, TensorParallelGroup, enable_capturable_collectives
 from arfusion.layers.batch_invariant import set_enabled
@@ -104,6 +106,8 @@ def _load(stack: ExitStack, settings: RunnerSettings, group: TensorParallelGroup
     if settings.enable_pdl:
         pdl.require_supported(device)
     config, weights = load_config_and_weights(settings, dtype, device, startup.parsed)
+    config = dataclasses.replace(config, prefetch_o_proj_max_batch=prefetch_decode_bound(settings, device,
+                                                                                          group.world_size))
     if config.mxfp4_tensor_cores and (device.type != "cuda" or not triton_available()):
         raise ValueError("--mxfp4-experts tensor-cores runs the experts on a GPU with triton; here use keep or "
                          "dequantize")

@@ -43,14 +43,22 @@ _LOGGED: set[str] = set()  # the reasons logged so far (a fixed handful)
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def prefetch_refusal(t: torch.Tensor) -> Optional[str]:
-    """Why `prefetch_l2` does not take ``t``, or None."""
-    if not t.is_cuda:
-        return f"a {t.device.type} tensor"
-    if torch.cuda.get_device_capability(t.device) < (9, 0):
+def device_refusal(device: torch.device) -> Optional[str]:
+    """Why no tensor on ``device`` can be prefetched, or None."""
+    if device.type != "cuda":
+        return f"a {device.type} tensor"
+    if torch.cuda.get_device_capability(device) < (9, 0):
         return "a GPU older than sm90 (no bulk prefetch)"
     if not triton_available():
         return "triton is not installed"
+    return None
+
+
+def prefetch_refusal(t: torch.Tensor) -> Optional[str]:
+    """Why `prefetch_l2` does not take ``t``, or None."""
+    reason = device_refusal(t.device)
+    if reason is not None:
+        return reason
     if not t.is_contiguous() or t.data_ptr() % 16:
         return "a tensor not contiguous or not 16-byte aligned"
     return None

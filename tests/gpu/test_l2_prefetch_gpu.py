@@ -6,7 +6,9 @@ multiple of the chunk or of 16 bytes included: it completes and leaves every val
 view that is not 16-byte aligned is refused by name. `ahead` inside a captured CUDA graph: replays
 give the eager results, with the prefetch a branch beside the block's launches. The tiny Llama in
 bf16 at TP1 with CUDA graphs, the flag off and on: the same greedy tokens and logits bit for bit
-(a prefetch moves no value), the prefetch launched with the flag on only."""
+(a prefetch moves no value), the prefetch launched with the flag on only. Without the flag, the
+default bound (``--prefetch-o-proj-max-batch`` 1) has one prompt's decode graphs prefetch, with the
+bits of bound 0."""
 import pytest
 import torch
 
@@ -73,7 +75,8 @@ def _greedy(rank: int, world: int) -> dict:
     from arfusion.layers.kernels import l2_prefetch
 
     return flag_off_and_on("tiny", PROMPTS, PROMPT_LEN, STEPS, "prefetch_o_proj", l2_prefetch, "issue_prefetch", seed=5,
-                           dtype="bfloat16", cuda_graph_max_bs=PROMPTS, kv_slots=1024)
+                           dtype="bfloat16", cuda_graph_max_bs=PROMPTS, kv_slots=1024,
+                           prefetch_o_proj_max_batch=0)  # off means none (the default bound takes batch 1's graph)
 
 
 @pytest.mark.timeout(600)
@@ -85,3 +88,34 @@ def test_the_flag_keeps_every_bit_under_cuda_graphs():
     assert off["calls"] == 0 and on["calls"] > 0, "the prefetch runs with the flag on only"
     assert on["tokens"] == off["tokens"] and torch.equal(on["logits"], off["logits"])
     assert len({t for step in off["tokens"] for t in step}) > 2, "the tokens vary (not a constant stream)"
+
+
+def _batch_one(rank: int, world: int) -> dict:
+    from arfusion.layers.kernels import l2_prefetch
+    from tests.fold_checks import greedy_run
+
+    calls = [0]
+    original = l2_prefetch.issue_prefetch
+
+    def counted(t):
+        calls[0] += 1
+        return original(t)
+
+    l2_prefetch.issue_prefetch = counted
+    out = {}
+    for bound in (0, 1):
+        calls[0] = 0
+        out[bound] = greedy_run("tiny", 1, PROMPT_LEN, STEPS, seed=5, dtype="bfloat16", cuda_graph_max_bs=1,
+                                kv_slots=1024, prefetch_o_proj_max_batch=bound)
+        out[bound]["calls"] = calls[0]
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_the_default_bound_prefetches_at_batch_1_with_the_bits_without():
+    _sm90()
+    result = run_distributed(_batch_one, world_size=1, device_kind="cuda", timeout_s=500)[0]
+    off, default = result[0], result[1]
+    assert off["graphs"] and default["graphs"], "both runs replay CUDA graphs"
+    assert off["calls"] == 0 and default["calls"] > 0, "the prefetch runs with the bound only"
+    assert default["tokens"] == off["tokens"] and torch.equal(default["logits"], off["logits"])
