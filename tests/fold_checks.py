@@ -46,11 +46,9 @@ def count_calls(cls: type, name: str, calls: dict) -> None:
     setattr(cls, name, counted)
 
 
-def flag_off_and_on(model_path: str, prompts: int, prompt_len: int, steps: int, flag: str, module: Any, name: str,
-                    **settings: Any) -> dict:
-    """`greedy_run` with the `RunnerSettings` field ``flag`` False, then True: ``{False: run,
-    True: run}``, each run with ``calls``, how often ``module.name`` (a module-level function
-    the flag's path calls; patched to count, it still runs) ran during it."""
+def counting(module: Any, name: str) -> list[int]:
+    """Count the calls of ``module.name`` (a module-level function; it still runs) in the returned
+    one-element list: patches the module for the rest of the process."""
     calls = [0]
     original = getattr(module, name)
 
@@ -59,6 +57,16 @@ def flag_off_and_on(model_path: str, prompts: int, prompt_len: int, steps: int, 
         return original(*args, **kwargs)
 
     setattr(module, name, counted)
+    return calls
+
+
+def flag_off_and_on(model_path: str, prompts: int, prompt_len: int, steps: int, flag: str, module: Any, name: str,
+                    **settings: Any) -> dict:
+    """`greedy_run` with the `RunnerSettings` field ``flag`` False, then True: ``{False: run,
+    True: run}``, each run with ``calls``, how often ``module.name`` (a module-level function
+    the flag's path calls; patched to count, it still runs) ran during it."""
+    original = getattr(module, name)
+    calls = counting(module, name)
     out: dict = {}
     try:
         for on in (False, True):

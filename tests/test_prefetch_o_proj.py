@@ -124,15 +124,9 @@ def test_the_bound_holds_at_tp1_where_the_prefetch_runs_and_says_why_elsewhere(m
 def _bounded_run(rank: int, world: int, prompts: int, bound: int) -> dict:
     from arfusion.engine.models import llama
     from arfusion.engine.runtime import rank_parts
+    from tests.fold_checks import counting
 
-    entered = [0]
-    original = llama.ahead
-
-    def counted(t):
-        entered[0] += 1
-        return original(t)
-
-    llama.ahead = counted
+    entered = counting(llama, "ahead")
     rank_parts.prefetch_decode_bound = lambda settings, device, tp_size: settings.prefetch_o_proj_max_batch
     out = greedy_run("tiny", prompts, PROMPT_LEN, STEPS, prefetch_o_proj_max_batch=bound)
     out["entered"] = entered[0]

@@ -81,14 +81,8 @@ def pdl_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: in
     break the chain, and ``--enable-pdl`` turns it on)."""
     if settings.enable_pdl or settings.pdl_max_batch == 0:
         return 0
-    reason = pdl.unsupported_reason(device)
-    if reason is None and tp_size > 1:
-        reason = f"the TP size is {tp_size}; it is measured at TP size 1 only (--enable-pdl takes every batch)"
-    if reason is not None:
-        logger.info("decode batches up to %d keep programmatic dependent launch off: %s", settings.pdl_max_batch,
-                    reason)
-        return 0
-    return settings.pdl_max_batch
+    return _tp1_decode_bound(settings.pdl_max_batch, pdl.unsupported_reason(device), tp_size, "--enable-pdl",
+                             "keep programmatic dependent launch off")
 
 
 def prefetch_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: int) -> int:
@@ -98,14 +92,19 @@ def prefetch_decode_bound(settings: RunnerSettings, device: torch.device, tp_siz
     at TP size 1 only)."""
     if settings.prefetch_o_proj or settings.prefetch_o_proj_max_batch == 0:
         return 0
-    reason = l2_prefetch.device_refusal(device)
-    if reason is None and tp_size > 1:
-        reason = f"the TP size is {tp_size}; it is measured at TP size 1 only (--prefetch-o-proj takes every batch)"
-    if reason is not None:
-        logger.info("decode batches up to %d prefetch no o_proj weight: %s", settings.prefetch_o_proj_max_batch,
-                    reason)
+    return _tp1_decode_bound(settings.prefetch_o_proj_max_batch, l2_prefetch.device_refusal(device), tp_size,
+                             "--prefetch-o-proj", "prefetch no o_proj weight")
+
+
+def _tp1_decode_bound(bound: int, refusal: Optional[str], tp_size: int, every_batch_flag: str, off: str) -> int:
+    """``bound`` where the device does not refuse (``refusal`` None) and the TP size is 1, else 0
+    with the reason logged ("decode batches up to ``bound`` ``off``: reason")."""
+    if refusal is None and tp_size > 1:
+        refusal = f"the TP size is {tp_size}; it is measured at TP size 1 only ({every_batch_flag} takes every batch)"
+    if refusal is not None:
+        logger.info("decode batches up to %d %s: %s", bound, off, refusal)
         return 0
-    return settings.prefetch_o_proj_max_batch
+    return bound
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

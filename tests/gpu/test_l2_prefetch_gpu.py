@@ -92,16 +92,9 @@ def test_the_flag_keeps_every_bit_under_cuda_graphs():
 
 def _batch_one(rank: int, world: int) -> dict:
     from arfusion.layers.kernels import l2_prefetch
-    from tests.fold_checks import greedy_run
+    from tests.fold_checks import counting, greedy_run
 
-    calls = [0]
-    original = l2_prefetch.issue_prefetch
-
-    def counted(t):
-        calls[0] += 1
-        return original(t)
-
-    l2_prefetch.issue_prefetch = counted
+    calls = counting(l2_prefetch, "issue_prefetch")
     out = {}
     for bound in (0, 1):
         calls[0] = 0
