@@ -78,7 +78,7 @@ def _interpreted(rank: int, world: int) -> dict:
         expected = torch.stack([attend_with_sinks(decode_q[i:i + 1], k_cache[req_to_token[i, :n]], v_cache[req_to_token[i, :n]],
                                                   torch.tensor([n - 1]), scale, sinks, window)[0]
                                 for i, n in enumerate(lengths)])
-        for splits in (1, 3):
+        for splits in (1, 3, None):  # None: the shape-based choice, over the window's keys where it is narrower
             out = decode_attention(decode_q, k_cache, v_cache, req_to_token, seq_lens, scale, num_splits=splits,
                                    block=16, sinks=sinks, window=window)
             results[("decode", seed, splits)] = (out, expected)
@@ -107,7 +107,7 @@ def interpreted():
 @pytest.mark.parametrize("seed", range(len(CASES)))
 @pytest.mark.parametrize("kernel", ["decode", "extend"])
 def test_triton_kernels_match_torch_path(interpreted, kernel, seed):
-    """Decode with one split and three; extend after a cached prefix, with and without every
+    """Decode with one split, three and the shape-based count; extend after a cached prefix, with and without every
     block masked (batch-invariant mode)."""
     for key, (out, expected) in interpreted.items():
         if key[:2] == (kernel, seed):

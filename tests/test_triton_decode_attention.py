@@ -23,6 +23,7 @@ from arfusion.layers.kernels.triton_decode_attention import (  # noqa: E402
     choose_launch,
     decode_attention,
     decode_attention_reference,
+    plan_splits,
 )
 from tests.attention_cases import PAD_SLOT, result_checker, spread_rows  # noqa: E402
 from tests.dist_utils import run_under_triton_interpreter  # noqa: E402
@@ -248,6 +249,18 @@ def test_fixed_keys_per_split_gives_a_row_the_same_bits_at_any_batch():
 ])
 def test_choose_launch_from_shapes(batch, kv_heads, context, expected):
     assert choose_launch(batch, kv_heads, context, num_sms=132) == expected
+
+
+@pytest.mark.parametrize("batch, context, window, splits", [
+    (1, 131072, 0, 64),  # gpt-oss's full-attention layers at a long context: MAX_SPLITS
+    (1, 131072, 128, 2),  # its sliding layers: the keys a row can hold are the window's 128
+    (1, 100, 128, 2),  # a window wider than the context: the context's blocks
+    (1, 131072, 4096, 64),
+    (32, 131072, 128, 1),  # 256 rows: a mid-size batch's 128-key blocks, one of them holds the window
+])
+def test_the_split_count_follows_the_window_where_it_is_narrower(batch, context, window, splits):
+    q = torch.empty(batch, 64, 64)
+    assert plan_splits(q, 8, context, None, None, None, window).splits == splits
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -37,9 +37,11 @@ of the batch), the grid is ceil(C / keys_per_split) splits, and the combine adds
 ... in order (a loop, not a tree over the grid's padded split count), so a row's bits depend on
 its own keys only.
 
-Launch choice (`choose_launch`), from shapes only (B, KVH, the width C of req_to_token, the SM
-count): floor(WAVES * SMs / (B * KVH)) splits of BLOCK_N keys, i.e. about WAVES programs per
-SM, at most one split per block of C, between 1 and MAX_SPLITS; mid-size batches
+Launch choice (`choose_launch`), from shapes only (B, KVH, the keys a row can hold: the width C
+of req_to_token, or a window W narrower than it, and the SM count): floor(WAVES * SMs / (B * KVH))
+splits of BLOCK_N keys, i.e. about WAVES programs per SM, at most one split per block of C (of W:
+a layer with a window of 128 keys takes 2 splits of 64, not one per block of a long context's
+C, which would leave all but two empty), between 1 and MAX_SPLITS; mid-size batches
 (MID_MIN_ROWS <= B * KVH <= MID_WAVES * SMs) take MID_BLOCK_N-key blocks and about MID_WAVES
 programs per SM instead.
 
@@ -301,7 +303,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split)
+    plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split, window)
     use_pdl = pdl.enabled()
     _split_kernel[(batch, kv_heads, plan.splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, plan.part_out,
@@ -330,15 +332,16 @@ class SplitPlan(NamedTuple):
 
 
 def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Optional[int], block: Optional[int],
-                keys_per_split: Optional[int]) -> SplitPlan:
-    """The split count and block (`decode_attention`'s overrides, or `choose_launch`) and the
-    buffers of a call with ``q [B, H, D]``; ValueError for a block or keys_per_split that does
-    not fit."""
+                keys_per_split: Optional[int], window: int = 0) -> SplitPlan:
+    """The split count and block (`decode_attention`'s overrides, or `choose_launch` over the keys
+    a row can hold: the width ``context``, or the ``window`` where it is narrower) and the buffers
+    of a call with ``q [B, H, D]``; ValueError for a block or keys_per_split that does not fit."""
     batch, heads, dim = q.shape
     if keys_per_split is not None:
         splits, block = -(-context // keys_per_split), block or BLOCK_N
     elif num_splits is None:
-        splits, chosen_block = choose_launch(batch, kv_heads, context, _sm_count(q.device))
+        span = min(context, window) if window > 0 else context
+        splits, chosen_block = choose_launch(batch, kv_heads, span, _sm_count(q.device))
         block = block or chosen_block
     else:
         splits, block = num_splits, block or BLOCK_N

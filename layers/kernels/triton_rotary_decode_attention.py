@@ -132,7 +132,7 @@ def decode_attention_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     check_operands(q_heads, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, heads, q.device, window)
     context = req_to_token.shape[1]
-    plan = plan_splits(q_heads, kv_heads, context, num_splits, block, None)
+    plan = plan_splits(q_heads, kv_heads, context, num_splits, block, None, window)
     q_norm, k_norm, eps = head_norm if head_norm is not None else (inv_freq, inv_freq, 0.0)
     use_pdl = pdl.enabled()
     _rotary_split_kernel[(batch, kv_heads, plan.splits)](
