@@ -196,8 +196,8 @@ class ServerArgs(BaseModel):
 
 # Options that act on a GPU only (on the CPU they change nothing, or are refused): --help marks them.
 GPU_ONLY = frozenset({"allreduce_fusion_disable_pdl", "mem_fraction_static", "cuda_graph_max_bs", "disable_cuda_graph",
-                      "norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj", "prefetch_o_proj_max_batch",
-                      "enable_pdl", "pdl_max_batch"})
+                      "norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj",
+                      "prefetch_o_proj_max_batch", "enable_pdl", "pdl_max_batch"})
 GPU_ONLY_MARK = "[GPU only]"
 
 # The first field of each section, in field order: --help groups the options by section.

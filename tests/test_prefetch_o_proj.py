@@ -7,6 +7,7 @@ by name; `ahead` runs its block alone there and logs why once. In the tiny Llama
 flag changes no bit of the greedy tokens or logits and says why. The flag is off by default and
 reaches the runner and the benchmark."""
 import logging
+import sys
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_the_bound_holds_at_tp1_where_the_prefetch_runs_and_says_why_elsewhere(m
     assert prefetch_decode_bound(RunnerSettings(), gpu, 1) == 1
     assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj_max_batch=8), gpu, 1) == 8
     assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj_max_batch=0), gpu, 1) == 0
-    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj=True), gpu, 1) == 0  # every decode batch anyway
+    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj=True), gpu, 2) == sys.maxsize  # every decode batch
+    assert prefetch_decode_bound(RunnerSettings(prefetch_o_proj=True), cpu, 1) == sys.maxsize  # ahead says why
     with caplog.at_level(logging.INFO, logger=model_runner.__name__):
         assert prefetch_decode_bound(RunnerSettings(), gpu, 2) == 0
     assert "the TP size is 2" in caplog.records[-1].getMessage()

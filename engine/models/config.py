@@ -72,8 +72,7 @@ class ModelConfig:
     norm_into_qkv: bool = False  # at TP1 a decode batch's input norm runs inside the q/k/v launch (layers/pending_norm.py)
     norm_into_route: bool = False  # at TP1 a decode batch's post-attention norm runs inside a MoE routing launch (the same)
     rotary_into_attention: bool = False  # a decode batch's rotary + KV write run inside its attention launch (layers/rotary_attention.py)
-    prefetch_o_proj: bool = False  # a decode batch's o_proj weight is prefetched into L2 during its attention (layers/kernels/l2_prefetch.py)
-    prefetch_o_proj_max_batch: int = 0  # without prefetch_o_proj, decode batches up to this many sequences prefetch it
+    prefetch_o_proj_max_batch: int = 0  # decode batches up to this many sequences prefetch o_proj's weight into L2 during their attention (layers/kernels/l2_prefetch.py)
 
     def __post_init__(self) -> None:
         """ValueError naming the problem: an unknown architecture, a size of the wrong type or

@@ -36,7 +36,6 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(d, config.rope_theta, config.rope_scaling, device=device)
         self.attn = self.make_attention(config, layer_id, device)
         self.rotary_into_attention = config.rotary_into_attention
-        self.prefetch_o_proj = config.prefetch_o_proj
         self.prefetch_o_proj_max_batch = config.prefetch_o_proj_max_batch
 
     def make_attention(self, config: ModelConfig, layer_id: int, device: Optional[torch.device]) -> Attention:
@@ -47,13 +46,11 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: AttentionInput, batch: ForwardBatch,
                 kv_cache: KVCache) -> torch.Tensor:
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which qkv_proj runs) -> this
-        rank's partial o_proj output ``[T, hidden]``. With ``prefetch_o_proj`` a decode batch's
-        o_proj weight is prefetched into L2 beside the rotary and attention launches
-        (layers/kernels/l2_prefetch.py ``ahead``); without it, a decode batch of at most
-        ``prefetch_o_proj_max_batch`` sequences."""
+        rank's partial o_proj output ``[T, hidden]``. A decode batch of at most
+        ``prefetch_o_proj_max_batch`` sequences has the o_proj weight prefetched into L2 beside the
+        rotary and attention launches (layers/kernels/l2_prefetch.py ``ahead``)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        prefetch = self.prefetch_o_proj or batch.batch_size <= self.prefetch_o_proj_max_batch
-        if not (prefetch and batch.is_decode):
+        if not (batch.is_decode and batch.batch_size <= self.prefetch_o_proj_max_batch):
             return self.o_proj(self._attend(positions, q, k, v, batch, kv_cache))
         with ahead(self.o_proj.weight):
             out = self._attend(positions, q, k, v, batch, kv_cache)

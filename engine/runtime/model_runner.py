@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,8 +66,8 @@ class RunnerSettings:
     norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
     norm_into_route: bool = False  # `ModelConfig.norm_into_route`
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
-    prefetch_o_proj: bool = False  # `ModelConfig.prefetch_o_proj`
-    prefetch_o_proj_max_batch: int = 1  # without prefetch_o_proj: decode batches up to this size prefetch (`prefetch_decode_bound`)
+    prefetch_o_proj: bool = False  # every decode batch prefetches o_proj's weight (`prefetch_decode_bound`)
+    prefetch_o_proj_max_batch: int = 1  # without prefetch_o_proj: decode batches up to this size prefetch (the same)
     enable_pdl: bool = False  # the decode step's Triton kernels with programmatic dependent launch (layers/kernels/pdl.py)
     pdl_max_batch: int = 1  # without enable_pdl: decode batches up to this size take it (`pdl_decode_bound`)
     fusion: FusionConfig = FusionConfig()
@@ -86,11 +87,15 @@ def pdl_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: in
 
 
 def prefetch_decode_bound(settings: RunnerSettings, device: torch.device, tp_size: int) -> int:
-    """Without ``prefetch_o_proj``, the largest decode batch that prefetches its o_proj weights
-    into L2 (`ModelConfig.prefetch_o_proj_max_batch`): ``settings.prefetch_o_proj_max_batch`` at
-    TP size 1 where the prefetch can run, else 0 (none), the reason logged once (it is measured
-    at TP size 1 only)."""
-    if settings.prefetch_o_proj or settings.prefetch_o_proj_max_batch == 0:
+    """The largest decode batch that prefetches its o_proj weights into L2
+    (`ModelConfig.prefetch_o_proj_max_batch`): every batch (``sys.maxsize``) with
+    ``prefetch_o_proj``, at any TP size (where the prefetch cannot run, `l2_prefetch.ahead` logs
+    why and runs without it); else ``settings.prefetch_o_proj_max_batch`` at TP size 1 where the
+    prefetch can run, 0 (none) elsewhere, the reason logged once (it is measured at TP size 1
+    only)."""
+    if settings.prefetch_o_proj:
+        return sys.maxsize
+    if settings.prefetch_o_proj_max_batch == 0:
         return 0
     return _tp1_decode_bound(settings.prefetch_o_proj_max_batch, l2_prefetch.device_refusal(device), tp_size,
                              "--prefetch-o-proj", "prefetch no o_proj weight")
@@ -139,7 +144,7 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
     from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv``,
-    ``settings.norm_into_route``, ``settings.rotary_into_attention`` and ``settings.prefetch_o_proj``."""
+    ``settings.norm_into_route`` and ``settings.rotary_into_attention``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
@@ -154,11 +159,11 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
     """``config`` with the run's choices: ``keep_mxfp4`` and ``mxfp4_tensor_cores`` for MXFP4
-    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``, ``prefetch_o_proj``."""
+    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``."""
     if config.expert_format == "mxfp4":
         config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device),
                                      mxfp4_tensor_cores=settings.mxfp4_experts == "tensor-cores")
-    folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention", "prefetch_o_proj")
+    folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention")
     return dataclasses.replace(config, **{name: True for name in folds if getattr(settings, name)})
 
 
