@@ -122,14 +122,14 @@ def _stand_in(tensor_cores: bool, top_scale: int) -> SimpleNamespace:
 
 # (tokens, marked tensor_cores, batch-invariant mode, largest scale byte) -> the launches chosen
 CHOICES = {
-    (1, False, False, 120): "gemv_experts",  # 4 slots: the matrix-vector launches, faster there
+    (1, False, False, 120): "gemv_partials",  # 4 slots: the matrix-vector launches, faster there
     (2, False, False, 120): "_tensor_core_partials",  # 8 slots: TENSOR_CORE_MIN_SLOTS, K steps of 512
     (8, False, False, 120): "_tensor_core_partials",  # 32 slots
     (2, False, True, 120): "_tensor_core_partials",  # batch-invariant mode: at every batch
     (8, True, False, 120): "_tensor_core_partials",
     (2, True, False, 120): "_tensor_core_partials",  # marked, 8 slots: K steps of 512
     (2, True, True, 120): "_tensor_core_partials",
-    (8, False, False, 129): "gemv_experts",  # a scale the tensor-core decoder cannot hold: the launches before
+    (8, False, False, 129): "gemv_partials",  # a scale the tensor-core decoder cannot hold: the launches before
     (8, False, True, 129): "_grouped_partials",  # ... and batch-invariant mode's grouped tiles
 }
 
@@ -145,18 +145,13 @@ def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monke
     chosen = []
 
     def record(name):
-        def partials(x, experts, topk_ids, blocks, cfg):
-            chosen.append((name, cfg))
+        def partials(x, experts, topk_ids, *blocks_and_cfg):
+            chosen.append((name, blocks_and_cfg[-1]))
             return torch.zeros(1, topk_ids.numel(), x.shape[1])
         return partials
 
-    def record_gemv(x, experts, topk_weights, topk_ids, cfg):
-        chosen.append(("gemv_experts", cfg))
-        return torch.zeros(x.shape)
-
-    for name in ("_tensor_core_partials", "_grouped_partials"):
+    for name in ("_tensor_core_partials", "_grouped_partials", "gemv_partials"):
         monkeypatch.setattr(triton_mxfp4_moe, name, record(name))
-    monkeypatch.setattr(triton_mxfp4_moe, "gemv_experts", record_gemv)
     monkeypatch.setattr(triton_mxfp4_moe, "_expert_blocks", lambda ids, experts, block_m: None)
     monkeypatch.setattr(triton_mxfp4_moe, "_combine_kernel", RecordedKernel(triton_mxfp4_moe._combine_kernel))
     ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(tokens)]).int()

@@ -71,7 +71,7 @@ def _decode_step_calls() -> None:
     from arfusion.layers.kernels.triton_skinny_matmul import skinny_linear
     from arfusion.layers.moe.kernels.mxfp4_moe_config import GEMV_CONFIG
     from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
-    from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_experts
+    from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
     from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
     from arfusion.layers.moe.kernels.triton_router import route_triton
 
@@ -106,8 +106,8 @@ def _decode_step_calls() -> None:
         w2_blocks=torch.empty(4, hidden, local // 32, 16, dtype=torch.uint8),
         w2_scales=torch.empty(4, hidden, local // 32, dtype=torch.uint8),
         w13_bias=torch.empty(4, 2 * local, dtype=BF16), w2_bias=torch.empty(4, hidden, dtype=BF16))
-    gemv_experts(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.rand(1, 4, generator=g),
-                 torch.arange(4, dtype=torch.int32)[None], GEMV_CONFIG)
+    gemv_partials(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.arange(4, dtype=torch.int32)[None],
+                  GEMV_CONFIG)
 
 
 def _label(fn: Any, kwargs: dict) -> str:

@@ -1,24 +1,15 @@
 """gpt-oss's experts for a few tokens as matrix-vector products (`Mxfp4MoEConfig.gemv`), weights
 in bf16 or kept in MXFP4: one program per (slot, BLOCK_N output rows), the products on CUDA cores
 in fp32, no tensor cores, no grouping of the rows by expert. The math is the grouped launches'
-(layers/moe/kernels/triton_mxfp4_moe.py), their combine folded into launch 2:
+(layers/moe/kernels/triton_mxfp4_moe.py, whose combine launch follows these two):
 
     launch 1  slot s = t * k + j, e = topk_ids[t, j]:                    fp32 products summed per
               gate = round(x[t] . W_gate[e, n] + b_gate[e, n]), up alike  K step elementwise, then
               act[s, n] = round((clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)),   over the step's
               g = clamp(gate, max=L)                                      columns (tl.sum)
-    launch 2  p[s, n] = act[s] . W_down[e, n] (+ b_down[e, n] on rank 0)  fp32, to a scratch row;
-              out[t, n] = round(sum_j w[t, j] * round(p[t * k + j, n]))   fp32, j in order, by the
-                                                                          token's last program
+    launch 2  p[s, n] = act[s] . W_down[e, n] (+ b_down[e, n] on rank 0)  fp32, to a scratch row
 
-(round: to the activations' dtype; the combine is the grouped launches' launch 3 with one K
-split, so both give the same bits for the same p). The folded combine: each program of launch 2
-writes its fp32 rows p to the scratch buffer and counts, per (token, column tile), the slots that
-have arrived (an atomic counter, release/acquire at GPU scope, after a barrier of the program's
-threads); the program that brings a token's count to k sums the token's k rows in slot order and
-writes ``out[t]``. Whichever program arrives last, the sum runs in the same order: deterministic.
-Launch 1 zeroes the counters (each of its programs a few) before launch 2 counts on them; no
-launch of its own for the combine, and the rows are read back from L2.
+(round: to the activations' dtype).
 
 Why a separate path: at decode sizes (a handful of slots) the grouped launches give each expert
 a 16-row token block of which one row is real, and their tensor-core dots need the decoded
@@ -79,57 +70,21 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
 
 
 @triton.jit
-def _zero_counters(counters_ptr, num_counters, COUNTERS_PER_PROGRAM: tl.constexpr):
-    """Zero this program's share of the folded combine's counters (program p of the 2-D grid, in
-    row-major order: counters p * COUNTERS_PER_PROGRAM onwards)."""
-    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    c = program * COUNTERS_PER_PROGRAM + tl.arange(0, COUNTERS_PER_PROGRAM)
-    tl.store(counters_ptr + c, tl.zeros([COUNTERS_PER_PROGRAM], dtype=tl.int32), mask=c < num_counters)
-
-
-@triton.jit
-def _fold_combine(p, slot, offs_n, n_mask, partial_ptr, topk_weights_ptr, counters_ptr, out_ptr, stride_partial,
-                  stride_out, TOPK: tl.constexpr):
-    """Launch 2's epilogue (module docstring): store this slot's fp32 rows ``p``, count the slot
-    in for its (token, column tile), and if it is the token's last, write
-    ``out[t] = round(sum_j w[t, j] * round(p[t * k + j]))`` for the tile."""
-    dtype = out_ptr.dtype.element_ty
-    tl.store(partial_ptr + slot.to(tl.int64) * stride_partial + offs_n, p, mask=n_mask)
-    tl.debug_barrier()  # every thread's rows are written before the counter announces them
-    token = slot // TOPK
-    arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel",
-                            scope="gpu")
-    tl.debug_barrier()  # the acquire above orders the peers' rows before this program's reads below
-    if arrived == TOPK - 1:
-        first = (token * TOPK).to(tl.int64)
-        total = tl.zeros([offs_n.shape[0]], dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            y = tl.load(partial_ptr + (first + j) * stride_partial + offs_n, mask=n_mask, other=0.0,
-                        cache_modifier=".cg")
-            total += tl.load(topk_weights_ptr + first + j) * y.to(dtype).to(tl.float32)
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, total.to(dtype), mask=n_mask)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, topk_weights_ptr, counters_ptr,
-                 k_size, n_size, num_counters, alpha, limit, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-                 stride_be, stride_out, stride_partial, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 COUNTERS_PER_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W, input row
-    ``x[slot // TOPK]``; ``out`` the activations ``[slots, n_size]``, x's dtype; it zeroes its
-    share of the ``num_counters`` counters); else launch 2 (input row ``x[slot]``, the bias when
-    HAS_BIAS, the rows to ``partial`` fp32 ``[slots, n_size]`` and the folded combine into
-    ``out [tokens, n_size]``, `_fold_combine`). With USE_PDL it waits for the previous kernel
-    first: the weights it reads depend on the routing (layers/kernels/pdl.py)."""
+def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
+                 stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
+                 X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
+    activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
+    n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``. With
+    USE_PDL it waits for the previous kernel first: the weights it reads depend on the routing
+    (layers/kernels/pdl.py)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if GATE_UP:
-        _zero_counters(counters_ptr, num_counters, COUNTERS_PER_PROGRAM)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    x_row = x_ptr + (slot // TOPK if GATE_UP else slot).to(tl.int64) * stride_x
+    x_row = x_ptr + (slot // X_ROW_DIV).to(tl.int64) * stride_x
     w_e, s_e, b_e = w_ptr + expert * stride_we, scales_ptr + expert * stride_se, bias_ptr + expert * stride_be
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
@@ -143,8 +98,8 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_p
             acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
                            BLOCK_K, MXFP4)
     total = tl.sum(acc, axis=1)
+    out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
     if GATE_UP:
-        out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
         dtype = out_ptr.dtype.element_ty
         gate = (total + tl.load(b_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         up = tl.sum(acc_up, axis=1) + tl.load(b_e + n_size + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -152,17 +107,15 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_p
     else:
         if HAS_BIAS:
             total += tl.load(b_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        _fold_combine(total, slot, offs_n, n_mask, partial_ptr, topk_weights_ptr, counters_ptr, out_ptr,
-                      stride_partial, stride_out, TOPK)
+        tl.store(out_row, total, mask=n_mask)
 
 
-def gemv_experts(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 config) -> torch.Tensor:
-    """``x [T, H]``, routing ``topk_weights`` / ``topk_ids [T, k]`` -> this rank's partial output,
-    a new ``[T, H]`` of x's dtype (module docstring: launches 1 and 2, the combine folded into 2),
-    with the weights of ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`) and the tiles of
-    ``config`` (an `Mxfp4MoEConfig` with ``gemv``: ``block_n_*`` rows per program, ``block_k_*``
-    columns per K step, ``num_warps``). The caller has checked x, the routing and the config."""
+def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> torch.Tensor:
+    """``x [T, H]``, ``topk_ids [T, k]`` -> fp32 ``[1, T * k, H]``: each slot's expert output before
+    the combine (module docstring: launches 1 and 2), with the weights of ``experts`` (a
+    `layers.moe.gpt_oss_moe.GptOssExperts`) and the tiles of ``config`` (an `Mxfp4MoEConfig`
+    with ``gemv``: ``block_n_*`` rows per program, ``block_k_*`` columns per K step,
+    ``num_warps``). The caller has checked x, the routing and the config."""
     tokens, top_k = topk_ids.shape
     hidden, inter, slots = experts.hidden_size, experts.local, tokens * top_k
     ids = topk_ids.reshape(-1)
@@ -170,26 +123,17 @@ def gemv_experts(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids:
         ids = ids.contiguous()
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
     act = x.new_empty(slots, inter)
-    partial = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
-    out = x.new_empty(tokens, hidden)
-    weights = topk_weights.to(torch.float32).contiguous()
-    gate_up_grid = (slots, triton.cdiv(inter, config.block_n_gate_up))
-    down_grid = (slots, triton.cdiv(hidden, config.block_n_down))
-    counters = torch.empty(tokens * down_grid[1], dtype=torch.int32, device=x.device)
-    counters_per_program = triton.next_power_of_2(triton.cdiv(counters.numel(), gate_up_grid[0] * gate_up_grid[1]))
     use_pdl = pdl.enabled()
-    _gemv_kernel[gate_up_grid](
-        x, ids, w13, s13, experts.w13_bias, act, partial, weights, counters, hidden, inter, counters.numel(),
-        experts.alpha, experts.limit, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        experts.w13_bias.stride(0), act.stride(0), partial.stride(0),
-        TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
-        GATE_UP=True, HAS_BIAS=True, COUNTERS_PER_PROGRAM=counters_per_program, USE_PDL=use_pdl,
-        num_warps=config.num_warps, launch_pdl=use_pdl)
-    _gemv_kernel[down_grid](
-        act, ids, w2, s2, experts.w2_bias, out, partial, weights, counters, inter, hidden, counters.numel(),
-        experts.alpha, experts.limit, act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        experts.w2_bias.stride(0), out.stride(0), partial.stride(0),
-        TOPK=top_k, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
-        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, COUNTERS_PER_PROGRAM=1, USE_PDL=use_pdl,
+    _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
+        x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
+        X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
+        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+    partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
+        act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
+        X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
+        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
         num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
-    return out
+    return partial

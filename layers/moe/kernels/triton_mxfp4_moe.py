@@ -15,10 +15,9 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
 (round: to the activations' dtype, as the reference rounds each expert's output). The split count
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only. A configuration with
 ``gemv`` (MXFP4 at decode sizes, `experts_block_config`) runs launches 1 and 2 as matrix-vector
-products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert), with
-launch 3 (S = 1) folded into launch 2; one with ``tensor_cores`` runs launches 1 and 2 on tensor
-cores with the MXFP4 decoded into the MMA's registers (layers/moe/kernels/gluon_mxfp4_experts.py),
-also with S = 1.
+products by slot instead (layers/moe/kernels/triton_mxfp4_gemv.py: no grouping by expert) and
+shares launch 3 with S = 1; one with ``tensor_cores`` runs them on tensor cores with the MXFP4
+decoded into the MMA's registers (layers/moe/kernels/gluon_mxfp4_experts.py), also with S = 1.
 
 Two orientations of the dots (`Mxfp4MoEConfig.swap`): ``x @ W^T`` (the weight tile the right
 operand; rows of tokens are the MMA's M side, at least 16 rows of which one is real at one token)
@@ -69,7 +68,7 @@ from arfusion.layers.moe.kernels.mxfp4_moe_config import (TENSOR_CORE_MIN_SLOTS,
 from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_MAX_SLOTS
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
-from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_experts
+from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
 
 COMBINE_BLOCK = 512  # output columns per program of the combine launch
 
@@ -343,11 +342,12 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
     if blocks is not None and not cfg.gemv and blocks.block_m != cfg.block_m:
         raise ValueError(f"the slots were grouped in blocks of {blocks.block_m} rows, the launches take {cfg.block_m}")
     if cfg.gemv:
-        return gemv_experts(x, experts, topk_weights, topk_ids, cfg)
-    if blocks is None:
-        blocks = _expert_blocks(topk_ids, experts.num_experts, cfg.block_m)
-    grouped = _tensor_core_partials if cfg.tensor_cores else _grouped_partials
-    partial = grouped(x, experts, topk_ids, blocks, cfg)
+        partial = gemv_partials(x, experts, topk_ids, cfg)
+    else:
+        if blocks is None:
+            blocks = _expert_blocks(topk_ids, experts.num_experts, cfg.block_m)
+        grouped = _tensor_core_partials if cfg.tensor_cores else _grouped_partials
+        partial = grouped(x, experts, topk_ids, blocks, cfg)
     out = x.new_empty(tokens, hidden)
     use_pdl = pdl.enabled()
     _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
