@@ -1,8 +1,12 @@
 """Sweep the Triton decode attention's launch parameters on one GPU: split count, keys per block,
-warps and pipeline stages, per (batch, context), at llama3-8b TP2 head shapes (16 query heads,
-4 KV heads, head dim 128, bf16). Each time is `time_decode_attention` (µs per call, a CUDA
-graph of 32 calls cycling over caches larger than L2). Prints, per shape, the shape-based
-default's time and the fastest setting found, and writes every point as JSON.
+warps and pipeline stages, per (batch, context), by default at llama3-8b TP2 head shapes (16
+query heads, 4 KV heads, head dim 128, bf16); ``--heads``, ``--kv-heads``, ``--head-dim``,
+``--window`` (a sliding window of that many keys) and ``--sinks`` (random per-head sink logits)
+set another model's layer, e.g. gpt-oss's sliding layers: ``--heads 64 --kv-heads 8 --head-dim 64
+--window 128 --sinks``. Each time is `time_decode_attention` (µs per call, a CUDA graph of 32
+calls cycling over caches larger than L2). Prints, per shape, the shape-based default's time
+(`plan_splits`: the split count for the keys a row can hold) and the fastest setting found, and
+writes every point as JSON.
 
     python -m arfusion.benchmarks.kernels.sweep_decode_attention --batch 1 8 32 128 --context 544 2048 \\
         --json-file out.json
@@ -15,7 +19,9 @@ program's whole chunk at once, which is what mid-size batches with short chunks 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -27,59 +33,75 @@ from arfusion.benchmarks.kernels.rows_file import write_rows
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
-def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> float:
+@dataclass(frozen=True)
+class LayerShape:
+    """The attention layer timed: head counts and size, the sliding window (0: none) and whether
+    the heads have sink logits."""
+
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 128
+    window: int = 0
+    sinks: bool = False
+
+
+def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int,
+                 shape: LayerShape = LayerShape()) -> float:
     """µs per call with ``splits`` splits of ``block`` keys and the module's launch constants set
     to ``warps``/``stages`` (restored afterwards); ``splits`` None: the shape-based choice of
     splits and block."""
     saved = attn.NUM_WARPS, attn.NUM_STAGES
     attn.NUM_WARPS, attn.NUM_STAGES = warps, stages
+    sinks = torch.randn(shape.heads, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) if shape.sinks else None
+    overrides = {} if splits is None else {"num_splits": splits, "block": block}
+    fn = functools.partial(attn.decode_attention, sinks=sinks, window=shape.window, **overrides)
     try:
-        fn = attn.decode_attention if splits is None else (
-            lambda q, k, v, r, s, scale: attn.decode_attention(q, k, v, r, s, scale, num_splits=splits, block=block))
-        return time_decode_attention(batch, context, attention_fn=fn)
+        return time_decode_attention(batch, context, shape.heads, shape.kv_heads, shape.head_dim, attention_fn=fn)
     finally:
         attn.NUM_WARPS, attn.NUM_STAGES = saved
 
 
-def time_or_none(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int) -> Optional[float]:
+def time_or_none(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int,
+                 shape: LayerShape) -> Optional[float]:
     """`time_setting`, or None (printed) for a config the compiler refuses (shared memory)."""
     try:
-        return time_setting(batch, context, splits, block, warps, stages)
+        return time_setting(batch, context, splits, block, warps, stages, shape)
     except Exception as exc:
         print(f"  skip B={batch} C={context} splits={splits} block={block} warps={warps} stages={stages}: {exc}")
         return None
 
 
-def default_point(batch: int, context: int) -> dict[str, Any]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits, block = attn.choose_launch(batch, 4, context, sms)
-    return {"splits": splits, "block": block, "warps": attn.NUM_WARPS, "stages": attn.NUM_STAGES,
-            "us": time_setting(batch, context, None, block, attn.NUM_WARPS, attn.NUM_STAGES), "default": True}
+def default_point(batch: int, context: int, shape: LayerShape) -> dict[str, Any]:
+    q = torch.empty(batch, shape.heads, shape.head_dim, device="cuda")
+    plan = attn.plan_splits(q, shape.kv_heads, context, None, None, None, shape.window)
+    return {"splits": plan.splits, "block": plan.block, "warps": attn.NUM_WARPS, "stages": attn.NUM_STAGES,
+            "us": time_setting(batch, context, None, plan.block, attn.NUM_WARPS, attn.NUM_STAGES, shape),
+            "default": True}
 
 
 def sweep_grid(batch: int, context: int, splits: Sequence[int], blocks: Sequence[int], warps: Sequence[int],
-               stages: Sequence[int]) -> dict[str, Any]:
+               stages: Sequence[int], shape: LayerShape) -> dict[str, Any]:
     """Every (splits, block, warps, stages) of the given lists, plus the default."""
-    points = [default_point(batch, context)]
+    points = [default_point(batch, context, shape)]
     for s, b, w, st in itertools.product(splits, blocks, warps, stages):
-        us = time_or_none(batch, context, s, b, w, st)
+        us = time_or_none(batch, context, s, b, w, st, shape)
         if us is not None:
             points.append({"splits": s, "block": b, "warps": w, "stages": st, "us": us})
     return {"batch": batch, "context": context, "points": points}
 
 
-def sweep_shape(batch: int, context: int) -> dict[str, Any]:
-    points = [default_point(batch, context)]
+def sweep_shape(batch: int, context: int, shape: LayerShape) -> dict[str, Any]:
+    points = [default_point(batch, context, shape)]
     default_splits = points[0]["splits"]
     base = (points[0]["block"], attn.NUM_WARPS, attn.NUM_STAGES)
     for splits in SPLITS:
         if splits != default_splits and splits * 16 <= context:
             points.append({"splits": splits, "block": base[0], "warps": base[1], "stages": base[2],
-                           "us": time_setting(batch, context, splits, *base)})
+                           "us": time_setting(batch, context, splits, *base, shape)})
     best_splits = min(points, key=lambda p: p["us"])["splits"]
     for block, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
         if (block, warps, stages) != base:
-            us = time_or_none(batch, context, best_splits, block, warps, stages)
+            us = time_or_none(batch, context, best_splits, block, warps, stages, shape)
             if us is not None:
                 points.append({"splits": best_splits, "block": block, "warps": warps, "stages": stages, "us": us})
     return {"batch": batch, "context": context, "points": points}
@@ -94,13 +116,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--heads", type=int, default=16, help="query heads (default: llama3-8b at TP2)")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=0, help="a sliding window of this many keys (0: none)")
+    p.add_argument("--sinks", action="store_true", help="per-head sink logits (random), as gpt-oss's")
     p.add_argument("--json-file")
     args = p.parse_args(argv)
+    shape = LayerShape(args.heads, args.kv_heads, args.head_dim, args.window, args.sinks)
     results = []
     print(f"{'B':>4} {'C':>6} {'default us':>11} {'(splits)':>9} {'best us':>9}  best setting")
     for batch, context in itertools.product(args.batch, args.context):
-        r = (sweep_grid(batch, context, args.splits, args.blocks, args.warps, args.stages) if args.grid
-             else sweep_shape(batch, context))
+        r = (sweep_grid(batch, context, args.splits, args.blocks, args.warps, args.stages, shape) if args.grid
+             else sweep_shape(batch, context, shape))
         results.append(r)
         default = next(p for p in r["points"] if p.get("default"))
         best = min(r["points"], key=lambda p: p["us"])
