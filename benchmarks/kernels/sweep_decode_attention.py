@@ -52,7 +52,9 @@ def time_setting(batch: int, context: int, splits: Optional[int], block: int, wa
     splits and block."""
     saved = attn.NUM_WARPS, attn.NUM_STAGES
     attn.NUM_WARPS, attn.NUM_STAGES = warps, stages
-    sinks = torch.randn(shape.heads, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) if shape.sinks else None
+    sinks = None
+    if shape.sinks:
+        sinks = torch.randn(shape.heads, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     overrides = {} if splits is None else {"num_splits": splits, "block": block}
     fn = functools.partial(attn.decode_attention, sinks=sinks, window=shape.window, **overrides)
     try:
