@@ -49,6 +49,19 @@ def fp16_half(pairs, HIGH: tl.constexpr):
 
 
 @triton.jit
+def fp16_halves(pairs, ASM: tl.constexpr):
+    """``(low, high)``: `fp16_half` of both halves of each word of ``pairs``; with ASM one PTX block
+    per word (``mov.b32 {lo, hi}`` splits the register, two ``cvt.f32.f16``), which ptxas compiles
+    to one conversion per half without the byte moves of the shift-and-truncate form (the same
+    values: each conversion is exact). Without ASM (the interpreter has no PTX), `fp16_half`."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=r,=r,r", [pairs], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return fp16_half(pairs, False), fp16_half(pairs, True)
+
+
+@triton.jit
 def load_words(w_ptr, scales_ptr, rows, row_mask, kw, k_words, stride_wn, stride_sn):
     """Word decoder's input: the 32-bit words ``kw`` (1-D, a multiple of 4 first) of ``rows``
     (``[N, KW]`` uint32, zeros past ``k_words``) and each word's scale factor (`scale_factor`).

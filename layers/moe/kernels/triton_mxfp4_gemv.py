@@ -35,14 +35,14 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.kernels import pdl
-from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_half, load_words_only, scale_factor,
-                                                      word_pairs)
+from arfusion.layers.moe.kernels.mxfp4_decode import (expert_weight_operands, fp16_halves, load_words_only,
+                                                      scale_factor, word_pairs)
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 
 @triton.jit
 def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
     """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
     ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N, BLOCK_K]`` by
     column; fp32, masked rows and columns past ``k_size`` add zeros."""
@@ -50,12 +50,27 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words, _ = load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)
         part = tl.zeros([rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
-        for q in tl.static_range(4):
-            pairs = word_pairs(words, q)
-            for high in tl.static_range(2):
-                k = 8 * kw + q + 4 * high
-                xk = tl.load(x_row + k, mask=k < k_size, other=0.0).to(tl.float32)
-                part += fp16_half(pairs, high) * xk[None, :]
+        k8 = 8 * kw[:, None] + tl.arange(0, 8)[None, :]
+        x8 = tl.load(x_row + k8, mask=k8 < k_size, other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x8, [BLOCK_K // 8, 2, 2, 2]))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        low, high = fp16_halves(word_pairs(words, 0), ASM)
+        part += low * x0[None, :]
+        part += high * x4[None, :]
+        low, high = fp16_halves(word_pairs(words, 1), ASM)
+        part += low * x1[None, :]
+        part += high * x5[None, :]
+        low, high = fp16_halves(word_pairs(words, 2), ASM)
+        part += low * x2[None, :]
+        part += high * x6[None, :]
+        low, high = fp16_halves(word_pairs(words, 3), ASM)
+        part += low * x3[None, :]
+        part += high * x7[None, :]
         groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
                               row_mask[:, None] & (groups < k_size // 32)[None, :])
@@ -73,6 +88,7 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
 def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
                  stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                  X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                 ASM: tl.constexpr,
                  GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
     activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
@@ -93,10 +109,10 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
     acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     for k0 in range(0, k_size, BLOCK_K):
-        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4)
+        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4, ASM)
         if GATE_UP:
             acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
-                           BLOCK_K, MXFP4)
+                           BLOCK_K, MXFP4, ASM)
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
     if GATE_UP:
@@ -124,16 +140,17 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
     w13, s13, w2, s2 = expert_weight_operands(experts, word_reads=True)
     act = x.new_empty(slots, inter)
     use_pdl = pdl.enabled()
+    asm = not triton.knobs.runtime.interpret
     _gemv_kernel[(slots, triton.cdiv(inter, config.block_n_gate_up))](
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
-        X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4,
+        X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4, ASM=asm,
         GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
-        X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4,
+        X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4, ASM=asm,
         GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
         num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
     return partial
