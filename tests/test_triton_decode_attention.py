@@ -236,7 +236,10 @@ def test_fixed_keys_per_split_gives_a_row_the_same_bits_at_any_batch():
 
 @pytest.mark.parametrize("batch,kv_heads,context,expected", [
     (1, 4, 8192, (64, 64)),  # 132 wanted for 4 programs per SM on 132 SMs, capped at MAX_SPLITS
-    (1, 4, 128, (2, 64)),  # at most one split per 64-key block of the width
+    (1, 4, 128, (1, 128)),  # a short span: one split of one block, whatever the batch
+    (1, 4, 40, (1, 64)),  # the block: the span rounded up to a power of two
+    (128, 4, 100, (1, 128)),
+    (1, 4, 192, (3, 64)),  # at most one split per 64-key block of the width
     (8, 4, 2048, (16, 64)),
     (15, 4, 8192, (8, 64)),  # 60 (sequence, kv head) rows: still a small batch
     (16, 4, 8192, (4, 128)),  # mid-size: 128-key blocks, floor(264 / 64) splits
@@ -253,8 +256,9 @@ def test_choose_launch_from_shapes(batch, kv_heads, context, expected):
 
 @pytest.mark.parametrize("batch, context, window, splits", [
     (1, 131072, 0, 64),  # gpt-oss's full-attention layers at a long context: MAX_SPLITS
-    (1, 131072, 128, 2),  # its sliding layers: the keys a row can hold are the window's 128
-    (1, 100, 128, 2),  # a window wider than the context: the context's blocks
+    (1, 131072, 128, 1),  # its sliding layers: the keys a row can hold are the window's 128, one block
+    (1, 100, 128, 1),  # a window wider than the context: the context's 100 keys, one block
+    (1, 131072, 256, 4),  # a wider window: one split per 64-key block of it
     (1, 131072, 4096, 64),
     (32, 131072, 128, 1),  # 256 rows: a mid-size batch's 128-key blocks, one of them holds the window
 ])

@@ -40,10 +40,13 @@ its own keys only.
 Launch choice (`choose_launch`), from shapes only (B, KVH, the keys a row can hold: the width C
 of req_to_token, or a window W narrower than it, and the SM count): floor(WAVES * SMs / (B * KVH))
 splits of BLOCK_N keys, i.e. about WAVES programs per SM, at most one split per block of C (of W:
-a layer with a window of 128 keys takes 2 splits of 64, not one per block of a long context's
-C, which would leave all but two empty), between 1 and MAX_SPLITS; mid-size batches
+a layer with a window of 256 keys takes 4 splits of 64, not one per block of a long context's
+C, which would leave all but four empty), between 1 and MAX_SPLITS; mid-size batches
 (MID_MIN_ROWS <= B * KVH <= MID_WAVES * SMs) take MID_BLOCK_N-key blocks and about MID_WAVES
-programs per SM instead.
+programs per SM instead. A span of at most SHORT_SPAN keys (a window of 128, a short context)
+takes one split of one block at any batch: no partials, no combine launch, and one program's
+latency instead of a split's plus the combine's (docs/results.md, "The decode attention's split
+count for short spans").
 
 Sinks and a window (gpt-oss, layers/sink_attention.py's math): with ``sinks`` split 0 starts its
 sums from the sink (m = sinks[h] * log2(e), l = 1: a key of value 0), so every split's partial
@@ -77,6 +80,7 @@ WAVES = 4  # target programs per call: WAVES * SM count
 MID_BLOCK_N, MID_WAVES = 128, 2  # mid-size batches: 64 <= B * KVH <= MID_WAVES * SM count
 MID_MIN_ROWS = 64
 MAX_SPLITS = 64
+SHORT_SPAN = 128  # keys a row can hold up to which one program of one block takes the row
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -230,7 +234,11 @@ def choose_launch(batch: int, num_kv_heads: int, context: int, num_sms: int) -> 
     """``(splits per row, keys per block)`` from shapes only: floor(waves * num_sms / (batch *
     kv heads)) programs per (sequence, kv head), at most one per block of the width ``context``,
     between 1 and MAX_SPLITS; waves and block are (MID_WAVES, MID_BLOCK_N) for mid-size batches
-    (MID_MIN_ROWS <= batch * kv heads <= MID_WAVES * num_sms), else (WAVES, BLOCK_N)."""
+    (MID_MIN_ROWS <= batch * kv heads <= MID_WAVES * num_sms), else (WAVES, BLOCK_N); one split of
+    one block (the context rounded up to a power of two >= 16) where the context is at most
+    SHORT_SPAN keys."""
+    if context <= SHORT_SPAN:
+        return 1, max(16, triton.next_power_of_2(context))
     rows = batch * num_kv_heads
     waves, block = (MID_WAVES, MID_BLOCK_N) if MID_MIN_ROWS <= rows <= MID_WAVES * num_sms else (WAVES, BLOCK_N)
     return max(1, min(waves * num_sms // rows, -(-context // block), MAX_SPLITS)), block
