@@ -58,10 +58,11 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
 # grouped launches, which read them once per expert, take over. Tiles and bound from the GPU sweep
 # of benchmarks/kernels/bench_mxfp4_moe.py (docs/results.md, gpt-oss section): 8 rows, K steps of
 # 1024 columns (128 words), 2 warps: as fast as the best of 5 tiles at 1, 2, 4 and 8 tokens (within
-# 3 %) and faster than the grouped launches at each; bf16-form weights stay on the grouped
-# launches, faster there.
+# 3 %) and faster than the grouped launches at each; the down launch takes 16 rows a program since
+# its K loop got leaner (docs/results.md, "The matrix-vector experts' K loop"); bf16-form weights
+# stay on the grouped launches, faster there.
 GEMV_MAX_SLOTS = 32
-GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024, block_n_down=8, block_k_down=1024,
+GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024, block_n_down=16, block_k_down=1024,
                              num_warps=2, gemv=True)
 
 # From this many slots MXFP4 experts take the tensor-core launches (`tensor_core_config`) where
