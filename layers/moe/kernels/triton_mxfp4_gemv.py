@@ -41,6 +41,15 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 
 
 @triton.jit
+def _pair_products(part, words, pair: tl.constexpr, x_low, x_high, ASM: tl.constexpr):
+    """``part`` plus code pair ``pair`` of each word times its activations: the pair's low code
+    (residue ``pair`` of the word's eight) times ``x_low``, its high code (residue ``pair + 4``)
+    times ``x_high``; ``part [N, words]`` fp32, ``x_* [words]``."""
+    low, high = fp16_halves(word_pairs(words, pair), ASM)
+    return part + low * x_low[None, :] + high * x_high[None, :]
+
+
+@triton.jit
 def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
           BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
     """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
@@ -59,18 +68,10 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
         x2, x6 = tl.split(e1)
         x1, x5 = tl.split(o0)
         x3, x7 = tl.split(o1)
-        low, high = fp16_halves(word_pairs(words, 0), ASM)
-        part += low * x0[None, :]
-        part += high * x4[None, :]
-        low, high = fp16_halves(word_pairs(words, 1), ASM)
-        part += low * x1[None, :]
-        part += high * x5[None, :]
-        low, high = fp16_halves(word_pairs(words, 2), ASM)
-        part += low * x2[None, :]
-        part += high * x6[None, :]
-        low, high = fp16_halves(word_pairs(words, 3), ASM)
-        part += low * x3[None, :]
-        part += high * x7[None, :]
+        part = _pair_products(part, words, 0, x0, x4, ASM)
+        part = _pair_products(part, words, 1, x1, x5, ASM)
+        part = _pair_products(part, words, 2, x2, x6, ASM)
+        part = _pair_products(part, words, 3, x3, x7, ASM)
         groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
                               row_mask[:, None] & (groups < k_size // 32)[None, :])
