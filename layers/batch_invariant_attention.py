@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from arfusion.layers.batch_invariant import ROW_TILE, tree_sum
+from arfusion.layers.sink_attention import attend_with_sinks
 
 KEY_BLOCK = 256  # keys per GEMM block (a multiple of every CPU vector width)
-WORK_ELEMENTS = 1 << 24  # attend_elementwise: fp32 elements of the [queries, H, keys, D] products held at once
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -139,26 +139,6 @@ def attend_elementwise(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         out_i = tree_j(w_ij * v_j) / tree_j(w_ij)
 
     with masked keys contributing exact zeros to the trees (so a row's bits depend on its own
-    keys only), queries in groups of at most `WORK_ELEMENTS` products. Returns ``[t, H, D]`` in
-    q's dtype. Reads only."""
-    if keys.dim() == 3:
-        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-    heads, kv_heads = q.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # [1 or t, H, n, D]
-    v = values.float().repeat_interleave(group, dim=2).permute(0, 2, 3, 1)  # [1 or t, H, D, n]
-    n, dim = keys.shape[1], keys.shape[3]
-    rows = max(1, WORK_ELEMENTS // (heads * n * dim))
-    key_pos = torch.arange(n, device=q.device)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for start in range(0, q.shape[0], rows):
-        qi = q[start:start + rows].float()  # [r, H, D]
-        ki, vi = (k, v) if k.shape[0] == 1 else (k[start:start + rows], v[start:start + rows])
-        visible = (key_pos[None, :] <= q_pos[start:start + rows, None])[:, None, :]  # [r, 1, n]
-        scores = tree_sum(qi[:, :, None, :] * ki) * scale  # [r, H, n]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        weights = torch.where(visible, weights, torch.zeros_like(weights))
-        weighted = torch.where(visible[:, :, None, :], weights[:, :, None, :] * vi, 0.0)  # [r, H, D, n]
-        out[start:start + rows] = tree_sum(weighted) / tree_sum(weights)[:, :, None]
-    return out.to(q.dtype)
+    keys only): `layers.sink_attention.attend_with_sinks` with no sinks and no window (the same
+    products and trees). Returns ``[t, H, D]`` in q's dtype. Reads only."""
+    return attend_with_sinks(q, keys, values, q_pos, scale, None, 0)
