@@ -6,7 +6,7 @@ from arfusion.fusion.config import FusionConfig
 from arfusion.fusion.errors import FusionInputError, FusionTimeoutError, FusionUnsupportedError
 from arfusion.fusion.functional import all_reduce_add_rms_norm
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.partial_sum import PartialSum
+from arfusion.fusion.partial_sum import PartialSum, UnformedSum
 from arfusion.fusion.strategy import FusedOutput, Quant, Strategy
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Quant",
     "Strategy",
     "TensorParallelGroup",
+    "UnformedSum",
     "all_reduce_add_rms_norm",
     "disable_capturable_collectives",
     "enable_capturable_collectives",

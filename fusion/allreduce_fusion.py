@@ -7,7 +7,10 @@ layer wraps each row-parallel output in a `PartialSum` (layer id, this op); the 
 it (`layers.layernorm.RMSNorm`) makes the one call of a reduction point:
 
     reduce_add_rms_norm(partial, residual, w, eps)  (rms_norm(sum(x) + residual), sum(x) + residual)
-                                                    by the strategy the plan gives (layer_id, tokens)
+                                                    by the strategy the plan gives (layer_id, tokens);
+                                                    at TP size 1 outside deterministic mode a sum not
+                                                    yet formed (`fusion.UnformedSum`) forms itself in
+                                                    the norm's launch
 
 so every reduction runs exactly once, by a strategy whose backend fits the batch (the unfused
 fallback, reduce then norm, is one of them). The op keeps no state between layers; it counts the reductions it
@@ -52,7 +55,7 @@ from arfusion.fusion.dispatch.table import (
 )
 from arfusion.fusion.errors import FusionInputError
 from arfusion.fusion.group import TensorParallelGroup
-from arfusion.fusion.partial_sum import PartialSum
+from arfusion.fusion.partial_sum import PartialSum, UnformedSum
 from arfusion.fusion.strategies import (
     BACKENDS,
     FALLBACK,
@@ -188,11 +191,17 @@ class AllReduceFusion:
         """``(rms_norm(s + residual), s + residual)``, ``s`` the sum over the group of
         ``partial``'s tensor (taken: a second call raises), by the strategy of
         ``(partial.layer_id, tokens)``; with ``residual`` None the sum is ``s``. The tensor and
-        ``residual`` are consumed (a backend may overwrite both)."""
+        ``residual`` are consumed (a backend may overwrite both). An `UnformedSum` forms itself in
+        the norm's launch where `_norm_unformed` allows, else is materialized first."""
         x, partial.pending = partial.pending, None
         if x is None:
             raise partial.taken_twice()
         inputs = self._inputs  # trusted residual and weight: the cheap test (`CheckedInputs`)
+        if isinstance(x, UnformedSum):
+            out = self._norm_unformed(partial.layer_id, x, residual, weight, eps)
+            if out is not None:
+                return out
+            x = x.materialize()
         if not (residual is not None and residual is inputs.residual and x.shape == residual.shape
                 and x.dtype is residual.dtype and x.is_contiguous() and inputs.weights.get(id(weight)) is weight):
             inputs.check(x, residual, weight)
@@ -202,6 +211,24 @@ class AllReduceFusion:
         inputs.residual = residual_out  # the next reduction's trusted residual
         return normed, residual_out
 
+    def _norm_unformed(self, layer_id: int, x: UnformedSum, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``x.add_rms_norm(residual, weight, eps)``, counted as the reduction of the layer's
+        strategy (at world size 1 it reduces nothing), where it applies: world size 1, not
+        deterministic, ``residual`` and ``weight`` the trusted ones and ``x`` of the residual's
+        shape and dtype (`CheckedInputs`), and the launch takes them; else None, nothing run."""
+        inputs = self._inputs
+        if (self.group.world_size != 1 or self.config.deterministic or residual is None
+                or residual is not inputs.residual or x.shape != residual.shape or x.dtype is not residual.dtype
+                or inputs.weights.get(id(weight)) is not weight):
+            return None
+        out = x.add_rms_norm(residual, weight, eps)
+        if out is None:
+            return None
+        self.counts[self.strategy(layer_id, x.shape[0])] += 1
+        inputs.residual = out[1]
+        return out
+
     def take_single_rank(self, partial: PartialSum, residual: torch.Tensor,
                          residual_out: torch.Tensor) -> torch.Tensor | None:
         """At world size 1 outside deterministic mode, where the sum over the group is
@@ -209,11 +236,11 @@ class AllReduceFusion:
         then add + RMSNorm) would only normalise: that tensor, taken (a second reduction raises)
         and counted as that strategy's reduction, for a caller that adds ``residual`` and
         normalises in a launch of its own, writing the sum into ``residual_out`` (a new tensor
-        like ``residual``). ``residual_out`` is then the next reduction's trusted residual if
+        like ``residual``); an `UnformedSum` is materialized. ``residual_out`` is then the next reduction's trusted residual if
         ``residual`` was (`CheckedInputs`). None, taking nothing, elsewhere."""
         if self.group.world_size != 1 or self.config.deterministic:
             return None
-        x, partial.pending = partial.pending, None
+        x, partial.pending = partial.formed(), None
         if x is None:
             raise partial.taken_twice()
         self.counts[self.strategy(partial.layer_id, x.shape[0])] += 1

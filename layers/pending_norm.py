@@ -165,7 +165,7 @@ def defer(norm_layer: RMSNorm, hidden_states: NormInput, residual: torch.Tensor,
     `PartialSum` whose op does not hand its sum over: TP size above 1, deterministic fusion)."""
     weight = norm_layer.weight
     partial = hidden_states if hidden_states.__class__ is PartialSum else None
-    x = partial.pending if partial is not None else hidden_states
+    x = partial.formed() if partial is not None else hidden_states  # a sum not yet formed: formed here
     reason = refusal(x, residual, weight) if x is not None else None
     if reason is not None:
         _log_once(reason, into)

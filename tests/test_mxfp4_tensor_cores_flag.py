@@ -138,7 +138,7 @@ CHOICES = {
     c[0], "marked" if c[1] else "unmarked", "deterministic" if c[2] else "default", c[3]))
 def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monkeypatch, case):
     pytest.importorskip("triton")
-    from arfusion.layers.moe.kernels import triton_mxfp4_moe
+    from arfusion.layers.moe.kernels import triton_mxfp4_moe, triton_topk_combine
     from tests.offline_triton import RecordedKernel
 
     tokens, tensor_cores, deterministic, top_scale = case
@@ -153,7 +153,7 @@ def test_the_experts_launch_what_their_mark_the_mode_and_the_batch_ask_for(monke
     for name in ("_tensor_core_partials", "_grouped_partials", "gemv_partials"):
         monkeypatch.setattr(triton_mxfp4_moe, name, record(name))
     monkeypatch.setattr(triton_mxfp4_moe, "_expert_blocks", lambda ids, experts, block_m: None)
-    monkeypatch.setattr(triton_mxfp4_moe, "_combine_kernel", RecordedKernel(triton_mxfp4_moe._combine_kernel))
+    monkeypatch.setattr(triton_topk_combine, "_topk_combine_kernel", RecordedKernel(triton_topk_combine._topk_combine_kernel))
     ids = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(t))[:4] for t in range(tokens)]).int()
     with batch_invariant.batch_invariant_mode(deterministic):
         triton_mxfp4_moe.gpt_oss_experts_triton(torch.zeros(tokens, 2880, dtype=torch.bfloat16),

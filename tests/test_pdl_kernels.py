@@ -41,11 +41,13 @@ pytest.importorskip("triton")
 from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
-LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel"}
+LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel",
+                     "_topk_combine_norm_kernel"}
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
             "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
-            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down")
+            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
+            "_topk_combine_kernel", "_topk_combine_norm_kernel")
 BF16 = torch.bfloat16
 
 
@@ -74,6 +76,7 @@ def _decode_step_calls() -> None:
     from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
     from arfusion.layers.moe.kernels.triton_route_norm import RouteNorm
     from arfusion.layers.moe.kernels.triton_router import route_triton
+    from arfusion.layers.moe.kernels.triton_topk_combine import combine, combine_add_rms_norm
 
     g = torch.Generator().manual_seed(0)
     skinny_linear(torch.randn(1, 4096, generator=g).to(BF16), torch.empty(2048, 4096, dtype=BF16))
@@ -108,6 +111,10 @@ def _decode_step_calls() -> None:
         w13_bias=torch.empty(4, 2 * local, dtype=BF16), w2_bias=torch.empty(4, hidden, dtype=BF16))
     gemv_partials(torch.randn(1, hidden, generator=g).to(BF16), experts, torch.arange(4, dtype=torch.int32)[None],
                   GEMV_CONFIG)
+    partial, weights = torch.randn(1, 4, hidden, generator=g), torch.rand(1, 4, generator=g)
+    combine(partial, weights, BF16)  # launch 3 of the MXFP4 experts, or inside the norm after them at TP1
+    combine_add_rms_norm(partial, weights, torch.randn(1, hidden, generator=g).to(BF16), torch.ones(hidden, dtype=BF16),
+                         1e-5)
 
 
 def _label(fn: Any, kwargs: dict) -> str:
@@ -130,13 +137,14 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
         pytest.skip("triton's NVIDIA backend is not installed")
     from arfusion.layers.kernels import (triton_decode_attention, triton_norm_matmul, triton_rotary,
                                          triton_rotary_decode_attention, triton_skinny_matmul)
-    from arfusion.layers.moe.kernels import triton_moe_gemv, triton_mxfp4_gemv, triton_router
+    from arfusion.layers.moe.kernels import triton_moe_gemv, triton_mxfp4_gemv, triton_router, triton_topk_combine
 
     owners = {"_rotary_kernel": triton_rotary, "_split_kernel": triton_decode_attention,
               "_combine_kernel": triton_decode_attention, "_rotary_split_kernel": triton_rotary_decode_attention,
               "_route_kernel": triton_router,
               "_gate_up_silu_gemv_kernel": triton_moe_gemv, "_down_combine_gemv_kernel": triton_moe_gemv,
-              "_gemv_kernel": triton_mxfp4_gemv}
+              "_gemv_kernel": triton_mxfp4_gemv, "_topk_combine_kernel": triton_topk_combine,
+              "_topk_combine_norm_kernel": triton_topk_combine}
     out = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_router.triton.knobs.runtime, "interpret", False)
@@ -302,7 +310,10 @@ def _moe_cases(g: torch.Generator) -> dict[str, Callable[[], Any]]:
     return {"routing (bias, grouped by expert)": routing,
             "routing with the norm inside (bias, grouped by expert)": lambda: routing(norm=True),
             "experts, matrix-vector": lambda: moe_gemv(h, w13, w2, weights, ids, gemv),
-            "MXFP4 experts, matrix-vector": lambda: gpt_oss_experts_triton(x96, mxfp4, weights, ids, mx_config)}
+            "MXFP4 experts, matrix-vector": lambda: gpt_oss_experts_triton(x96, mxfp4, weights, ids, mx_config),
+            "MXFP4 experts, matrix-vector, the combine inside the next norm": lambda: gpt_oss_experts_triton(
+                x96, mxfp4, weights, ids, mx_config, unformed=True).add_rms_norm(
+                    residual[:, :96], norm_weight[:96].contiguous(), 1e-6)}
 
 
 def _interpreted(rank: int, world: int) -> dict[bool, dict[str, Any]]:
@@ -332,7 +343,7 @@ CASE_NAMES = ["skinny m3 n40 k80", "skinny m5 n64 k128", "skinny m1 n16 k32", "r
               "decode attention, 3 splits", "decode attention with rotary, q/k norm and KV store inside, 3 splits",
               "routing (bias, grouped by expert)",
               "routing with the norm inside (bias, grouped by expert)", "experts, matrix-vector",
-              "MXFP4 experts, matrix-vector"]
+              "MXFP4 experts, matrix-vector", "MXFP4 experts, matrix-vector, the combine inside the next norm"]
 
 
 @pytest.mark.timeout(700)

@@ -19,7 +19,10 @@ A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
                                                          norm left pending, which the MoE block's
                                                          routing launch runs
     h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
-                                                         partial sum of the combined experts
+                                                         partial sum of the combined experts; gpt-oss
+                                                         at TP1: the experts' rows and weights, which
+                                                         the next norm combines in its own launch
+                                                         (`fusion.UnformedSum`)
 and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
 of the model's fusion op (`layers.layernorm`), by the strategy of the layer that made it, so a
 MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense MLP's.
@@ -83,6 +86,8 @@ class BlockDecoderLayer(nn.Module):
         router = norm_router(mlp)
         folded = router is not None and folds(config.norm_into_route, fusion.group.world_size, ROUTING)
         self.route_refusal = router.norm_deferral_refusal if folded else None
+        # at TP1 a gpt-oss MoE block leaves its combine to the next norm's launch (`fusion.UnformedSum`)
+        self.unformed_mlp = isinstance(mlp, GptOssMoeBlock) and fusion.group.world_size == 1
 
     def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],
                 batch: ForwardBatch, kv_cache: KVCache) -> tuple[NormInput, torch.Tensor]:
@@ -92,7 +97,8 @@ class BlockDecoderLayer(nn.Module):
                                    layer_id=self.layer_id, op=self.fusion)
         hidden_states, residual = post_attention_norm(self.post_attention_layernorm, hidden_states, residual,
                                                       self.route_refusal)
-        return PartialSum(pending=self.mlp(hidden_states), layer_id=self.layer_id, op=self.fusion), residual
+        out = self.mlp(hidden_states, unformed=True) if self.unformed_mlp else self.mlp(hidden_states)
+        return PartialSum(pending=out, layer_id=self.layer_id, op=self.fusion), residual
 
 
 class BlockDecoderModel(nn.Module):

@@ -17,7 +17,8 @@ projection; through its launch cache, whose key holds launch_pdl), the input nor
 decode attention's split and combine kernels, the one-launch routing (also with the
 post-attention norm inside, ``--norm-into-route``: it reads x and the residual after the wait),
 and the matrix-vector MoE experts (bf16: layers/moe/kernels/triton_moe_gemv.py; MXFP4:
-triton_mxfp4_gemv.py, and the combine launch after them in triton_mxfp4_moe.py). Each has a
+triton_mxfp4_gemv.py, and the combine launch after them, alone or with the next add + RMSNorm:
+layers/moe/kernels/triton_topk_combine.py, which loads the norm weight before the wait). Each has a
 ``USE_PDL: tl.constexpr`` parameter and is launched with ``USE_PDL=on, launch_pdl=on``, the two
 always equal (``on = enabled()``). With USE_PDL it keeps these rules:
 

@@ -32,11 +32,12 @@ weights as it runs it (the reference).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from arfusion.fusion import UnformedSum
 from arfusion.layers import batch_invariant
 from arfusion.layers.kernels.triton_support import triton_available
 from arfusion.layers.linear import check_shape, divide
@@ -211,12 +212,16 @@ class GptOssExperts(nn.Module):
         return grouping_block_m(self, tokens * top_k, self.w13_bias.dtype)  # the activations' dtype
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
-        """``blocks``: the slots already grouped by expert in `block_m` rows (or None)."""
+                blocks: Optional[ExpertBlocks] = None, unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
+        """``blocks``: the slots already grouped by expert in `block_m` rows (or None).
+        ``unformed``: on the Triton launches outside batch-invariant mode, the output as a
+        `fusion.UnformedSum` whose combine the norm after the layer runs in its own launch
+        (layers/moe/kernels/triton_topk_combine.py); a tensor elsewhere."""
         if x.is_cuda and triton_available():
             from arfusion.layers.moe.kernels.triton_mxfp4_moe import gpt_oss_experts_triton
 
-            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids, blocks=blocks)
+            return gpt_oss_experts_triton(x, self, topk_weights, topk_ids, blocks=blocks,
+                                          unformed=unformed and not batch_invariant.enabled())
         return self.forward_torch(x, topk_weights, topk_ids)
 
     def forward_torch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -259,8 +264,10 @@ class GptOssMoeBlock(nn.Module):
         self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, alpha, limit, mxfp4, dtype, device,
                                      tensor_cores)
 
-    def forward(self, hidden_states: MlpInput) -> torch.Tensor:
-        return run_routed_experts(self.router, self.experts, hidden_states)
+    def forward(self, hidden_states: MlpInput, unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
+        """``unformed``: the output may be left unformed for the norm after the layer (at TP size
+        1: `GptOssExperts.forward`)."""
+        return run_routed_experts(self.router, self.experts, hidden_states, unformed)
 
     def takes_pdl(self, tokens: int) -> bool:
         """`routed_experts.experts_take_pdl` of a batch of ``tokens``."""

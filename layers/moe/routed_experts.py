@@ -5,7 +5,8 @@ block (`SparseMoeBlock`, `GptOssMoeBlock`).
                                                       None where they group nothing
     w, ids[, blocks]     = router(h[, block_m])       the routing launch groups the slots by expert
                                                       itself when block_m is given
-    h_partial            = experts(h, w, ids, blocks)
+    h_partial            = experts(h, w, ids, blocks)   or, asked by a gpt-oss layer at TP1, the
+                                                      sum left unformed for the next norm
 
 Given the layer's norm left pending (`PendingNorm`), the routing launch runs that norm first
 (`TopKRouter.route_normed`) and the experts take its output. Nothing is written in place beyond
@@ -13,10 +14,11 @@ what the router's and the experts' own docstrings say.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 
+from arfusion.fusion import UnformedSum
 from arfusion.layers.moe.align import ExpertBlocks
 from arfusion.layers.moe.router import TopKRouter
 from arfusion.layers.pending_norm import MlpInput, PendingNorm
@@ -39,15 +41,18 @@ def experts_take_pdl(router: TopKRouter, experts: GroupedExperts, tokens: int) -
     return experts.block_m(tokens, router.top_k) is None
 
 
-def run_routed_experts(router: TopKRouter, experts: GroupedExperts, hidden_states: MlpInput) -> torch.Tensor:
+def run_routed_experts(router: TopKRouter, experts: GroupedExperts, hidden_states: MlpInput,
+                       unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
     """``[T, hidden]`` (reduced, normed; or a `PendingNorm`) -> this rank's partial MoE output
     ``[T, hidden]`` (module docstring): the routing groups the slots by expert where the experts'
-    launches group them, so that they skip their own grouping launch."""
+    launches group them, so that they skip their own grouping launch. ``unformed``: passed to
+    experts that can leave their output unformed (`layers.moe.gpt_oss_moe.GptOssExperts`)."""
+    extra = {"unformed": True} if unformed else {}
     if hidden_states.__class__ is PendingNorm:
         block_m = experts.block_m(hidden_states.residual.shape[0], router.top_k)
         normed, weights, ids, blocks = router.route_normed(hidden_states, block_m)
-        return experts(normed, weights, ids, blocks)
+        return experts(normed, weights, ids, blocks, **extra)
     block_m = experts.block_m(hidden_states.shape[0], router.top_k)
     if block_m is None:
-        return experts(hidden_states, *router(hidden_states))
-    return experts(hidden_states, *router.route(hidden_states, block_m))
+        return experts(hidden_states, *router(hidden_states), **extra)
+    return experts(hidden_states, *router.route(hidden_states, block_m), **extra)

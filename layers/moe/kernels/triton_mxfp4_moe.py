@@ -11,6 +11,9 @@ the reference), rows grouped by expert as in layers/moe/kernels/triton_fused_moe
     launch 3  out[t] = sum_j w[t, j] * round(p[0, t*k+j] + ... + p[S-1, t*k+j])
                                                                            fp32 in a fixed order,
                                                                            rounded once
+                                                                           (triton_topk_combine.py:
+                                                                           at TP1 inside the next
+                                                                           norm's launch)
 
 (round: to the activations' dtype, as the reference rounds each expert's output). The split count
 S (``split_k_down``) is part of the tiles, so it depends on the shapes only. A configuration with
@@ -52,14 +55,13 @@ launches can be captured in a CUDA graph.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from arfusion.layers import batch_invariant
-from arfusion.layers.kernels import pdl
 from arfusion.layers.moe.align import ExpertBlocks, align_by_expert
 from arfusion.layers.moe.kernels.mxfp4_decode import (byte_halves, expert_weight_operands, fp16_half, load_words,
                                                       word_pairs)
@@ -69,9 +71,7 @@ from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_M
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
-
-COMBINE_BLOCK = 512  # output columns per program of the combine launch
-
+from arfusion.layers.moe.kernels.triton_topk_combine import TopKCombine, combine
 
 @triton.jit
 def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
@@ -252,29 +252,6 @@ def _down_kernel(act_ptr, w_ptr, scales_ptr, bias_ptr, partial_ptr, sorted_slots
     tl.store(ptrs, acc, mask=mask)
 
 
-@triton.jit
-def _combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split, stride_slot, stride_out,
-                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[t, cols] = sum_j w[t, j] * round(sum_s p[s, t*k+j, cols])``: the splits summed in
-    order, rounded to out's dtype (the expert's output), weighted and summed over j in order in
-    fp32, rounded once. With USE_PDL it waits for the previous kernel first: everything it reads
-    is written in the step (layers/kernels/pdl.py)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        slot = token * TOPK + j
-        y = tl.load(partial_ptr + slot * stride_slot + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT_K):
-            y += tl.load(partial_ptr + s * stride_split + slot * stride_slot + cols, mask=mask, other=0.0)
-        total += tl.load(topk_weights_ptr + slot) * y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 logger = logging.getLogger(__name__)
 _REFUSALS_LOGGED: set[str] = set()  # the tensor-core launches' refusals logged so far (each once a process)
 
@@ -319,15 +296,16 @@ def _tensor_core_refusal(dtype: torch.dtype, experts, cfg: Mxfp4MoEConfig) -> Op
 
 
 def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           config: Optional[Mxfp4MoEConfig] = None,
-                           blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
+                           config: Optional[Mxfp4MoEConfig] = None, blocks: Optional[ExpertBlocks] = None,
+                           unformed: bool = False) -> Union[torch.Tensor, TopKCombine]:
     """``x [T, H]`` (fp32 / fp16 / bf16, last dim contiguous), routing ``[T, k]`` -> this rank's
     partial output, a new ``[T, H]`` of x's dtype (module docstring), with the weights of
     ``experts`` (a `layers.moe.gpt_oss_moe.GptOssExperts`, bf16 or MXFP4). ``config``: tiles and
     variant (`default_config` by default; limits in `Mxfp4MoEConfig`, checked). ``blocks``: the
     slots already grouped by expert (by the routing launch) in the config's ``block_m`` rows, used
     by the launches that group them instead of grouping them again (ValueError for another
-    ``block_m``); None: they group them themselves."""
+    ``block_m``); None: they group them themselves. ``unformed``: launch 3 is left to the norm
+    after the layer, the output returned as a `TopKCombine` (layers/moe/kernels/triton_topk_combine.py)."""
     tokens, top_k = topk_ids.shape
     hidden = experts.hidden_size
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(-1) != 1:
@@ -348,13 +326,9 @@ def gpt_oss_experts_triton(x: torch.Tensor, experts, topk_weights: torch.Tensor,
             blocks = _expert_blocks(topk_ids, experts.num_experts, cfg.block_m)
         grouped = _tensor_core_partials if cfg.tensor_cores else _grouped_partials
         partial = grouped(x, experts, topk_ids, blocks, cfg)
-    out = x.new_empty(tokens, hidden)
-    use_pdl = pdl.enabled()
-    _combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
-        partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
-        out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl)
-    return out
+    if unformed:
+        return TopKCombine(partial, topk_weights, x.dtype)
+    return combine(partial, topk_weights, x.dtype)
 
 
 def _tensor_core_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, blocks: ExpertBlocks,

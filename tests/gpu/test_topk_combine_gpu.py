@@ -1,0 +1,62 @@
+"""The top-k combine inside the next add + RMSNorm (layers/moe/kernels/triton_topk_combine.py) on
+the GPU, bf16 at gpt-oss's hidden size 2880 and top-4, 1 / 32 / 512 tokens, one K split and two;
+random partials, routing weights, residuals and norm weights (1 + 0.1 N(0, 1)).
+
+Against the two launches it replaces, the combine (`combine`) then flashinfer's in-place
+``fused_add_rmsnorm`` (`fusion.norm.add_rms_norm`), and against `fusion.reference.add_rms_norm`
+of the combine: the residual sum has the same bits (both launches form the combine with one
+Triton helper, and the sum is one fp32 add rounded to bf16); the normed output lies within one
+bf16 ulp of flashinfer's (rtol 2^-7: the sum of squares in another order, and flashinfer
+normalises the fp32 sum where both ours and the reference normalise the rounded one) and of the
+reference's. Then in a CUDA graph replayed on new inputs: the same bits as eager.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.gpus(1)
+
+HIDDEN, TOP_K, EPS = 2880, 4, 1e-5
+ULP = 2.0 ** -7  # bf16's relative spacing
+
+
+def _inputs(tokens: int, splits: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    partial = torch.randn(splits, tokens * TOP_K, HIDDEN, generator=g, device="cuda")
+    weights = torch.rand(tokens, TOP_K, generator=g, device="cuda") + 0.05
+    residual = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16()
+    return partial, weights, residual, norm_weight
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 512])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_one_launch_against_the_combine_then_flashinfer(tokens, splits):
+    from arfusion.fusion import norm, reference
+    from arfusion.layers.moe.kernels.triton_topk_combine import combine, combine_add_rms_norm
+
+    partial, weights, residual, norm_weight = _inputs(tokens, splits, tokens + splits)
+    normed, summed = combine_add_rms_norm(partial, weights, residual, norm_weight, EPS)
+    combined = combine(partial, weights, torch.bfloat16)
+    ref_normed, ref_summed = reference.add_rms_norm(combined, residual, norm_weight, EPS)
+    fi_normed, fi_summed = norm.add_rms_norm(combined.clone(), residual.clone(), norm_weight, EPS)
+    assert torch.equal(summed, ref_summed) and torch.equal(summed, fi_summed)
+    torch.testing.assert_close(normed.float(), fi_normed.float(), rtol=ULP, atol=1e-6)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=ULP, atol=1e-6)
+
+
+def test_cuda_graph_replay_equals_eager():
+    from arfusion.layers.moe.kernels.triton_topk_combine import combine_add_rms_norm
+
+    partial, weights, residual, norm_weight = _inputs(8, 1, 0)
+    combine_add_rms_norm(partial, weights, residual, norm_weight, EPS)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = combine_add_rms_norm(partial, weights, residual, norm_weight, EPS)
+    new = _inputs(8, 1, 1)
+    for buffer, value in zip((partial, weights, residual), new[:3]):
+        buffer.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = combine_add_rms_norm(partial, weights, residual, norm_weight, EPS)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
