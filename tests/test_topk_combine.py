@@ -104,4 +104,7 @@ def test_bad_inputs_are_named():
                              torch.ones(NORM_MAX_HIDDEN + 32), 1e-5)
     unformed = TopKCombine(wide, torch.ones(1, 2), torch.float32)
     assert unformed.add_rms_norm(torch.zeros(1, NORM_MAX_HIDDEN + 32), torch.ones(NORM_MAX_HIDDEN + 32), 1e-5) is None
-    assert TopKCombine(partial, weights, torch.float32).add_rms_norm(residual.half(), norm_weight, 1e-5) is None
+    declining = TopKCombine(partial, weights, torch.float32)
+    assert declining.add_rms_norm(residual.half(), norm_weight, 1e-5) is None
+    assert declining.add_rms_norm(residual.t().contiguous().t(), norm_weight, 1e-5) is None
+    assert declining.add_rms_norm(residual, torch.randn(96, 2)[:, 0], 1e-5) is None  # a strided norm weight

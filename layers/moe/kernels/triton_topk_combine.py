@@ -142,7 +142,9 @@ def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
 class TopKCombine(UnformedSum):
     """A MoE layer's output ``m [T, H]`` (module docstring) not yet formed: the slots' expert rows
     ``partial`` and the routing weights, for the norm after the layer to form in its own launch
-    (`add_rms_norm`), or `materialize` for any other reader."""
+    (`add_rms_norm`: None, nothing run, for a residual of another dtype or with a strided last
+    dimension, a non-contiguous norm weight or a row wider than `NORM_MAX_HIDDEN`), or
+    `materialize` for any other reader."""
 
     __slots__ = ("partial", "topk_weights", "shape", "dtype")
 
@@ -158,6 +160,7 @@ class TopKCombine(UnformedSum):
 
     def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        if residual.dtype != self.dtype or self.shape[1] > NORM_MAX_HIDDEN:
+        if (residual.dtype != self.dtype or self.shape[1] > NORM_MAX_HIDDEN or residual.stride(-1) != 1
+                or not weight.is_contiguous()):
             return None
         return combine_add_rms_norm(self.partial, self.topk_weights, residual, weight, eps)
