@@ -108,3 +108,14 @@ def test_bad_inputs_are_named():
     assert declining.add_rms_norm(residual.half(), norm_weight, 1e-5) is None
     assert declining.add_rms_norm(residual.t().contiguous().t(), norm_weight, 1e-5) is None
     assert declining.add_rms_norm(residual, torch.randn(96, 2)[:, 0], 1e-5) is None  # a strided norm weight
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_benchmark_refuses_without_a_gpu(monkeypatch):
+    import sys
+
+    from arfusion.benchmarks.kernels import bench_topk_combine
+
+    monkeypatch.setattr(sys, "argv", ["bench_topk_combine", "--tokens", "1"])
+    with pytest.raises(SystemExit, match="bench_topk_combine needs a CUDA GPU"):
+        bench_topk_combine.main()
