@@ -55,7 +55,8 @@ BENCH_FIELDS = (
     "tp_size", "dist_timeout",
     "allreduce_fusion_backend", "allreduce_fusion_max_tokens", "allreduce_fusion_cache_size",
     "allreduce_fusion_table", "allreduce_fusion_disable_pdl", "disable_allreduce_fusion_tuning",
-    "allreduce_fusion_tuning_cache_dir", "norm_into_qkv", "norm_into_route", "rotary_into_attention",
+    "allreduce_fusion_tuning_cache_dir", "norm_into_qkv", "norm_into_route", "disable_combine_into_norm",
+    "rotary_into_attention",
     "prefetch_o_proj", "prefetch_o_proj_max_batch",
     "mem_fraction_static", "disable_cuda_graph", "enable_pdl", "pdl_max_batch", "disable_overlap_schedule",
     "log_level",
@@ -220,6 +221,7 @@ def format_table(server: Any, args: argparse.Namespace, results: list[dict[str, 
     schedule = "no overlap" if server.disable_overlap_schedule else "overlap"
     schedule += " norm-into-qkv" if server.norm_into_qkv else ""
     schedule += " norm-into-route" if server.norm_into_route else ""
+    schedule += " no-combine-into-norm" if server.disable_combine_into_norm else ""
     schedule += " rotary-into-attention" if server.rotary_into_attention else ""
     schedule += (" prefetch-o-proj" if server.prefetch_o_proj
                  else f" prefetch-o-proj<={server.prefetch_o_proj_max_batch}" if server.prefetch_o_proj_max_batch else "")

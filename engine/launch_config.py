@@ -71,6 +71,7 @@ def runner_settings(args: ServerArgs) -> RunnerSettings:
         max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph, norm_into_qkv=args.norm_into_qkv,
         norm_into_route=args.norm_into_route, rotary_into_attention=args.rotary_into_attention,
+        disable_combine_into_norm=args.disable_combine_into_norm,
         prefetch_o_proj=args.prefetch_o_proj, prefetch_o_proj_max_batch=args.prefetch_o_proj_max_batch,
         enable_pdl=args.enable_pdl, pdl_max_batch=args.pdl_max_batch, fusion=fusion_config(args),
     )

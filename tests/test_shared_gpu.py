@@ -82,7 +82,8 @@ def test_bench_one_batch_marks_every_shared_gpu_row(capsys):
     rows = [{"fusion": s, "batch_size": 1, "prefill_ms": 2.0, "tpot_ms": t, "floor_ms": 0.5, "fusion_active": s == "on",
              "fusion_reason_inactive": None, "shared_gpu": note} for s, t in (("off", 1.0), ("on", 0.9))]
     server = SimpleNamespace(model_path="tiny", tp_size=2, disable_overlap_schedule=False, norm_into_qkv=False,
-                             norm_into_route=False, rotary_into_attention=False, prefetch_o_proj=False,
+                             norm_into_route=False, disable_combine_into_norm=False, rotary_into_attention=False,
+                             prefetch_o_proj=False,
                              prefetch_o_proj_max_batch=1, enable_pdl=False, pdl_max_batch=1)
     report(server, Namespace(fusion=["off", "on"], deterministic_modes=["off"], batch_size=[1], input_len=4, output_len=2,
                              json_file=None), rows)

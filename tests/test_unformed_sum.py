@@ -117,3 +117,40 @@ def test_take_single_rank_and_a_pending_norm_get_the_tensor():
     pending = defer(norm, PartialSum(pending=unformed, layer_id=2, op=op), residual, lambda *a: None)
     assert isinstance(pending, PendingNorm) and unformed.calls == ["materialize"]
     assert torch.equal(pending.x, unformed.value)
+
+
+def _layer_flags(rank: int, world: int, combine_into_norm: bool) -> list[bool]:
+    import dataclasses
+
+    from arfusion.engine.models.builtin import builtin_config
+    from arfusion.engine.models.registry import build_model
+    from tests.dist_utils import make_fusion
+
+    config = dataclasses.replace(builtin_config("gpt-oss-20b"), hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                                 moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, vocab_size=128,
+                                 layer_types=("sliding_attention", "full_attention"),
+                                 combine_into_norm=combine_into_norm)
+    model = build_model(config, make_fusion(config.hidden_size))
+    return [layer.unformed_mlp for layer in model.model.layers]
+
+
+def test_the_flag_reaches_the_layers_and_the_benchmark():
+    """On by default (each gpt-oss layer at TP1 leaves its combine to the next norm), off with
+    ``--disable-combine-into-norm``, through the server options, the runner and bench_one_batch."""
+    from arfusion.engine import bench_one_batch
+    from arfusion.engine.launch_config import runner_settings
+    from arfusion.engine.models.builtin import builtin_config
+    from arfusion.engine.runtime.model_runner import _run_form
+    from arfusion.server_args import ServerArgs
+    from tests.dist_utils import run_distributed
+
+    default, disabled = runner_settings(ServerArgs()), runner_settings(ServerArgs.from_cli(["--disable-combine-into-norm"]))
+    assert not default.disable_combine_into_norm and disabled.disable_combine_into_norm
+    cpu = torch.device("cpu")
+    assert _run_form(builtin_config("gpt-oss-20b"), default, cpu).combine_into_norm
+    assert not _run_form(builtin_config("gpt-oss-20b"), disabled, cpu).combine_into_norm
+    server, _ = bench_one_batch.parse_args(["--disable-combine-into-norm"])
+    assert server.disable_combine_into_norm and "--disable-combine-into-norm" in bench_one_batch.build_parser().format_help()
+    on, off = (run_distributed(_layer_flags, world_size=1, args=(flag,), timeout_s=120)[0] for flag in (True, False))
+    assert on == [True, True] and off == [False, False]

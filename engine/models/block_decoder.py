@@ -20,8 +20,9 @@ A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
                                                          routing launch runs
     h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
                                                          partial sum of the combined experts; gpt-oss
-                                                         at TP1: the experts' rows and weights, which
-                                                         the next norm combines in its own launch
+                                                         at TP1 (``config.combine_into_norm``): the
+                                                         experts' rows and weights, which the next
+                                                         norm combines in its own launch
                                                          (`fusion.UnformedSum`)
 and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
 of the model's fusion op (`layers.layernorm`), by the strategy of the layer that made it, so a
@@ -87,7 +88,8 @@ class BlockDecoderLayer(nn.Module):
         folded = router is not None and folds(config.norm_into_route, fusion.group.world_size, ROUTING)
         self.route_refusal = router.norm_deferral_refusal if folded else None
         # at TP1 a gpt-oss MoE block leaves its combine to the next norm's launch (`fusion.UnformedSum`)
-        self.unformed_mlp = isinstance(mlp, GptOssMoeBlock) and fusion.group.world_size == 1
+        self.unformed_mlp = (config.combine_into_norm and isinstance(mlp, GptOssMoeBlock)
+                             and fusion.group.world_size == 1)
 
     def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],
                 batch: ForwardBatch, kv_cache: KVCache) -> tuple[NormInput, torch.Tensor]:

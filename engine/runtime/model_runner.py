@@ -65,6 +65,7 @@ class RunnerSettings:
     disable_cuda_graph: bool = False
     norm_into_qkv: bool = False  # `ModelConfig.norm_into_qkv`
     norm_into_route: bool = False  # `ModelConfig.norm_into_route`
+    disable_combine_into_norm: bool = False  # `ModelConfig.combine_into_norm` off
     rotary_into_attention: bool = False  # `ModelConfig.rotary_into_attention`
     prefetch_o_proj: bool = False  # every decode batch prefetches o_proj's weight (`prefetch_decode_bound`)
     prefetch_o_proj_max_batch: int = 1  # without prefetch_o_proj: decode batches up to this size prefetch (the same)
@@ -144,7 +145,8 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
     generated on ``device`` (fast for 8B shapes on a GPU; MXFP4 experts drawn as bytes);
     ``parsed``: the GGUF file parsed already. A config with MXFP4 experts gets ``keep_mxfp4``
     from ``settings.mxfp4_experts`` (`keep_mxfp4`); every config gets ``settings.norm_into_qkv``,
-    ``settings.norm_into_route`` and ``settings.rotary_into_attention``."""
+    ``settings.norm_into_route``, ``settings.rotary_into_attention`` and
+    ``settings.disable_combine_into_norm``."""
     if settings.model_path in BUILTIN_MODELS:
         if settings.load_format not in ("auto", "dummy"):
             raise ValueError(f"built-in model {settings.model_path!r} has dummy weights only, not {settings.load_format!r}")
@@ -159,12 +161,13 @@ def load_config_and_weights(settings: RunnerSettings, dtype: torch.dtype, device
 
 def _run_form(config: ModelConfig, settings: RunnerSettings, device: torch.device) -> ModelConfig:
     """``config`` with the run's choices: ``keep_mxfp4`` and ``mxfp4_tensor_cores`` for MXFP4
-    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``."""
+    experts, ``norm_into_qkv``, ``norm_into_route``, ``rotary_into_attention``, ``combine_into_norm``."""
     if config.expert_format == "mxfp4":
         config = dataclasses.replace(config, keep_mxfp4=keep_mxfp4(settings.mxfp4_experts, device),
                                      mxfp4_tensor_cores=settings.mxfp4_experts == "tensor-cores")
     folds = ("norm_into_qkv", "norm_into_route", "rotary_into_attention")
-    return dataclasses.replace(config, **{name: True for name in folds if getattr(settings, name)})
+    return dataclasses.replace(config, **{name: True for name in folds if getattr(settings, name)},
+                               combine_into_norm=not settings.disable_combine_into_norm)
 
 
 def check_model_files(settings: RunnerSettings, parsed: Optional[ParsedGGUF] = None) -> ModelConfig:
