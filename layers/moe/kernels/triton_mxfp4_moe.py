@@ -73,6 +73,7 @@ from arfusion.layers.moe.kernels.triton_clamped_swiglu import clamped_swiglu
 from arfusion.layers.moe.kernels.triton_mxfp4_gemv import gemv_partials
 from arfusion.layers.moe.kernels.triton_topk_combine import TopKCombine, combine
 
+
 @triton.jit
 def _load_x(rows_base, rows_valid, k, k_size, SWAP: tl.constexpr):
     """The activations ``x[rows, k]`` for column indices ``k`` (1-D), rows at ``rows_base``

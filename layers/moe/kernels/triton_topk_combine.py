@@ -100,15 +100,7 @@ def _check_partials(partial: torch.Tensor, topk_weights: torch.Tensor) -> None:
 def combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``m`` (module docstring) as a new ``[T, H]`` tensor of ``dtype``."""
     _check_partials(partial, topk_weights)
-    tokens, top_k = topk_weights.shape
-    hidden = partial.shape[2]
-    out = torch.empty(tokens, hidden, dtype=dtype, device=partial.device)
-    use_pdl = pdl.enabled()
-    _topk_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
-        partial, topk_weights.to(torch.float32).contiguous(), out, hidden, partial.stride(0), partial.stride(1),
-        out.stride(0), TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl)
-    return out
+    return _launch_combine(partial, topk_weights.to(torch.float32).contiguous(), dtype)
 
 
 def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor,
@@ -116,8 +108,7 @@ def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
     """``(out, s)`` (module docstring) as new ``[T, H]`` tensors of ``residual``'s dtype (fp16 /
     bf16 / fp32); ValueError for shapes that do not match or a row wider than `NORM_MAX_HIDDEN`."""
     _check_partials(partial, topk_weights)
-    tokens, top_k = topk_weights.shape
-    hidden = partial.shape[2]
+    tokens, hidden = topk_weights.shape[0], partial.shape[2]
     if residual.shape != (tokens, hidden) or residual.stride(-1) != 1:
         raise ValueError(f"residual must be [{tokens}, {hidden}] with a contiguous last dimension, got "
                          f"{tuple(residual.shape)}")
@@ -125,6 +116,26 @@ def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
         raise ValueError(f"the norm weight must be a contiguous [{hidden}], got {tuple(weight.shape)}")
     if hidden > NORM_MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} is above the one-launch norm's {NORM_MAX_HIDDEN}")
+    return _launch_combine_norm(partial, topk_weights.to(torch.float32).contiguous(), residual, weight, eps)
+
+
+def _launch_combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`combine` on checked inputs (``topk_weights`` fp32, contiguous)."""
+    tokens, top_k = topk_weights.shape
+    hidden = partial.shape[2]
+    out = torch.empty(tokens, hidden, dtype=dtype, device=partial.device)
+    use_pdl = pdl.enabled()
+    _topk_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+        partial, topk_weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0), TOPK=top_k,
+        SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+    return out
+
+
+def _launch_combine_norm(partial: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`combine_add_rms_norm` on checked inputs (``topk_weights`` fp32, contiguous)."""
+    tokens, top_k = topk_weights.shape
+    hidden = partial.shape[2]
     out = torch.empty_like(residual)
     residual_out = torch.empty_like(residual)
     if tokens == 0:
@@ -132,7 +143,7 @@ def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
     block = triton.next_power_of_2(hidden)
     use_pdl = pdl.enabled()
     _topk_combine_norm_kernel[(tokens,)](
-        partial, topk_weights.to(torch.float32).contiguous(), residual, weight, out, residual_out, hidden, eps,
+        partial, topk_weights, residual, weight, out, residual_out, hidden, eps,
         partial.stride(0), partial.stride(1), residual.stride(0), residual_out.stride(0), out.stride(0),
         TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=block, USE_PDL=use_pdl, num_warps=max(1, min(8, block // 512)),
         launch_pdl=use_pdl)
@@ -156,11 +167,13 @@ class TopKCombine(UnformedSum):
         self.dtype = dtype
 
     def materialize(self) -> torch.Tensor:
-        return combine(self.partial, self.topk_weights, self.dtype)
+        return _launch_combine(self.partial, self.topk_weights, self.dtype)
 
     def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The fusion op hands over its trusted residual and weight (shape and dtype checked,
+        `fusion.AllReduceFusion._norm_unformed`); what the launch needs beyond that is tested here."""
         if (residual.dtype != self.dtype or self.shape[1] > NORM_MAX_HIDDEN or residual.stride(-1) != 1
                 or not weight.is_contiguous()):
             return None
-        return combine_add_rms_norm(self.partial, self.topk_weights, residual, weight, eps)
+        return _launch_combine_norm(self.partial, self.topk_weights, residual, weight, eps)
