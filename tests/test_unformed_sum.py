@@ -7,6 +7,7 @@ random tensor; its one-launch form is `fusion.reference.add_rms_norm` of it, so 
 agree with the reference bit for bit (the same torch ops on the CPU)."""
 from typing import Optional
 
+import pytest
 import torch
 
 from arfusion.fusion import AllReduceFusion, FusionConfig, PartialSum, UnformedSum, reference
@@ -119,18 +120,20 @@ def test_take_single_rank_and_a_pending_norm_get_the_tensor():
     assert torch.equal(pending.x, unformed.value)
 
 
-def _layer_flags(rank: int, world: int, combine_into_norm: bool) -> list[bool]:
+def _layer_flags(rank: int, world: int, combine_into_norm: bool, preset: str = "gpt-oss-20b") -> list[bool]:
     import dataclasses
 
     from arfusion.engine.models.builtin import builtin_config
     from arfusion.engine.models.registry import build_model
     from tests.dist_utils import make_fusion
 
-    config = dataclasses.replace(builtin_config("gpt-oss-20b"), hidden_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-                                 moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, vocab_size=128,
-                                 layer_types=("sliding_attention", "full_attention"),
-                                 combine_into_norm=combine_into_norm)
+    base = builtin_config(preset)
+    extra = {"layer_types": ("sliding_attention", "full_attention")} if preset.startswith("gpt-oss") else {}
+    if base.num_experts:
+        extra.update(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    config = dataclasses.replace(base, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=128,
+                                 combine_into_norm=combine_into_norm, **extra)
     model = build_model(config, make_fusion(config.hidden_size))
     return [layer.unformed_mlp for layer in model.model.layers]
 
@@ -154,3 +157,13 @@ def test_the_flag_reaches_the_layers_and_the_benchmark():
     assert server.disable_combine_into_norm and "--disable-combine-into-norm" in bench_one_batch.build_parser().format_help()
     on, off = (run_distributed(_layer_flags, world_size=1, args=(flag,), timeout_s=120)[0] for flag in (True, False))
     assert on == [True, True] and off == [False, False]
+
+
+@pytest.mark.parametrize("preset,expected", [("qwen3-30b-a3b", [True, True]), ("llama3-8b", [False, False])])
+def test_qwen3_moe_layers_leave_their_combine_and_dense_ones_do_not(preset, expected):
+    """A Qwen3-MoE layer at TP1 asks its experts for the unformed sum as gpt-oss's does (its grouped
+    launches leave it: tests/test_fused_moe_unformed.py); a dense MLP has no combine to leave."""
+    from tests.dist_utils import run_distributed
+
+    flags = run_distributed(_layer_flags, world_size=1, args=(True, preset), timeout_s=120)[0]
+    assert flags == expected

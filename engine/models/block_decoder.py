@@ -19,11 +19,12 @@ A layer (``h`` a `fusion.PartialSum` between the blocks and the norms):
                                                          norm left pending, which the MoE block's
                                                          routing launch runs
     h = PartialSum(mlp(h))                               dense: down_proj's partial sum; MoE: the
-                                                         partial sum of the combined experts; gpt-oss
-                                                         at TP1 (``config.combine_into_norm``): the
+                                                         partial sum of the combined experts; at
+                                                         TP1 (``config.combine_into_norm``): the
                                                          experts' rows and weights, which the next
                                                          norm combines in its own launch
-                                                         (`fusion.UnformedSum`)
+                                                         (`fusion.UnformedSum`), where the experts'
+                                                         launches leave them so
 and after the last layer ``norm(h, residual)``. Each norm given a `PartialSum` is one reduction
 of the model's fusion op (`layers.layernorm`), by the strategy of the layer that made it, so a
 MoE layer's expert output takes the same fused all-reduce + residual + RMSNorm as a dense MLP's.
@@ -87,8 +88,8 @@ class BlockDecoderLayer(nn.Module):
         router = norm_router(mlp)
         folded = router is not None and folds(config.norm_into_route, fusion.group.world_size, ROUTING)
         self.route_refusal = router.norm_deferral_refusal if folded else None
-        # at TP1 a gpt-oss MoE block leaves its combine to the next norm's launch (`fusion.UnformedSum`)
-        self.unformed_mlp = (config.combine_into_norm and isinstance(mlp, GptOssMoeBlock)
+        # at TP1 a MoE block leaves its combine to the next norm's launch (`fusion.UnformedSum`)
+        self.unformed_mlp = (config.combine_into_norm and isinstance(mlp, (GptOssMoeBlock, SparseMoeBlock))
                              and fusion.group.world_size == 1)
 
     def forward(self, positions: torch.Tensor, hidden_states: NormInput, residual: Optional[torch.Tensor],

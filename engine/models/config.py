@@ -72,7 +72,7 @@ class ModelConfig:
     norm_into_qkv: bool = False  # at TP1 a decode batch's input norm runs inside the q/k/v launch (layers/pending_norm.py)
     norm_into_route: bool = False  # at TP1 a decode batch's post-attention norm runs inside a MoE routing launch (the same)
     rotary_into_attention: bool = False  # a decode batch's rotary + KV write run inside its attention launch (layers/rotary_attention.py)
-    combine_into_norm: bool = True  # at TP1 a gpt-oss MoE layer's combine runs inside the next norm's launch (fusion.UnformedSum)
+    combine_into_norm: bool = True  # at TP1 a MoE layer's combine runs inside the next norm's launch (fusion.UnformedSum)
     prefetch_o_proj_max_batch: int = 0  # decode batches up to this many sequences prefetch o_proj's weight into L2 during their attention (layers/kernels/l2_prefetch.py)
 
     def __post_init__(self) -> None:

@@ -11,10 +11,13 @@ residual add and the next RMSNorm exactly as a dense MLP's down projection.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
+
+from arfusion.fusion import UnformedSum
+from arfusion.layers import batch_invariant
 
 from arfusion.layers.linear import check_shape, divide
 from arfusion.layers.moe.align import ExpertBlocks
@@ -87,10 +90,14 @@ class MoEExperts(nn.Module):
         return block_config(tokens * top_k, self.num_experts).block_m
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
-        """``blocks``: the slots already grouped by expert in `block_m` rows (or None)."""
+                blocks: Optional[ExpertBlocks] = None, unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
+        """``blocks``: the slots already grouped by expert in `block_m` rows (or None).
+        ``unformed``: where the grouped launches run outside batch-invariant mode, the output as a
+        `fusion.UnformedSum` of their weighted rows (`triton_fused_moe.fused_moe`), for the norm
+        after the layer to form; a tensor everywhere else."""
         if x.is_cuda and triton_available():
             from arfusion.layers.moe.kernels.triton_fused_moe import fused_moe
 
-            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine, blocks=blocks)
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.combine, blocks=blocks,
+                             unformed=unformed and not batch_invariant.enabled())
         return moe_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -5,7 +5,7 @@ block (`SparseMoeBlock`, `GptOssMoeBlock`).
                                                       None where they group nothing
     w, ids[, blocks]     = router(h[, block_m])       the routing launch groups the slots by expert
                                                       itself when block_m is given
-    h_partial            = experts(h, w, ids, blocks)   or, asked by a gpt-oss layer at TP1, the
+    h_partial            = experts(h, w, ids, blocks)   or, asked by a MoE layer at TP1, the
                                                       sum left unformed for the next norm
 
 Given the layer's norm left pending (`PendingNorm`), the routing launch runs that norm first
@@ -46,7 +46,8 @@ def run_routed_experts(router: TopKRouter, experts: GroupedExperts, hidden_state
     """``[T, hidden]`` (reduced, normed; or a `PendingNorm`) -> this rank's partial MoE output
     ``[T, hidden]`` (module docstring): the routing groups the slots by expert where the experts'
     launches group them, so that they skip their own grouping launch. ``unformed``: passed to
-    experts that can leave their output unformed (`layers.moe.gpt_oss_moe.GptOssExperts`)."""
+    the experts, which leave their output unformed where their launches can
+    (`layers.moe.gpt_oss_moe.GptOssExperts`, `layers.moe.experts.MoEExperts`)."""
     extra = {"unformed": True} if unformed else {}
     if hidden_states.__class__ is PendingNorm:
         block_m = experts.block_m(hidden_states.residual.shape[0], router.top_k)

@@ -14,11 +14,12 @@ a `fusion.PartialSum`), as for a dense MLP's down projection with ``reduce_resul
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from arfusion.fusion import UnformedSum
 from arfusion.layers.moe.experts import MoEExperts
 from arfusion.layers.moe.routed_experts import experts_take_pdl, run_routed_experts
 from arfusion.layers.moe.router import TopKRouter
@@ -32,10 +33,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, dtype, device)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size, dtype, device)
 
-    def forward(self, hidden_states: MlpInput) -> torch.Tensor:
+    def forward(self, hidden_states: MlpInput, unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
         """``[T, hidden]`` (reduced, normed; or the norm left pending, which the routing runs:
-        `TopKRouter.route_normed`) -> this rank's partial MoE output ``[T, hidden]``."""
-        return run_routed_experts(self.gate, self.experts, hidden_states)
+        `TopKRouter.route_normed`) -> this rank's partial MoE output ``[T, hidden]``; with
+        ``unformed`` (at TP size 1) it may be left unformed for the norm after the layer
+        (`MoEExperts.forward`)."""
+        return run_routed_experts(self.gate, self.experts, hidden_states, unformed)
 
     def takes_pdl(self, tokens: int) -> bool:
         """`routed_experts.experts_take_pdl` of a batch of ``tokens``."""

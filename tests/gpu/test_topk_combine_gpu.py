@@ -9,6 +9,12 @@ Triton helper, and the sum is one fp32 add rounded to bf16); the normed output l
 bf16 ulp of flashinfer's (rtol 2^-7: the sum of squares in another order, and flashinfer
 normalises the fp32 sum where both ours and the reference normalise the rounded one) and of the
 reference's. Then in a CUDA graph replayed on new inputs: the same bits as eager.
+
+The grouped bf16 experts' rows left unformed (`fused_moe(..., unformed=True)`, the ``applied``
+form) at Qwen3-30B-A3B's shapes (128 experts of 768 x 2048, top-8; 8, 32 and 256 tokens, random
+weights N(0, 1) / sqrt(fan-in), routings of random logits): `materialize` has the folded
+combine's bits (the same fp32 sums in the same order), and the one launch with the norm the
+folded combine's residual sum and a normed output within one bf16 ulp of flashinfer's.
 """
 import pytest
 import torch
@@ -60,3 +66,32 @@ def test_cuda_graph_replay_equals_eager():
     torch.cuda.synchronize()
     expected = combine_add_rms_norm(partial, weights, residual, norm_weight, EPS)
     assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
+
+
+@pytest.mark.parametrize("tokens", [8, 32, 256])
+def test_grouped_experts_rows_formed_in_the_norm(tokens):
+    from arfusion.fusion import norm, reference
+    from arfusion.layers.moe.kernels.triton_fused_moe import fused_moe
+    from arfusion.layers.moe.router import select_experts
+
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter ** 0.5).bfloat16()
+    weights, ids = select_experts(torch.randn(tokens, experts, generator=g, device="cuda"), top_k, renormalize=True)
+    residual = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).bfloat16()
+    folded = fused_moe(x, w13, w2, weights, ids)
+    unformed = fused_moe(x, w13, w2, weights, ids, unformed=True)
+    assert unformed.applied and torch.equal(unformed.materialize(), folded)
+    normed, summed = unformed.add_rms_norm(residual, norm_weight, EPS)
+    ref_normed, ref_summed = reference.add_rms_norm(folded, residual, norm_weight, EPS)
+    fi_normed, fi_summed = norm.add_rms_norm(folded.clone(), residual.clone(), norm_weight, EPS)
+    assert torch.equal(summed, ref_summed) and torch.equal(summed, fi_summed)
+    for other in (ref_normed, fi_normed):
+        ulps = ((normed.float() - other.float()).abs() / (other.float().abs() * ULP).clamp_min(1e-30)).max().item()
+        print(f"tokens {tokens}: normed against {'the reference' if other is ref_normed else 'flashinfer'}: "
+              f"at most {ulps:.2f} of bf16's relative spacing")
+    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=ULP, atol=1e-6)
+    torch.testing.assert_close(normed.float(), fi_normed.float(), rtol=2 * ULP, atol=1e-6)

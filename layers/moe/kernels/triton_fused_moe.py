@@ -71,7 +71,7 @@ same tiles; above, this mode differs from the default only in the K steps of the
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -84,6 +84,7 @@ from arfusion.layers.moe.kernels.triton_align import MAX_SLOTS as ALIGN_KERNEL_M
 from arfusion.layers.moe.kernels.triton_align import align_by_expert_triton
 from arfusion.layers.moe.kernels.triton_moe_gemv import moe_gemv
 from arfusion.layers.moe.kernels.triton_moe_gemv import serves as gemv_serves
+from arfusion.layers.moe.kernels.triton_topk_combine import TopKCombine
 from arfusion.layers.moe.torch_experts import combine_topk
 
 COMBINES = ("folded", "unfused")
@@ -196,7 +197,9 @@ def _gate_up_silu_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_expert
 def _down_kernel(act_ptr, w2_ptr, out_ptr, scratch_ptr, counters_ptr, topk_weights_ptr, sorted_slots_ptr,
                  block_expert_ptr, num_rows_ptr, num_slots, hidden, inter, stride_act, stride_we, stride_wn,
                  stride_out, stride_scratch, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, FOLDED: tl.constexpr, FP32_DOT: tl.constexpr):
+                 BLOCK_K: tl.constexpr, FOLDED: tl.constexpr, ROWS_ONLY: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Launch 2 (module docstring); with FOLDED and ROWS_ONLY only the weighted fp32 rows p, to
+    ``scratch``: their sum is left to the caller (`fused_moe`'s ``unformed``)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(hidden, BLOCK_N)
     block = pid // num_n
@@ -229,17 +232,19 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, scratch_ptr, counters_ptr, topk_weigh
         routing = tl.load(topk_weights_ptr + slots64, mask=valid, other=0.0)
         rows_mask = valid[:, None] & n_mask[None, :]
         tl.store(scratch_ptr + slots64[:, None] * stride_scratch + offs_n[None, :], acc * routing[:, None], mask=rows_mask)
-        tl.debug_barrier()  # every thread's rows are written before the counters announce them
-        tokens = slots64 // TOPK
-        arrived = tl.atomic_add(counters_ptr + tokens * num_n + col_block, 1, mask=valid, sem="acq_rel", scope="gpu")
-        last = valid & (arrived == TOPK - 1)
-        tl.debug_barrier()  # the acquire above orders the peers' rows before this CTA's reads below
-        last_mask = last[:, None] & n_mask[None, :]
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        token_rows = scratch_ptr + (tokens * TOPK)[:, None] * stride_scratch + offs_n[None, :]
-        for j in tl.static_range(TOPK):
-            total += tl.load(token_rows + j * stride_scratch, mask=last_mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], total.to(out_ty), mask=last_mask)
+        if not ROWS_ONLY:
+            tl.debug_barrier()  # every thread's rows are written before the counters announce them
+            tokens = slots64 // TOPK
+            arrived = tl.atomic_add(counters_ptr + tokens * num_n + col_block, 1, mask=valid, sem="acq_rel",
+                                    scope="gpu")
+            last = valid & (arrived == TOPK - 1)
+            tl.debug_barrier()  # the acquire above orders the peers' rows before this CTA's reads below
+            last_mask = last[:, None] & n_mask[None, :]
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            token_rows = scratch_ptr + (tokens * TOPK)[:, None] * stride_scratch + offs_n[None, :]
+            for j in tl.static_range(TOPK):
+                total += tl.load(token_rows + j * stride_scratch, mask=last_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tokens[:, None] * stride_out + offs_n[None, :], total.to(out_ty), mask=last_mask)
     else:
         tl.store(out_ptr + slots64[:, None] * stride_out + offs_n[None, :], acc.to(out_ty),
                  mask=valid[:, None] & n_mask[None, :])
@@ -263,7 +268,7 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, combine: str = "folded", config: Optional[MoEBlockConfig] = None,
-              blocks: Optional[ExpertBlocks] = None) -> torch.Tensor:
+              blocks: Optional[ExpertBlocks] = None, unformed: bool = False) -> Union[torch.Tensor, TopKCombine]:
     """``x [T, H]`` with routing ``topk_weights`` (fp32) / ``topk_ids`` (int) ``[T, k]`` -> a new
     ``[T, H]`` of x's dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` with this rank's
     shards ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (module docstring). ``combine``: "folded" (in
@@ -272,7 +277,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     expert in blocks of the config's ``block_m`` (the routing kernel's, layers/moe/kernels/triton_router.py);
     grouped here when None. With neither a config nor blocks, a call that `uses_gemv` runs the
     matrix-vector launches instead (layers/moe/kernels/triton_moe_gemv.py: the same math, other
-    sums). Nothing is written in place; no host synchronisation."""
+    sums). ``unformed`` (with the folded combine, where the grouped launches run): the output as a
+    `TopKCombine` of launch 2's weighted fp32 rows (``applied``), whose sum in slot order gives
+    the folded combine's bits, for the norm after the layer to form (a tensor where the
+    matrix-vector launches run). Nothing is written in place; no host synchronisation."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -293,6 +301,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"blocks of {blocks.block_m} rows ({blocks.sorted_slots.numel()} in all) do not fit "
                          f"{num_slots} slots at the config's block_m {cfg.block_m}")
     folded = combine == "folded"
+    rows_only = folded and unformed
     # fp32 operands: IEEE fp32 products, not TF32. Under the interpreter every dot runs in fp32: its
     # dot multiplies bf16 bit patterns (it stores bf16 as uint16); bf16/fp16 products are exact in
     # fp32, so upcasting keeps the math (fp32 products, fp32 accumulation).
@@ -302,12 +311,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if folded:
         out = x.new_empty(tokens, hidden)
         scratch = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-        counters = torch.empty(tokens * n_down, dtype=torch.int32, device=x.device)
+        counters = torch.empty(1 if rows_only else tokens * n_down, dtype=torch.int32, device=x.device)
     else:
         out = x.new_empty(num_slots, hidden)
         scratch, counters = out, torch.empty(1, dtype=torch.int32, device=x.device)  # unused by launch 2
     grid_gate_up = blocks.max_blocks * triton.cdiv(inter, cfg.block_n_gate_up)
-    counters_per_program = triton.next_power_of_2(triton.cdiv(counters.numel(), grid_gate_up)) if folded else 0
+    counters_per_program = 0
+    if folded and not rows_only:
+        counters_per_program = triton.next_power_of_2(triton.cdiv(counters.numel(), grid_gate_up))
     _gate_up_silu_kernel[(grid_gate_up,)](
         x, w13, act, blocks.sorted_slots, blocks.block_expert, blocks.num_rows, counters,
         num_slots, hidden, inter, counters.numel(), x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -319,7 +330,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act, w2, out, scratch, counters, weights, blocks.sorted_slots, blocks.block_expert, blocks.num_rows,
         num_slots, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), scratch.stride(0),
         TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, FOLDED=folded,
-        FP32_DOT=fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ROWS_ONLY=rows_only, FP32_DOT=fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if rows_only:
+        return TopKCombine(scratch.view(1, num_slots, hidden), topk_weights, x.dtype, applied=True)
     if folded:
         return out
     return combine_topk(out.view(tokens, top_k, hidden), topk_weights)

@@ -1,7 +1,10 @@
-"""The top-k combine of gpt-oss's expert launches (launch 3 of layers/moe/kernels/triton_mxfp4_moe.py),
-alone or with the residual add + RMSNorm that follows it, in one launch.
+"""The top-k combine of a MoE layer's expert launches, alone or with the residual add + RMSNorm that
+follows it, in one launch: gpt-oss's (launch 3 of layers/moe/kernels/triton_mxfp4_moe.py), or, with
+``applied``, the rows of the grouped bf16 launches (layers/moe/kernels/triton_fused_moe.py) that
+already hold the routing weights.
 
     m[t]    = round(sum_j w[t, j] * round(p[0, t*k+j] + ... + p[S-1, t*k+j]))      `combine`
+              applied: round(p[0, t*k] + p[0, t*k+1] + ... + p[0, t*k+k-1])     (one split)
     s[t]    = round(m[t] + residual[t])                                         `combine_add_rms_norm`:
     out[t]  = round(s[t] / RMS(s[t]) * weight),  RMS(v) = sqrt(mean(v ** 2) + eps)   both, new tensors
 
@@ -12,8 +15,10 @@ the sum rounded before it is normalised). Neither launch writes its inputs.
 
 Why the second form: at TP size 1 a MoE layer's output needs no all-reduce, so the norm after it
 (the next layer's input norm, or the final norm) can form the output itself from the slots'
-rows: one launch a layer instead of the combine's and the norm's (`TopKCombine`, the
-`fusion.UnformedSum` a gpt-oss MoE block hands its layer's fusion op).
+rows (`TopKCombine`, the `fusion.UnformedSum` a MoE block hands its layer's fusion op): for
+gpt-oss one launch a layer instead of the combine's and the norm's; for the grouped bf16
+launches a down launch without its arrival counters (each program writes its rows and is done;
+no program waits to sum a token's k rows).
 
 Both launches take part in programmatic dependent launch (layers/kernels/pdl.py): every program
 waits before reading anything but the norm weight.
@@ -35,21 +40,26 @@ NORM_MAX_HIDDEN = 16384  # a row of the launch with the norm is one program's bl
 
 @triton.jit
 def _weighted_slots(partial_ptr, topk_weights_ptr, token, cols, mask, stride_split, stride_slot, OUT_DTYPE,
-                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr):
-    """``sum_j w[t, j] * round(sum_s p[s, t*k+j, cols])`` in fp32 (the splits and the slots in order)."""
+                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, APPLIED: tl.constexpr):
+    """``sum_j w[t, j] * round(sum_s p[s, t*k+j, cols])`` in fp32 (the splits and the slots in order);
+    with APPLIED ``sum_j (sum_s p[s, t*k+j, cols])``: the weights are in the rows already."""
     total = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOPK):
         slot = token * TOPK + j
         y = tl.load(partial_ptr + slot * stride_slot + cols, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             y += tl.load(partial_ptr + s * stride_split + slot * stride_slot + cols, mask=mask, other=0.0)
-        total += tl.load(topk_weights_ptr + slot) * y.to(OUT_DTYPE).to(tl.float32)
+        if APPLIED:
+            total += y
+        else:
+            total += tl.load(topk_weights_ptr + slot) * y.to(OUT_DTYPE).to(tl.float32)
     return total
 
 
 @triton.jit
 def _topk_combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_split, stride_slot, stride_out,
-                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    TOPK: tl.constexpr, SPLIT_K: tl.constexpr, APPLIED: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """``out[t, cols] = m[t, cols]`` (module docstring); a program per token and BLOCK columns."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -58,15 +68,15 @@ def _topk_combine_kernel(partial_ptr, topk_weights_ptr, out_ptr, hidden, stride_
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     total = _weighted_slots(partial_ptr, topk_weights_ptr, token, cols, mask, stride_split, stride_slot,
-                            out_ptr.dtype.element_ty, TOPK, SPLIT_K)
+                            out_ptr.dtype.element_ty, TOPK, SPLIT_K, APPLIED)
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _topk_combine_norm_kernel(partial_ptr, topk_weights_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                                  hidden, eps, stride_split, stride_slot, stride_res, stride_res_out, stride_out,
-                                 TOPK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                                 USE_PDL: tl.constexpr):
+                                 TOPK: tl.constexpr, SPLIT_K: tl.constexpr, APPLIED: tl.constexpr,
+                                 BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``residual_out[t] = s[t]``, ``out[t]`` its norm (module docstring); a program per token, the
     whole row in one block of BLOCK >= hidden columns. The norm weight (written by no kernel of a
     step) loads before the PDL wait."""
@@ -79,7 +89,7 @@ def _topk_combine_norm_kernel(partial_ptr, topk_weights_ptr, residual_ptr, weigh
     token = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     total = _weighted_slots(partial_ptr, topk_weights_ptr, token, cols, mask, stride_split, stride_slot, dtype,
-                            TOPK, SPLIT_K)
+                            TOPK, SPLIT_K, APPLIED)
     residual = tl.load(residual_ptr + token * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     summed = (total.to(dtype).to(tl.float32) + residual).to(dtype)
     tl.store(residual_out_ptr + token * stride_res_out + cols, summed, mask=mask)
@@ -97,16 +107,17 @@ def _check_partials(partial: torch.Tensor, topk_weights: torch.Tensor) -> None:
                          "(the partial's slots)")
 
 
-def combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``m`` (module docstring) as a new ``[T, H]`` tensor of ``dtype``."""
+def combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype, applied: bool = False) -> torch.Tensor:
+    """``m`` (module docstring; ``applied``: its second form) as a new ``[T, H]`` tensor of ``dtype``."""
     _check_partials(partial, topk_weights)
-    return _launch_combine(partial, topk_weights.to(torch.float32).contiguous(), dtype)
+    return _launch_combine(partial, topk_weights.to(torch.float32).contiguous(), dtype, applied)
 
 
 def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, s)`` (module docstring) as new ``[T, H]`` tensors of ``residual``'s dtype (fp16 /
-    bf16 / fp32); ValueError for shapes that do not match or a row wider than `NORM_MAX_HIDDEN`."""
+                         weight: torch.Tensor, eps: float, applied: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, s)`` (module docstring; ``applied``: m's second form) as new ``[T, H]`` tensors of
+    ``residual``'s dtype (fp16 / bf16 / fp32); ValueError for shapes that do not match or a row
+    wider than `NORM_MAX_HIDDEN`."""
     _check_partials(partial, topk_weights)
     tokens, hidden = topk_weights.shape[0], partial.shape[2]
     if residual.shape != (tokens, hidden) or residual.stride(-1) != 1:
@@ -116,10 +127,11 @@ def combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
         raise ValueError(f"the norm weight must be a contiguous [{hidden}], got {tuple(weight.shape)}")
     if hidden > NORM_MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} is above the one-launch norm's {NORM_MAX_HIDDEN}")
-    return _launch_combine_norm(partial, topk_weights.to(torch.float32).contiguous(), residual, weight, eps)
+    return _launch_combine_norm(partial, topk_weights.to(torch.float32).contiguous(), residual, weight, eps, applied)
 
 
-def _launch_combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _launch_combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype,
+                    applied: bool) -> torch.Tensor:
     """`combine` on checked inputs (``topk_weights`` fp32, contiguous)."""
     tokens, top_k = topk_weights.shape
     hidden = partial.shape[2]
@@ -127,12 +139,13 @@ def _launch_combine(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: to
     use_pdl = pdl.enabled()
     _topk_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
         partial, topk_weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0), TOPK=top_k,
-        SPLIT_K=partial.shape[0], BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+        SPLIT_K=partial.shape[0], APPLIED=applied, BLOCK=COMBINE_BLOCK, USE_PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl)
     return out
 
 
 def _launch_combine_norm(partial: torch.Tensor, topk_weights: torch.Tensor, residual: torch.Tensor,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         weight: torch.Tensor, eps: float, applied: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`combine_add_rms_norm` on checked inputs (``topk_weights`` fp32, contiguous)."""
     tokens, top_k = topk_weights.shape
     hidden = partial.shape[2]
@@ -145,7 +158,7 @@ def _launch_combine_norm(partial: torch.Tensor, topk_weights: torch.Tensor, resi
     _topk_combine_norm_kernel[(tokens,)](
         partial, topk_weights, residual, weight, out, residual_out, hidden, eps,
         partial.stride(0), partial.stride(1), residual.stride(0), residual_out.stride(0), out.stride(0),
-        TOPK=top_k, SPLIT_K=partial.shape[0], BLOCK=block, USE_PDL=use_pdl, num_warps=max(1, min(8, block // 512)),
+        TOPK=top_k, SPLIT_K=partial.shape[0], APPLIED=applied, BLOCK=block, USE_PDL=use_pdl, num_warps=max(1, min(8, block // 512)),
         launch_pdl=use_pdl)
     return out, residual_out
 
@@ -155,19 +168,22 @@ class TopKCombine(UnformedSum):
     ``partial`` and the routing weights, for the norm after the layer to form in its own launch
     (`add_rms_norm`: None, nothing run, for a residual of another dtype or with a strided last
     dimension, a non-contiguous norm weight or a row wider than `NORM_MAX_HIDDEN`), or
-    `materialize` for any other reader."""
+    `materialize` for any other reader. ``applied``: the rows hold the routing weights already
+    (m's second form; ``topk_weights`` then gives the shape only)."""
 
-    __slots__ = ("partial", "topk_weights", "shape", "dtype")
+    __slots__ = ("partial", "topk_weights", "shape", "dtype", "applied")
 
-    def __init__(self, partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype,
+                 applied: bool = False) -> None:
         _check_partials(partial, topk_weights)
         self.partial = partial
         self.topk_weights = topk_weights.to(torch.float32).contiguous()
         self.shape = torch.Size((topk_weights.shape[0], partial.shape[2]))
         self.dtype = dtype
+        self.applied = applied
 
     def materialize(self) -> torch.Tensor:
-        return _launch_combine(self.partial, self.topk_weights, self.dtype)
+        return _launch_combine(self.partial, self.topk_weights, self.dtype, self.applied)
 
     def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,4 +192,4 @@ class TopKCombine(UnformedSum):
         if (residual.dtype != self.dtype or self.shape[1] > NORM_MAX_HIDDEN or residual.stride(-1) != 1
                 or not weight.is_contiguous()):
             return None
-        return _launch_combine_norm(self.partial, self.topk_weights, residual, weight, eps)
+        return _launch_combine_norm(self.partial, self.topk_weights, residual, weight, eps, self.applied)
