@@ -18,7 +18,6 @@ from torch import nn
 
 from arfusion.fusion import UnformedSum
 from arfusion.layers import batch_invariant
-
 from arfusion.layers.linear import check_shape, divide
 from arfusion.layers.moe.align import ExpertBlocks
 from arfusion.layers.moe.torch_experts import moe_experts_torch
