@@ -46,7 +46,8 @@ LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
             "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
-            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
+            "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gate_up_silu_gemv_kernel",
+            "_down_rows_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
             "_topk_combine_kernel", "_topk_combine_norm_kernel")
 BF16 = torch.bfloat16
 
@@ -99,8 +100,9 @@ def _decode_step_calls() -> None:
     route_triton(o_out, torch.empty(128, 2048, dtype=BF16), 8, True, torch.zeros(1, dtype=torch.int32),
                  norm=RouteNorm(residual, torch.ones(2048, dtype=BF16), 1e-6, torch.empty_like(o_out),
                                 torch.empty_like(o_out)))
-    moe_gemv(torch.randn(1, 2048, generator=g).to(BF16), torch.empty(128, 2 * 768, 2048, dtype=BF16),
-             torch.empty(128, 2048, 768, dtype=BF16), torch.rand(1, 8, generator=g), ids)
+    for unformed in (False, True):  # the combine in launch 2, or left to the norm after the experts at TP1
+        moe_gemv(torch.randn(1, 2048, generator=g).to(BF16), torch.empty(128, 2 * 768, 2048, dtype=BF16),
+                 torch.empty(128, 2048, 768, dtype=BF16), torch.rand(1, 8, generator=g), ids, unformed=unformed)
     hidden = local = 2880
     experts = SimpleNamespace(  # a GptOssExperts' operands (MXFP4 kept), 4 of gpt-oss-20b's 32 experts
         hidden_size=hidden, local=local, alpha=1.702, limit=7.0, mxfp4=True, tp_rank=0,
@@ -143,6 +145,7 @@ def launches() -> dict[bool, list[tuple[Any, tuple, dict]]]:
               "_combine_kernel": triton_decode_attention, "_rotary_split_kernel": triton_rotary_decode_attention,
               "_route_kernel": triton_router,
               "_gate_up_silu_gemv_kernel": triton_moe_gemv, "_down_combine_gemv_kernel": triton_moe_gemv,
+              "_down_rows_gemv_kernel": triton_moe_gemv,
               "_gemv_kernel": triton_mxfp4_gemv, "_topk_combine_kernel": triton_topk_combine,
               "_topk_combine_norm_kernel": triton_topk_combine}
     out = {}

@@ -91,7 +91,7 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 blocks: Optional[ExpertBlocks] = None, unformed: bool = False) -> Union[torch.Tensor, UnformedSum]:
         """``blocks``: the slots already grouped by expert in `block_m` rows (or None).
-        ``unformed``: where the grouped launches run outside batch-invariant mode, the output as a
+        ``unformed``: on the Triton launches outside batch-invariant mode, the output as a
         `fusion.UnformedSum` of their weighted rows (`triton_fused_moe.fused_moe`), for the norm
         after the layer to form; a tensor everywhere else."""
         if x.is_cuda and triton_available():

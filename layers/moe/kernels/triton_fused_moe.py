@@ -277,10 +277,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     expert in blocks of the config's ``block_m`` (the routing kernel's, layers/moe/kernels/triton_router.py);
     grouped here when None. With neither a config nor blocks, a call that `uses_gemv` runs the
     matrix-vector launches instead (layers/moe/kernels/triton_moe_gemv.py: the same math, other
-    sums). ``unformed`` (with the folded combine, where the grouped launches run): the output as a
-    `TopKCombine` of launch 2's weighted fp32 rows (``applied``), whose sum in slot order gives
-    the folded combine's bits, for the norm after the layer to form (a tensor where the
-    matrix-vector launches run). Nothing is written in place; no host synchronisation."""
+    sums). ``unformed`` (with the folded combine): the output as a `TopKCombine` of launch 2's
+    weighted fp32 rows (``applied``), for the norm after the layer to form; on the grouped
+    launches their sum in slot order gives the folded combine's bits, on the matrix-vector ones
+    (a tensor past `triton_moe_gemv.ROWS_MAX_TOKENS` tokens) it reassociates their launch 2's sum
+    over the slots (`moe_gemv`). Nothing is written in place; no host synchronisation."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -291,7 +292,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return x.new_empty(0, hidden)
     num_slots = tokens * top_k
     if config is None and blocks is None and uses_gemv(num_slots, num_experts, combine):
-        return moe_gemv(x, w13, w2, topk_weights, topk_ids)
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids, unformed=unformed)
     cfg = config or block_config(num_slots, num_experts)
     if blocks is None:
         align = align_by_expert_triton if num_slots <= ALIGN_KERNEL_MAX_SLOTS else align_by_expert

@@ -8,6 +8,8 @@ combine "folded"):
               act[s, n] = round(round(silu(gate)) * up)
     launch 2  program (token t, BLOCK_N columns n):
               out[t, n] = round(sum_j w[t, j] * (sum_c W2[e_j, n, c] * act[t * k + j, c]))
+              or, unformed (`moe_gemv`'s ``unformed``), program (slot s = t * k + j, BLOCK_N columns):
+              p[s, n] = w[t, j] * (sum_c W2[e_j, n, c] * act[s, c])   fp32, summed in the next norm
 
 (round: to x's dtype; every product and sum in fp32). The sums over c run per K step: each
 step's BLOCK_K products are added elementwise into an fp32 accumulator of the step's shape, and
@@ -31,6 +33,7 @@ can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import triton
@@ -38,8 +41,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from arfusion.layers.kernels import pdl
+from arfusion.layers.moe.kernels.triton_topk_combine import TopKCombine
 
 GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches above)
+# Launch 2's per-slot form (``unformed``) serves calls of at most this many tokens, larger ones keep
+# the per-token combine: in qwen3-30b-a3b's decode step it was faster at 1 token (8 slots: 8 times
+# the programs of the per-token launch) and slower at 4, where the per-token launch has programs
+# enough and the norm after it reads four tokens' 32 fp32 rows (docs/results.md)
+ROWS_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class MoEGemvConfig:
     num_warps_gate_up: int = 2
     num_warps_down: int = 4
     sum_each_step: bool = True
+    block_n_rows: int = 8
+    block_k_rows: int = 256
+    num_warps_rows: int = 2
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -164,6 +176,33 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
     tl.store(out_ptr + token * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _down_rows_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, rows_ptr, hidden, inter, stride_act,
+                           stride_we, stride_wn, stride_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """Launch 2 unformed (module docstring): ``rows[s, n] = p[s, n]``, a program per slot and BLOCK_N
+    columns, each K step's products summed over its columns."""
+    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    w_rows = w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    act_row = act_ptr + slot * stride_act
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < inter
+        a = tl.load(act_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    routing = tl.load(topk_weights_ptr + slot)
+    tl.store(rows_ptr + slot * stride_rows + offs_n, acc * routing, mask=n_mask)
+
+
 def serves(num_slots: int, num_experts: int) -> bool:
     """Whether ``num_slots`` (tokens x top-k) slots over ``num_experts`` experts take this path:
     1 to `GEMV_MAX_SLOTS` slots, and at most a quarter as many as the experts. A weight is read
@@ -174,11 +213,14 @@ def serves(num_slots: int, num_experts: int) -> bool:
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: MoEGemvConfig = DEFAULT_GEMV_CONFIG) -> torch.Tensor:
+             topk_ids: torch.Tensor, config: MoEGemvConfig = DEFAULT_GEMV_CONFIG,
+             unformed: bool = False) -> Union[torch.Tensor, TopKCombine]:
     """``x [T, H]``, this rank's shards ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (x's dtype), routing
     ``topk_weights`` (float) / ``topk_ids`` (int) ``[T, k]`` -> a new ``[T, H]`` of x's dtype: the
     module docstring's two launches (the caller has checked the shapes, dtypes and layouts as
-    `fused_moe` does). Nothing is written in place; no host synchronisation."""
+    `fused_moe` does); ``unformed``: up to `ROWS_MAX_TOKENS` tokens launch 2's per-slot form, the
+    output a `TopKCombine` of its weighted fp32 rows (``applied``) for the norm after the layer to
+    sum (a tensor for more tokens). Nothing is written in place; no host synchronisation."""
     tokens, top_k = topk_ids.shape
     _, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -191,6 +233,13 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         TOPK=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up,
         LIBDEVICE_EXP=not triton.knobs.runtime.interpret, SUM_EACH_STEP=config.sum_each_step, USE_PDL=use_pdl,
         num_warps=config.num_warps_gate_up, launch_pdl=use_pdl)
+    if unformed and tokens <= ROWS_MAX_TOKENS:
+        rows = torch.empty(1, tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+        _down_rows_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, config.block_n_rows))](
+            act, ids, weights, w2, rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(1),
+            BLOCK_N=config.block_n_rows, BLOCK_K=config.block_k_rows, USE_PDL=use_pdl,
+            num_warps=config.num_warps_rows, launch_pdl=use_pdl)
+        return TopKCombine(rows, topk_weights, x.dtype, applied=True)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](
         act, ids, weights, w2, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
