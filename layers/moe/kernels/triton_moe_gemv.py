@@ -25,7 +25,8 @@ Why a separate path: at decode sizes the grouped launches give each expert a 16-
 which one row is real (a tensor-core dot needs 16 rows), and move every weight tile into the
 MMA's operand layout through shared memory; here each weight is loaded in 16-byte vectors
 straight into registers and used where it lands, and launch 2 sums its token's k expert rows
-itself (no scratch rows, no arrival counters, no grouping pass before launch 1). A weight is
+itself (no scratch rows, no arrival counters, no grouping pass before launch 1), or, unformed,
+leaves them to the norm after the layer with k times the programs. A weight is
 read once per slot that uses its expert, so the grouped launches take over when the slots
 outnumber what this path serves (`serves`). Launch sizes depend on shapes only: a call
 can be captured in a CUDA graph.
