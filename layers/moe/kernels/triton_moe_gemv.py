@@ -47,8 +47,8 @@ from arfusion.layers.moe.kernels.triton_topk_combine import TopKCombine
 GEMV_MAX_SLOTS = 32  # tokens x top-k served here (at most; the grouped launches above)
 # Launch 2's per-slot form (``unformed``) serves calls of at most this many tokens, larger ones keep
 # the per-token combine: in qwen3-30b-a3b's decode step it was faster at 1 token (8 slots: 8 times
-# the programs of the per-token launch) and slower at 4, where the per-token launch has programs
-# enough and the norm after it reads four tokens' 32 fp32 rows (docs/results.md)
+# the programs of the per-token launch) and slower at 4 (not examined; there the per-token launch
+# already has 1,024 programs); measured at 1 and 4 tokens only (docs/results.md)
 ROWS_MAX_TOKENS = 1
 
 
