@@ -19,8 +19,11 @@ updates the policy's `StepBudget`, which sizes the prompt chunks of the next ste
 step lasts about ``step_time_target_s``.
 
 Heartbeat: the other ranks wait for each plan in a collective bounded by ``--dist-timeout``;
-an idle rank 0 broadcasts an "idle" plan every ``heartbeat_s`` so that an idle server's workers
-do not time out.
+an idle rank 0 broadcasts an "idle" plan every ``heartbeat_s`` (the server: `idle_plan_interval_s`)
+so that an idle server's workers do not time out. Gloo's send waits for the peer's receive, so an
+idle plan to a worker that stopped waits too, and fails after ``--dist-timeout``: an idle server
+whose worker stops ends either through that failure or through the watchdog's heartbeat rule,
+whichever comes first (both name the stopped rank).
 
 Log-probabilities: a prefill chunk of a request that asked for its prompt's log-probabilities
 (``echo``) scores its prompt tokens (`StepPlan.prompt_logprobs`); they travel to the host with the
@@ -58,6 +61,12 @@ from arfusion.engine.scheduling.step_runner import StepRunner
 from arfusion.engine.scheduling.step_sampler import StepSampler, host_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def idle_plan_interval_s(dist_timeout: float) -> float:
+    """Seconds between two "idle" plans of an idle server with ``--dist-timeout dist_timeout``:
+    a quarter of it, so that a worker's wait for the next plan never comes near its bound."""
+    return dist_timeout / 4
 
 
 @dataclass

@@ -35,7 +35,7 @@ from arfusion.engine.runtime.model_runner import StartupContext
 from arfusion.engine.runtime.rank_stack import RankStack, StepWatch, Unwatched, build_rank
 from arfusion.engine.runtime.step_cost import measure_step_cost
 from arfusion.engine.runtime.warm_up import warm_up
-from arfusion.engine.scheduling.scheduler import Scheduler
+from arfusion.engine.scheduling.scheduler import Scheduler, idle_plan_interval_s
 from arfusion.engine.server.api import build_app
 from arfusion.engine.server.api.body_screen import build_screen
 from arfusion.engine.server.engine import Engine
@@ -139,7 +139,7 @@ class Rank0Server:
         scheduler = Scheduler(rank.runner, self.tokenizer, args.max_prefill_tokens, args.seed,
                               on_failure=lambda why: self.supervisor.fail(f"the scheduler failed: {why}",
                                                                           scheduler.failure_traceback),
-                              overlap=not args.disable_overlap_schedule, heartbeat_s=args.dist_timeout / 4,
+                              overlap=not args.disable_overlap_schedule, heartbeat_s=idle_plan_interval_s(args.dist_timeout),
                               chunked_prefill_size=args.chunked_prefill_size,
                               step_time_target_s=args.step_time_target_ms / 1000)
         if not args.skip_server_warmup:
