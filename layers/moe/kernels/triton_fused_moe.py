@@ -310,8 +310,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = x.new_empty(blocks.sorted_slots.shape[0], inter)
     n_down = triton.cdiv(hidden, cfg.block_n_down)
     if folded:
-        out = x.new_empty(tokens, hidden)
         scratch = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+        out = scratch if rows_only else x.new_empty(tokens, hidden)  # rows only: launch 2 writes no out
         counters = torch.empty(1 if rows_only else tokens * n_down, dtype=torch.int32, device=x.device)
     else:
         out = x.new_empty(num_slots, hidden)
@@ -333,7 +333,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, FOLDED=folded,
         ROWS_ONLY=rows_only, FP32_DOT=fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if rows_only:
-        return TopKCombine(scratch.view(1, num_slots, hidden), topk_weights, x.dtype, applied=True)
+        return TopKCombine(scratch.view(1, num_slots, hidden), weights, x.dtype, applied=True)
     if folded:
         return out
     return combine_topk(out.view(tokens, top_k, hidden), topk_weights)
