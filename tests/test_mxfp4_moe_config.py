@@ -45,6 +45,7 @@ def test_matrix_vector_launches_have_no_k_splits():
     (dict(split_k_down=0), "split_k_down must be at least 1"),
     (dict(num_stages_down=-1), "num_stages_down must be at least 0"),
     (dict(num_warps=0), "num_warps must be at least 1"),
+    (dict(early_weights=True), "early_weights is a variant of the matrix-vector launches"),
 ])
 def test_check_config_refuses(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -11,9 +11,12 @@ for the MXFP4 experts), one token, the routing with and without the post-attenti
 - before the wait no global store or atomic, and global loads only in the kernels that load data
   no kernel of a step writes there (the skinny matmul's bulk L2 prefetch of its first columns,
   and nothing into registers; the routing's first weight tile; rotary's inverse frequencies, in
-  the rotary launch and in the decode attention that rotates):
-  the others (decode attention's two kernels, the MoE experts' matrix-vector kernels, whose
-  weights depend on the routing) load nothing before it;
+  the rotary launch and in the decode attention that rotates) or that a kernel before their
+  predecessor wrote (the matrix-vector experts' per-slot down launches, bf16 and MXFP4: the
+  routing's ids and the first K step of the experts' weights they select):
+  the others (decode attention's two kernels, the experts' gate/up launches, whose weights
+  depend on the routing just before them, and the bf16 per-token down launch) load nothing
+  before it;
 - every dot takes the same tensor-core instruction (family and k) either way, and the decode
   attention that rotates takes the split kernel's.
 
@@ -42,7 +45,7 @@ from arfusion.layers.kernels import pdl  # noqa: E402
 
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
 LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel",
-                     "_topk_combine_norm_kernel"}
+                     "_topk_combine_norm_kernel", "_down_rows_gemv_kernel", "_gemv_kernel down"}
 # every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
 LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
             "_rotary_split_kernel", "_combine_kernel", "_route_kernel",

@@ -28,7 +28,14 @@ always equal (``on = enabled()``). With USE_PDL it keeps these rules:
    predecessor (a new tensor may be memory the caching allocator has just taken back from one).
    Only data that no kernel writes during a step (weights, biases, norm weights, the rotary
    inverse frequencies) may be loaded before the wait: the routing launch loads its first weight
-   tile there, and the decode-sized matmul asks L2 for its first K steps (bulk prefetches).
+   tile there, and the decode-sized matmul asks L2 for its first K steps (bulk prefetches). The
+   one exception: what a kernel before the predecessor wrote and the predecessor does not write.
+   By rule 2 every program of the predecessor has passed its own wait before this kernel's
+   programs are scheduled (a predecessor launched without PDL has started, so its own
+   predecessor has completed), so every kernel before it has completed and its writes are
+   visible. The experts' per-slot down launches use it (bf16 and MXFP4 matrix-vector launches,
+   ``early_weights``): the slot's expert id, written by the routing before the gate/up launch,
+   and the first K step of that expert's weights, loaded while the gate/up launch still runs.
 2. ``gdc_launch_dependents()`` right after the wait. Early is safe: the dependent's blocks are
    scheduled only once every block of this kernel has executed it or exited, so all of them are
    resident by then and a dependent block waiting at its own ``gdc_wait`` cannot keep one of

@@ -24,7 +24,9 @@ class Mxfp4MoEConfig:
     ``block_k_*`` 32 to 512, the K steps up to the last multiple of it, then a step of each power
     of two in the rest; no swap, word decoder or K splits; the stages unused).
     ``prefetch`` (``tensor_cores`` only): each K step's weights, scales and activations loaded one
-    step ahead, while the step before is decoded and multiplied."""
+    step ahead, while the step before is decoded and multiplied. ``early_weights`` (``gemv``
+    only, and only where the launches take PDL): the down launch loads its slot's expert id and
+    first K step of weights before its wait on the gate/up launch (layers/kernels/pdl.py)."""
 
     block_m: int
     block_n_gate_up: int
@@ -41,6 +43,7 @@ class Mxfp4MoEConfig:
     gemv: bool = False
     tensor_cores: bool = False
     prefetch: bool = False
+    early_weights: bool = False
 
 
 # Decode-sized defaults for MXFP4 weights: (the most rows per expert an entry serves, its
@@ -63,7 +66,7 @@ DECODE_CONFIGS: tuple[tuple[float, Mxfp4MoEConfig], ...] = (
 # stay on the grouped launches, faster there.
 GEMV_MAX_SLOTS = 32
 GEMV_CONFIG = Mxfp4MoEConfig(block_m=1, block_n_gate_up=8, block_k_gate_up=1024, block_n_down=16, block_k_down=1024,
-                             num_warps=2, gemv=True)
+                             num_warps=2, gemv=True, early_weights=True)
 
 # From this many slots MXFP4 experts take the tensor-core launches (`tensor_core_config`) where
 # they can run (bf16 activations, K a multiple of 32, scales up to 2^1; else the launches above):
@@ -174,6 +177,8 @@ def check_config(cfg: Mxfp4MoEConfig, mxfp4: bool) -> None:
             raise ValueError(f"{name} must be at least {0 if name.endswith('_down') else 1}, got {getattr(cfg, name)}")
     if cfg.gemv and cfg.split_k_down > 1:
         raise ValueError("gemv has no K splits (split_k_down must be 1)")
+    if cfg.early_weights and not cfg.gemv:
+        raise ValueError("early_weights is a variant of the matrix-vector launches (gemv=True)")
     if cfg.tensor_cores:
         _check_tensor_cores(cfg, mxfp4)
     elif cfg.prefetch:

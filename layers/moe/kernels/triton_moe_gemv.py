@@ -59,7 +59,10 @@ class MoEGemvConfig:
     numbers are in docs/results.md); a size that is no power of two is a ValueError naming it.
     ``sum_each_step``: launch 1's accumulators one per output instead of one per output and
     column of a K step (module docstring); on by default, faster at 1 to 8 tokens in the same
-    sweep."""
+    sweep. ``early_weights``: where the launches take PDL, the per-slot down launch (``unformed``)
+    loads its slot's expert id and first K step of weights before its wait on launch 1
+    (layers/kernels/pdl.py), so they arrive while launch 1 still runs; the per-token down launch
+    has no such variant (PDL runs at batch 1 by default, where the per-slot form serves)."""
 
     block_n_gate_up: int = 8
     block_k_gate_up: int = 512
@@ -71,6 +74,7 @@ class MoEGemvConfig:
     block_n_rows: int = 8
     block_k_rows: int = 256
     num_warps_rows: int = 2
+    early_weights: bool = True
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -180,10 +184,11 @@ def _down_combine_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, out_pt
 @triton.jit
 def _down_rows_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, rows_ptr, hidden, inter, stride_act,
                            stride_we, stride_wn, stride_rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, EARLY_WEIGHTS: tl.constexpr):
     """Launch 2 unformed (module docstring): ``rows[s, n] = p[s, n]``, a program per slot and BLOCK_N
-    columns, each K step's products summed over its columns."""
-    if USE_PDL:  # the weights read depend on the routing: nothing before the wait (layers/kernels/pdl.py)
+    columns, each K step's products summed over its columns. With USE_PDL and EARLY_WEIGHTS the
+    slot's expert id and its first K step of weights are loaded before the wait (`early_weights`)."""
+    if USE_PDL and not EARLY_WEIGHTS:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0).to(tl.int64)
@@ -193,8 +198,14 @@ def _down_rows_gemv_kernel(act_ptr, ids_ptr, topk_weights_ptr, w2_ptr, rows_ptr,
     w_rows = w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     act_row = act_ptr + slot * stride_act
     offs_k = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < inter)[None, :], other=0.0)
+    if USE_PDL and EARLY_WEIGHTS:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    a = tl.load(act_row + offs_k, mask=offs_k < inter, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    acc += tl.sum(w_first.to(tl.float32) * a[None, :], axis=1)
+    for k0 in range(BLOCK_K, inter, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < inter
         a = tl.load(act_row + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -239,7 +250,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         _down_rows_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, config.block_n_rows))](
             act, ids, weights, w2, rows, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(1),
             BLOCK_N=config.block_n_rows, BLOCK_K=config.block_k_rows, USE_PDL=use_pdl,
-            num_warps=config.num_warps_rows, launch_pdl=use_pdl)
+            EARLY_WEIGHTS=config.early_weights, num_warps=config.num_warps_rows, launch_pdl=use_pdl)
         return TopKCombine(rows, topk_weights, x.dtype, applied=True)
     out = x.new_empty(tokens, hidden)
     _down_combine_gemv_kernel[(tokens, triton.cdiv(hidden, config.block_n_down))](

@@ -50,15 +50,34 @@ def _pair_products(part, words, pair: tl.constexpr, x_low, x_high, ASM: tl.const
 
 
 @triton.jit
-def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
-          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
-    """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``: MXFP4
-    ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N, BLOCK_K]`` by
-    column; fp32, masked rows and columns past ``k_size`` add zeros."""
+def _load_step(w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
+               MXFP4: tl.constexpr):
+    """The weights of one K step (columns k0 .. k0 + BLOCK_K - 1 of ``W[rows]``, zeros where masked):
+    MXFP4 ``(words [N, BLOCK_K / 8] uint32, scale factors [N, BLOCK_K / 32])``, bf16 ``(w [N,
+    BLOCK_K], w)``."""
     if MXFP4:
         kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words, _ = load_words_only(w_ptr, rows, row_mask, kw, (k_size // 32) * 4, stride_wn)
-        part = tl.zeros([rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
+        groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
+                              row_mask[:, None] & (groups < k_size // 32)[None, :])
+        return words, factor
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < k_size)[None, :],
+                    other=0.0)
+        return w, w
+
+
+@triton.jit
+def _apply_step(x_row, words, factor, k0, k_size, acc, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                ASM: tl.constexpr):
+    """``acc`` plus one K step of ``W[rows, k] * x[k]`` from the step's weights (`_load_step`):
+    MXFP4 ``acc [N, BLOCK_K / 32]`` by scale group (module docstring), bf16 form ``acc [N,
+    BLOCK_K]`` by column (``words`` the weights); fp32, masked columns add zeros."""
+    if MXFP4:
+        kw = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        part = tl.zeros([words.shape[0], BLOCK_K // 8], dtype=tl.float32)
         k8 = 8 * kw[:, None] + tl.arange(0, 8)[None, :]
         x8 = tl.load(x_row + k8, mask=k8 < k_size, other=0.0).to(tl.float32)
         even, odd = tl.split(tl.reshape(x8, [BLOCK_K // 8, 2, 2, 2]))
@@ -72,31 +91,35 @@ def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, strid
         part = _pair_products(part, words, 1, x1, x5, ASM)
         part = _pair_products(part, words, 2, x2, x6, ASM)
         part = _pair_products(part, words, 3, x3, x7, ASM)
-        groups = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        factor = scale_factor(scales_ptr, rows[:, None] * stride_sn, groups[None, :],
-                              row_mask[:, None] & (groups < k_size // 32)[None, :])
-        acc += tl.sum(tl.reshape(part, [rows.shape[0], BLOCK_K // 32, 4]), axis=2) * factor
+        acc += tl.sum(tl.reshape(part, [words.shape[0], BLOCK_K // 32, 4]), axis=2) * factor
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < k_size
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc += words.to(tl.float32) * tl.load(x_row + k, mask=k < k_size, other=0.0).to(tl.float32)[None, :]
     return acc
+
+
+@triton.jit
+def _step(x_row, w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, acc,
+          BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
+    """``acc`` plus one K step (columns k0 .. k0 + BLOCK_K - 1) of ``W[rows, k] * x[k]``
+    (`_load_step`, then `_apply_step`)."""
+    words, factor = _load_step(w_ptr, scales_ptr, rows, row_mask, k0, k_size, stride_wn, stride_sn, BLOCK_K, MXFP4)
+    return _apply_step(x_row, words, factor, k0, k_size, acc, BLOCK_K, MXFP4, ASM)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n_size, alpha, limit, stride_x,
                  stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                  X_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                 ASM: tl.constexpr,
-                 GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+                 ASM: tl.constexpr, GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+                 EARLY_WEIGHTS: tl.constexpr):
     """Program (slot, column tile): GATE_UP, launch 1 (rows n and n_size + n of W; ``out`` the
     activations ``[slots, n_size]``, x's dtype); else launch 2 (``out`` fp32 ``[slots,
     n_size]``, the bias when HAS_BIAS). The slot's input row is ``x[slot // X_ROW_DIV]``. With
-    USE_PDL it waits for the previous kernel first: the weights it reads depend on the routing
-    (layers/kernels/pdl.py)."""
-    if USE_PDL:
+    USE_PDL it waits for the previous kernel first (the weights it reads depend on the routing,
+    layers/kernels/pdl.py), or, with EARLY_WEIGHTS (launch 2 only), after loading the slot's
+    expert id and its first K step of weights (`Mxfp4MoEConfig.early_weights`)."""
+    if USE_PDL and not EARLY_WEIGHTS:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
@@ -109,11 +132,20 @@ def _gemv_kernel(x_ptr, ids_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, k_size, n
     width: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K
     acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, width], dtype=tl.float32)
-    for k0 in range(0, k_size, BLOCK_K):
-        acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4, ASM)
-        if GATE_UP:
+    if GATE_UP:
+        for k0 in range(0, k_size, BLOCK_K):
+            acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4, ASM)
             acc_up = _step(x_row, w_e, s_e, rows + n_size, n_mask, k0, k_size, stride_wn, stride_sn, acc_up,
                            BLOCK_K, MXFP4, ASM)
+    else:
+        first = tl.full((), 0, tl.int32)  # a tensor: the steps' alignment hints take no constant
+        words, factor = _load_step(w_e, s_e, rows, n_mask, first, k_size, stride_wn, stride_sn, BLOCK_K, MXFP4)
+        if USE_PDL and EARLY_WEIGHTS:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = _apply_step(x_row, words, factor, first, k_size, acc, BLOCK_K, MXFP4, ASM)
+        for k0 in range(BLOCK_K, k_size, BLOCK_K):
+            acc = _step(x_row, w_e, s_e, rows, n_mask, k0, k_size, stride_wn, stride_sn, acc, BLOCK_K, MXFP4, ASM)
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + slot.to(tl.int64) * stride_out + offs_n
     if GATE_UP:
@@ -146,12 +178,13 @@ def gemv_partials(x: torch.Tensor, experts, topk_ids: torch.Tensor, config) -> t
         x, ids, w13, s13, experts.w13_bias, act, hidden, inter, experts.alpha, experts.limit, x.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), experts.w13_bias.stride(0), act.stride(0),
         X_ROW_DIV=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, MXFP4=experts.mxfp4, ASM=asm,
-        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+        GATE_UP=True, HAS_BIAS=True, USE_PDL=use_pdl, EARLY_WEIGHTS=False, num_warps=config.num_warps,
+        launch_pdl=use_pdl)
     partial = torch.empty(1, slots, hidden, dtype=torch.float32, device=x.device)
     _gemv_kernel[(slots, triton.cdiv(hidden, config.block_n_down))](
         act, ids, w2, s2, experts.w2_bias, partial, inter, hidden, experts.alpha, experts.limit, act.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), experts.w2_bias.stride(0), partial.stride(1),
         X_ROW_DIV=1, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, MXFP4=experts.mxfp4, ASM=asm,
-        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl,
+        GATE_UP=False, HAS_BIAS=experts.tp_rank == 0, USE_PDL=use_pdl, EARLY_WEIGHTS=config.early_weights,
         num_warps=config.num_warps_down or config.num_warps, launch_pdl=use_pdl)
     return partial
