@@ -168,7 +168,7 @@ def describe(row: dict) -> str:
     short = {"block_m": "m", "block_n_gate_up": "n13", "block_k_gate_up": "k13", "block_n_down": "n2",
              "block_k_down": "k2", "num_warps": "w", "num_stages": "st", "swap": "swap", "word_decode": "word",
              "split_k_down": "split", "num_warps_down": "w2", "num_stages_down": "st2", "gemv": "gemv",
-             "tensor_cores": "tc", "prefetch": "pre"}
+             "tensor_cores": "tc", "prefetch": "pre", "early_weights": "early"}
     return " ".join(f"{short[k]}={int(v)}" for k, v in row["changed"].items())
 
 
