@@ -71,3 +71,33 @@ def test_engine_part_compares_a_flag_within_one_checkout(tmp_path):
              for label in ("this", "base")}
     assert seeds["this"] == 5 and seeds["base"] != 5, seeds
     assert re.search(r"^ +1 +off +False +[\d.]+ +[\d.]+ +[\d.]+$", log, re.M), log[-2000:]
+
+
+@pytest.mark.timeout(900)
+def test_engine_part_compares_several_checkouts_in_rotated_rounds(tmp_path):
+    """BASE with two folders: three checkouts a round, the order rotated by one every round, each
+    run importing its own checkout, a column and a ratio per base."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout (the tracked files are copied)")
+    this, out = copy_tracked(tmp_path / "this"), tmp_path / "out"
+    first, second = copy_tracked(tmp_path / "first"), copy_tracked(tmp_path / "second")
+    (this / ".gpu").mkdir()
+    (this / ".gpu" / "env.sh").write_text('nvidia-smi() { echo "(no GPU)"; }\n')
+    env = dict(os.environ, OUT=str(out), MODEL="tiny", TP="1", BATCH="1", FUSION="off", ROUNDS="2",
+               BASE=f"{first} {second}", BUDGET_S="840", EXTRA_ARGS="--repeats 1 --output-len 8")
+    proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "engine"], cwd=this, env=env, capture_output=True,
+                          text=True, timeout=880)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    rounds = re.findall(r"^== round (\d): (this|base\d) \((.+)\)$", log, re.M)
+    assert [(r, label) for r, label, _ in rounds] == [("1", "this"), ("1", "base1"), ("1", "base2"),
+                                                      ("2", "base1"), ("2", "base2"), ("2", "this")]
+    assert {label: Path(root) for _, label, root in rounds} == {"this": this.resolve(), "base1": first.resolve(),
+                                                                "base2": second.resolve()}
+    imported = re.findall(r"^arfusion: (.+)$", log, re.M)[-6:]
+    assert [Path(p) for p in imported] == [Path(root).resolve() for _, _, root in rounds]
+    row = re.search(r"^ +1 +off +False" + r" +([\d.]+) / ([\d.]+)" * 3 + r" +([\d.]+) +([\d.]+)$", log, re.M)
+    assert row, log[-2000:]
+    first_1, first_2, second_1, second_2, this_1, this_2, ratio_1, ratio_2 = map(float, row.groups())
+    assert ratio_1 == pytest.approx((this_1 + this_2) / (first_1 + first_2), rel=1e-2)
+    assert ratio_2 == pytest.approx((this_1 + this_2) / (second_1 + second_2), rel=1e-2)

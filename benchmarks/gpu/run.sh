@@ -37,6 +37,9 @@
 #                  interleaved rounds, each running both in turn (the order swapped every round),
 #                  into $OUT/bench_one_batch_{this,base}_ROUND.jsonl, then a table of every
 #                  setting's TPOT per round and the ratio of the medians (this / base).
+#                  BASE="FOLDER1 FOLDER2 ...": each of them (labels base1, base2, ...) beside
+#                  this checkout, every round running all in turn (the order rotated by one every
+#                  round), a column and a ratio (this / baseN) for each.
 #                  THIS_ARGS: flags for this checkout's runs only; with BASE=. it compares a
 #                  flag against the same checkout without it.
 #   serving        the server with fusion off and on (COMPARE=deterministic: in the default mode
@@ -223,7 +226,7 @@ part_table() {
 }
 
 part_engine() {
-  local batch fusion args this_args own round label root rc=0
+  local batch fusion args this_args own round label root bases labels roots i k rc=0
   read -ra batch <<< "${BATCH:-1 32 128}"
   read -ra fusion <<< "${FUSION:-off on}"
   share_gpus_if_needed "$TP"
@@ -235,12 +238,20 @@ part_engine() {
       "${EXTRA[@]}"
     return
   fi
-  [ -d "$BASE" ] || { echo "!! BASE must name a folder with the older checkout"; return 2; }
+  read -ra bases <<< "$BASE"
+  labels=(this) roots=("$PWD")
+  for i in "${!bases[@]}"; do
+    [ -d "${bases[i]}" ] || { echo "!! BASE must name folders with older checkouts (${bases[i]} is none)"; return 2; }
+    label=base
+    ((${#bases[@]} > 1)) && label=base$((i + 1))
+    labels+=("$label") roots+=("$(cd "${bases[i]}" && pwd)")
+  done
   read -ra this_args <<< "${THIS_ARGS:-}"
   for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
-    for label in $( ((round % 2)) && echo this base || echo base this); do
-      root=$PWD own=("${this_args[@]}")
-      [ "$label" = base ] && root=$(cd "$BASE" && pwd) own=()
+    for ((k = 0; k < ${#labels[@]}; k++)); do  # the order rotated by one every round
+      i=$(((k + round - 1) % ${#labels[@]}))
+      label=${labels[i]} root=${roots[i]} own=()
+      [ "$label" = this ] && own=("${this_args[@]}")
       echo "== round $round: $label ($root)"
       bench_one_batch_of "$root" "${args[@]}" --json-file "$OUT/bench_one_batch_${label}_$round.jsonl" \
         "${EXTRA[@]}" "${own[@]}" || rc=1
@@ -256,12 +267,16 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/bench_one_batch_*_*.jsonl")):
             setting = (r["batch_size"], r["fusion"], r["deterministic"])
             tpot.setdefault((label, setting), []).append(r["tpot_ms"])
 settings = sorted({s for _, s in tpot})
-print(f"{'batch':>5} {'fusion':>7} {'det':>5}  {'base TPOT ms (rounds)':>28}  {'this TPOT ms (rounds)':>28}  this/base")
+bases = sorted({label for label, _ in tpot} - {"this"})
+print(f"{'batch':>5} {'fusion':>7} {'det':>5}  " + "  ".join(f"{f'{label} TPOT ms (rounds)':>28}" for label in bases)
+      + f"  {'this TPOT ms (rounds)':>28}  " + "  ".join(f"this/{label}" for label in bases))
 for s in settings:
-    base, this = tpot.get(("base", s), []), tpot.get(("this", s), [])
-    ratio = statistics.median(this) / statistics.median(base) if base and this else float("nan")
-    print(f"{s[0]:>5} {s[1]:>7} {str(s[2]):>5}  {' / '.join(f'{t:.3f}' for t in base):>28}  "
-          f"{' / '.join(f'{t:.3f}' for t in this):>28}  {ratio:.3f}")
+    this = tpot.get(("this", s), [])
+    columns = [tpot.get((label, s), []) for label in bases]
+    ratios = [statistics.median(this) / statistics.median(base) if base and this else float("nan") for base in columns]
+    print(f"{s[0]:>5} {s[1]:>7} {str(s[2]):>5}  " + "  ".join(f"{' / '.join(f'{t:.3f}' for t in base):>28}"
+                                                          for base in columns)
+          + f"  {' / '.join(f'{t:.3f}' for t in this):>28}  " + "  ".join(f"{ratio:.3f}" for ratio in ratios))
 sys.exit(0 if settings else 1)
 PY
   return "$rc"
