@@ -4,10 +4,11 @@ over the cache; with ``--rotary-into-attention`` a decode batch's all in one lau
 
     rotate_store_attend(attn, rotary, positions, q, k, v, k_cache, v_cache, batch, head_norm, fold)
         -> attn.attend(rotary.forward_store_kv(positions, q, k, v, ...), k_cache, v_cache, batch)
-           the rotary launch, then the attention's (and its combine)              by default
+           the rotary launch, then the attention's (and its combine launch for    by default
+           groups of fewer than 8 query heads a kv head)
         -> decode_attention_rotary(positions, q, k, v, ...)
            the attention's split launch rotates its queries and writes the new keys
-           (layers/kernels/triton_rotary_decode_attention.py), then its combine   when ``fold``
+           (layers/kernels/triton_rotary_decode_attention.py), combine as above  when ``fold``
                                                                                   and the batch
                                                                                   qualifies
 

@@ -14,7 +14,8 @@ for the MXFP4 experts), one token, the routing with and without the post-attenti
   the rotary launch and in the decode attention that rotates) or that a kernel before their
   predecessor wrote (the matrix-vector experts' per-slot down launches, bf16 and MXFP4: the
   routing's ids and the first K step of the experts' weights they select):
-  the others (decode attention's two kernels, the experts' gate/up launches, whose weights
+  the others (decode attention's split kernel, with or without the combine inside, and its
+  combine kernel, the experts' gate/up launches, whose weights
   depend on the routing just before them, and the bf16 per-token down launch) load nothing
   before it;
 - every dot takes the same tensor-core instruction (family and k) either way, and the decode
@@ -46,9 +47,10 @@ from arfusion.layers.kernels import pdl  # noqa: E402
 # kernels that load data before the wait (weights, inv_freq); the others load nothing there
 LOADS_BEFORE_WAIT = {"_skinny_kernel", "_route_kernel", "_route_kernel norm", "_rotary_kernel", "_rotary_split_kernel",
                      "_topk_combine_norm_kernel", "_down_rows_gemv_kernel", "_gemv_kernel down"}
-# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down)
-LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_combine_kernel",
-            "_rotary_split_kernel", "_combine_kernel", "_route_kernel",
+# every launch of one decode step's kernels (the MXFP4 experts' kernel twice: gate/up, then down;
+# decode attention's split kernel with its combine inside, and with the combine launch after it)
+LAUNCHES = ("_skinny_kernel", "_norm_matmul_kernel", "_rotary_kernel", "_split_kernel", "_split_kernel partials",
+            "_combine_kernel", "_rotary_split_kernel", "_route_kernel",
             "_route_kernel norm", "_gate_up_silu_gemv_kernel", "_down_combine_gemv_kernel", "_gate_up_silu_gemv_kernel",
             "_down_rows_gemv_kernel", "_gemv_kernel gate/up", "_gemv_kernel down",
             "_topk_combine_kernel", "_topk_combine_norm_kernel")
@@ -91,8 +93,10 @@ def _decode_step_calls() -> None:
     cache = torch.empty(4096, 4, 128, dtype=BF16)
     rotary_embedding_store_kv(torch.tensor([100]), q, k, v, torch.rand(64), torch.tensor([7]), cache, cache.clone(),
                               head_norm=HeadNorm(torch.ones(128, dtype=BF16), torch.ones(128, dtype=BF16), 1e-6))
-    decode_attention(torch.randn(1, 32, 128, generator=g).to(BF16), cache, cache, torch.zeros(1, 4096, dtype=torch.int64),
-                     torch.tensor([2000]), 128 ** -0.5)
+    for combine_in_split in (True, False):
+        decode_attention(torch.randn(1, 32, 128, generator=g).to(BF16), cache, cache,
+                         torch.zeros(1, 4096, dtype=torch.int64), torch.tensor([2000]), 128 ** -0.5,
+                         combine_in_split=combine_in_split)
     decode_attention_rotary(torch.tensor([100]), q, k, v, torch.rand(64), torch.tensor([7]), cache, cache.clone(),
                             torch.zeros(1, 4096, dtype=torch.int64), torch.tensor([101]), 128 ** -0.5,
                             head_norm=HeadNorm(torch.ones(128, dtype=BF16), torch.ones(128, dtype=BF16), 1e-6))
@@ -124,11 +128,14 @@ def _decode_step_calls() -> None:
 
 def _label(fn: Any, kwargs: dict) -> str:
     """The kernel's name; the MXFP4 experts' kernel's with its launch (gate/up or down); the
-    routing's with the post-attention norm inside (``norm``)."""
+    routing's with the post-attention norm inside (``norm``); decode attention's split kernel
+    that leaves its partials to the combine launch (``partials``)."""
     if fn.__name__ == "_gemv_kernel":
         return f"{fn.__name__} {'gate/up' if kwargs['GATE_UP'] else 'down'}"
     if fn.__name__ == "_route_kernel" and kwargs["NORM"]:
         return f"{fn.__name__} norm"
+    if fn.__name__ == "_split_kernel" and not kwargs["COMBINE_IN_SPLIT"]:
+        return f"{fn.__name__} partials"
     return fn.__name__
 
 

@@ -12,6 +12,7 @@ bf16 is checked on the GPU only (tests/gpu/test_triton_decode_attention.py): the
 stores bf16 as uint16 and its ``tl.dot`` multiplies those bit patterns (triton's debugging guide
 says the interpreter does not support bf16 operations; triton-lang/triton#11584).
 """
+import functools
 import re
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 pytest.importorskip("triton")
 
 from arfusion.layers.kernels.triton_decode_attention import (  # noqa: E402
+    ARRIVALS,
+    COMBINE_IN_SPLIT_MIN_GROUP,
     choose_launch,
     decode_attention,
     decode_attention_reference,
@@ -86,6 +89,15 @@ REPLAY_LENS = ([330, 1, 65, 64], [2, 330, 329, 128])
 SHORT_ROW_CASES = [
     (torch.float32, 8, (1, 64, 65, 129, 520, 700)),
     (torch.float16, 64, (1, 2, 64, 130, 700, 700)),
+]
+
+# (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits, keys_per_split): the
+# combine in the split launch against its launch of its own, with rows that one
+# split covers (seq_len 1) beside rows of several
+COMBINE_CASES = [
+    (3, 4, 2, 64, 300, torch.float32, torch.int64, 5, None),
+    (6, 8, 1, 64, 700, torch.float16, torch.int64, 64, None),
+    (5, 2, 2, 16, 300, torch.float32, torch.int64, None, 64),
 ]
 
 # (batch, group, kv_heads, head_dim, context, dtype, index dtype, num_splits) read through row ids
@@ -158,6 +170,24 @@ def _interpreted_cases(rank: int, world_size: int) -> dict:
         out = decode_attention(q, k_cache, v_cache, req_to_token, lens, 0.3, num_splits=num_splits)
         expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, lens, 0.3)
         check(case, out.float(), expected, *TOLERANCES[dtype])
+
+    for case in COMBINE_CASES:
+        batch, group, kv_heads, dim, context, dtype, index_dtype, num_splits, keys_per_split = case
+        q, k_cache, v_cache, req_to_token, seq_lens = make_case(
+            batch, group, kv_heads, dim, context, dtype, index_dtype, seed=batch * 100 + group * 10 + dim + 3)
+        call = functools.partial(decode_attention, q, k_cache, v_cache, req_to_token, seq_lens, 0.3,
+                                 num_splits=num_splits, keys_per_split=keys_per_split,
+                                 block=16 if keys_per_split else None)
+        one_launch, again, two_launches = call(combine_in_split=True), call(combine_in_split=True), call(
+            combine_in_split=False)
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, 0.3)
+        check((case, "reference"), one_launch.float(), expected, *TOLERANCES[dtype])
+        # batch-invariant mode: the same sums in the same order either way (no FMA in the interpreter)
+        check((case, "combine launch"), one_launch.float(), two_launches.float(),
+              *((0, 0) if keys_per_split else TOLERANCES[dtype]))
+        check((case, "again"), again, one_launch, 0, 0)
+        results[(case, "counters")] = (None if not ARRIVALS.get(q.device, 1).any() else
+                                       "an arrival counter was left non-zero")
     return results
 
 
@@ -193,6 +223,32 @@ def test_row_ids_read_rows_of_a_larger_table(interpreted, case):
     with those rows gathered."""
     for key in ((case, "row_ids"), (case, "row_ids = gathered rows")):
         assert interpreted[key] is None, interpreted[key]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_the_split_launch_combines_its_splits(interpreted, case):
+    """With several splits the split launch's last program of each (sequence, kv head) combines
+    them (``combine_in_split=True``): as the reference, as the combine launch within the dtype's tolerance (the
+    sums' order differs; batch-invariant mode adds in split order in both), the same bits on a
+    second call, and every arrival counter back at zero after each call."""
+    for key in ((case, "reference"), (case, "combine launch"), (case, "again"), (case, "counters")):
+        assert interpreted[key] is None, interpreted[key]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8, 16])
+def test_the_group_size_chooses_where_several_splits_combine(group):
+    """By default several splits combine in the split launch (arrival counters planned) where a
+    kv head serves at least COMBINE_IN_SPLIT_MIN_GROUP query heads, else in the combine launch
+    (none); ``combine_in_split`` overrides either way; one split needs neither."""
+    from arfusion.layers.kernels.triton_decode_attention import plan_splits
+
+    q = torch.empty(2, 2 * group, 64)
+    in_split = group >= COMBINE_IN_SPLIT_MIN_GROUP
+    assert (plan_splits(q, 2, 1024, 4, None, None).arrivals is not None) is in_split
+    assert plan_splits(q, 2, 1024, 4, None, None, combine_in_split=True).arrivals is not None
+    assert plan_splits(q, 2, 1024, 4, None, None, combine_in_split=False).arrivals is None
+    assert plan_splits(q, 2, 1024, 1, None, None, combine_in_split=True).arrivals is None
 
 
 @pytest.mark.timeout(300)

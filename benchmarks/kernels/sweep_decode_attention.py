@@ -3,7 +3,9 @@ warps and pipeline stages, per (batch, context), by default at llama3-8b TP2 hea
 query heads, 4 KV heads, head dim 128, bf16); ``--heads``, ``--kv-heads``, ``--head-dim``,
 ``--window`` (a sliding window of that many keys) and ``--sinks`` (random per-head sink logits)
 set another model's layer, e.g. gpt-oss's sliding layers: ``--heads 64 --kv-heads 8 --head-dim 64
---window 128 --sinks``. Each time is `time_decode_attention` (µs per call, a CUDA graph of 32
+--window 128 --sinks``; ``--combine in-split`` / ``launch`` times the combine of several splits
+inside the split launch / as a launch of its own instead of the group size's default
+(`triton_decode_attention.combine_in_split_for`). Each time is `time_decode_attention` (µs per call, a CUDA graph of 32
 calls cycling over caches larger than L2). Prints, per shape, the shape-based default's time
 (`plan_splits`: the split count for the keys a row can hold) and the fastest setting found, and
 writes every point as JSON.
@@ -35,14 +37,16 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The attention layer timed: head counts and size, the sliding window (0: none) and whether
-    the heads have sink logits."""
+    """The attention layer timed: head counts and size, the sliding window (0: none), whether
+    the heads have sink logits, and whether several splits combine in the split launch, in a
+    launch of their own, or as the group size chooses (None)."""
 
     heads: int = 16
     kv_heads: int = 4
     head_dim: int = 128
     window: int = 0
     sinks: bool = False
+    combine_in_split: Optional[bool] = None
 
 
 def time_setting(batch: int, context: int, splits: Optional[int], block: int, warps: int, stages: int,
@@ -56,7 +60,8 @@ def time_setting(batch: int, context: int, splits: Optional[int], block: int, wa
     if shape.sinks:
         sinks = torch.randn(shape.heads, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     overrides = {} if splits is None else {"num_splits": splits, "block": block}
-    fn = functools.partial(attn.decode_attention, sinks=sinks, window=shape.window, **overrides)
+    fn = functools.partial(attn.decode_attention, sinks=sinks, window=shape.window,
+                           combine_in_split=shape.combine_in_split, **overrides)
     try:
         return time_decode_attention(batch, context, shape.heads, shape.kv_heads, shape.head_dim, attention_fn=fn)
     finally:
@@ -123,9 +128,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=0, help="a sliding window of this many keys (0: none)")
     p.add_argument("--sinks", action="store_true", help="per-head sink logits (random), as gpt-oss's")
+    p.add_argument("--combine", choices=("default", "in-split", "launch"), default="default",
+                   help="where several splits are combined: as the group size chooses (default), in the "
+                        "split launch, or in a launch of its own")
     p.add_argument("--json-file")
     args = p.parse_args(argv)
-    shape = LayerShape(args.heads, args.kv_heads, args.head_dim, args.window, args.sinks)
+    shape = LayerShape(args.heads, args.kv_heads, args.head_dim, args.window, args.sinks,
+                       {"default": None, "in-split": True, "launch": False}[args.combine])
     results = []
     print(f"{'B':>4} {'C':>6} {'default us':>11} {'(splits)':>9} {'best us':>9}  best setting")
     for batch, context in itertools.product(args.batch, args.context):

@@ -10,6 +10,8 @@ buffer is never freed while the process runs, and a larger one cannot be made du
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 class ArrivalCounters:
@@ -39,3 +41,17 @@ class ArrivalCounters:
             counters = torch.zeros(max(count, self.minimum), dtype=torch.int32, device=device)
             self.by_device[device] = counters
         return counters
+
+
+@triton.jit
+def last_to_arrive(Arrivals, index, count):
+    """Whether this program is the ``count``-th (last) of its group to arrive at counter ``index``
+    (module docstring): every thread's stores before the arrival (a CTA barrier, then the count's
+    release); the last program's later reads see the others' stores (acquire; read them past L1,
+    ``cache_modifier=".cg"``) and it sets the counter back to zero for the next launch."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Arrivals + index, 1, sem="acq_rel", scope="gpu")
+    last = arrived == count - 1
+    if last:
+        tl.atomic_xchg(Arrivals + index, 0, sem="relaxed", scope="gpu")
+    return last

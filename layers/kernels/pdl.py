@@ -14,8 +14,8 @@ overlap the predecessor's tail.
 The kernels that take part are those of a decode step: the decode-sized matmul (the o
 projection; through its launch cache, whose key holds launch_pdl), the input norm inside q/k/v
 (layers/kernels/triton_norm_matmul.py, with ``--norm-into-qkv``), rotary + q/k norm + KV store,
-decode attention's split and combine kernels, the one-launch routing (also with the
-post-attention norm inside, ``--norm-into-route``: it reads x and the residual after the wait),
+decode attention's split kernel (and its combine kernel where it runs), the one-launch
+routing (also with the post-attention norm inside, ``--norm-into-route``: it reads x and the residual after the wait),
 and the matrix-vector MoE experts (bf16: layers/moe/kernels/triton_moe_gemv.py; MXFP4:
 triton_mxfp4_gemv.py, and the combine launch after them, alone or with the next add + RMSNorm:
 layers/moe/kernels/triton_topk_combine.py, which loads the norm weight before the wait). Each has a

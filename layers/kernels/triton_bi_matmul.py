@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from arfusion.layers.kernels.arrival_counters import ArrivalCounters
+from arfusion.layers.kernels.arrival_counters import ArrivalCounters, last_to_arrive
 from arfusion.layers.kernels.bi_matmul_table import load_table
 from arfusion.layers.kernels.triton_launch_cache import CachedLauncher
 
@@ -125,18 +125,14 @@ def _matmul_kernel(X, W, Bias, Out, Part, Arrivals, M, N, K, split_k, stride_xm,
     else:
         part_ptrs = Part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # split s: s * M * N further
         tl.store(part_ptrs + split.to(tl.int64) * M * N, acc, mask=mask)
-        # every thread's stores before the tile's arrival count (release), the last program of
-        # the tile reads the others' partials after it (acquire) from L2 (.cg), in split order
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Arrivals + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        # the last program of the tile reads the others' partials from L2 (.cg), in split order
+        if last_to_arrive(Arrivals, pid, SPLITS):
             total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(Arrivals + pid, 0, sem="relaxed", scope="gpu")  # zero again for the next call
 
 
 MATMUL_LAUNCHER = CachedLauncher(_matmul_kernel, max_entries=256)

@@ -24,18 +24,25 @@ running acc = sum_j 2^(x_j - m) v_j, rescaled by 2^(m_old - m_new) when the max 
 NUM_SPLITS = 1 it writes out = acc / l itself and there is no combine. Otherwise it stores the
 normalised partial output o_s = acc_s / l_s and its log-sum-exp lse_s = m_s + log2(l_s).
 
-Combine kernel, grid (B, H), over the ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Since
+Combine, over the ran_b = ceil(n_b / chunk_b) <= NUM_SPLITS splits that ran. Since
 2^(lse_s) = sum_{j in s} 2^(x_j):
 
     out = sum_s w_s o_s / sum_s w_s,      w_s = 2^(lse_s - M),  M = max_s lse_s
 
-(every w_s lies in (0, 1] and one is 1: no overflow, no 0/0).
+(every w_s lies in (0, 1] and one is 1: no overflow, no 0/0). Where a kv head serves at least
+COMBINE_IN_SPLIT_MIN_GROUP query heads (`combine_in_split_for`; ``combine_in_split`` overrides) it
+runs in the split launch itself: a row that one split covers (ran_b = 1) writes acc / l at once;
+otherwise each of its splits stores its partial and counts its arrival on the (sequence, kv
+head) counter (layers/kernels/arrival_counters.py), and the last of the ran_b to arrive combines
+the G heads at once, adding the splits 0, 1, ... in order. Otherwise the combine is a launch of
+its own, grid (B, H), one program per head summing the splits as a tree (the same math; the
+sums' rounding may differ).
 
 Batch-invariant mode passes ``keys_per_split``: chunk_b is that fixed size, so row b takes
 ceil(n_b / keys_per_split) splits (fewer for short rows, more for long ones; never a function
 of the batch), the grid is ceil(C / keys_per_split) splits, and the combine adds splits 0, 1,
-... in order (a loop, not a tree over the grid's padded split count), so a row's bits depend on
-its own keys only.
+... in order (a loop, not a tree over the grid's padded split count, in either form of the
+combine), so a row's bits depend on its own keys only.
 
 Launch choice (`choose_launch`), from shapes only (B, KVH, the keys a row can hold: the width C
 of req_to_token, or a window W narrower than it, and the SM count): floor(WAVES * SMs / (B * KVH))
@@ -44,7 +51,7 @@ a layer with a window of 256 keys takes 4 splits of 64, not one per block of a l
 C, which would leave all but four empty), between 1 and MAX_SPLITS; mid-size batches
 (MID_MIN_ROWS <= B * KVH <= MID_WAVES * SMs) take MID_BLOCK_N-key blocks and about MID_WAVES
 programs per SM instead. A span of at most SHORT_SPAN keys (a window of 128, a short context)
-takes one split of one block at any batch: no partials, no combine launch, and one program's
+takes one split of one block at any batch: no partials, no combine, and one program's
 latency instead of a split's plus the combine's (docs/results.md, "The decode attention's split
 count for short spans").
 
@@ -55,7 +62,9 @@ of [0, n_b).
 
 Contract and effects: reads q, the caches and the index tensors; writes a new output of q's
 dtype and, with several splits, its own fp32 scratch ([B, H, NUM_SPLITS, D] and
-[B, H, NUM_SPLITS]); nothing else is written. Launch and buffers depend on shapes only, never on
+[B, H, NUM_SPLITS]) and, with the combine in the split launch, the device's arrival counters
+(`ARRIVALS`: zero before and after each call; calls that share a device run one at a time, as
+on one stream); nothing else is written. Launch and buffers depend on shapes only, never on
 seq_lens, so a call is CUDA-graph capturable and a replay with other seq_lens re-splits each row
 on the device. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would
 sync); seq_lens above C are clamped to C.
@@ -71,6 +80,7 @@ import triton
 import triton.language as tl
 
 from arfusion.layers.kernels import pdl
+from arfusion.layers.kernels.arrival_counters import ArrivalCounters, last_to_arrive
 from arfusion.layers.kernels.triton_slot_rows import sequence_slot_row
 
 BLOCK_N = 64  # keys per inner-loop step
@@ -82,6 +92,12 @@ MID_MIN_ROWS = 64
 MAX_SPLITS = 64
 SHORT_SPAN = 128  # keys a row can hold up to which one program of one block takes the row
 NOMINAL_SMS = 132  # H200; used when the tensors are not on a CUDA device (interpreter runs)
+# Query heads a kv head serves from which several splits combine in the split launch by default
+# (`combine_in_split_for`); fewer keep the combine launch (docs/results.md, "Decode attention in
+# one launch": faster at qwen3-30b-a3b's group of 8, slower at llama3-8b's 4)
+COMBINE_IN_SPLIT_MIN_GROUP = 8
+SPLITS_AT_ONCE = 4  # partials the combine in the split launch loads at once (`combine_group`)
+ARRIVALS = ArrivalCounters("decode attention")  # one counter per (sequence, kv head) of a call
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -144,14 +160,21 @@ def attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end,
 
 
 @triton.jit
+def store_heads(Out, b, heads, g_mask, out, stride_ob, stride_oh, HEAD_DIM: tl.constexpr):
+    """``out [GROUP_PAD, HEAD_DIM]`` (fp32) into row b's heads of ``Out``, in Out's dtype."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=g_mask[:, None])
+
+
+@triton.jit
 def write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh,
                 HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """A split's result: with one split the output rows ``acc / l`` themselves, else the
     normalised partial and its log-sum-exp ``m + log2(l)`` for the combine."""
     offs_d = tl.arange(0, HEAD_DIM)
     if NUM_SPLITS == 1:  # the whole row: the output itself (PartOut and PartLse are unused)
-        out = (acc / l[:, None]).to(Out.dtype.element_ty)
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out, mask=g_mask[:, None])
+        store_heads(Out, b, heads, g_mask, acc / l[:, None], stride_ob, stride_oh, HEAD_DIM)
     else:
         row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS] index
         tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=g_mask[:, None])
@@ -159,23 +182,76 @@ def write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, strid
 
 
 @triton.jit
-def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Sinks, qk_scale_log2,
+def combine_group(PartOut, PartLse, Out, b, heads, g_mask, ran, stride_ob, stride_oh, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr = SPLITS_AT_ONCE):
+    """Row b's output for the G heads ``heads`` from the partials of its splits 0 .. ran - 1
+    (module docstring), read past L1 (other programs stored them): the largest log-sum-exp M
+    of each head from one tile, then sum_s w_s o_s and sum_s w_s added in split order. The
+    splits come SPLITS_AT_ONCE at a time, unrolled, so that their loads are in flight together
+    (one L2 round trip for a row of up to that many splits, not one per split); a split past
+    ran_b adds w = 0 and o = 0, which leaves both sums as they were."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    first = (b * NUM_HEADS + heads) * NUM_SPLITS  # [GROUP_PAD]: split 0 of each head
+    lse = tl.load(PartLse + first[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s < ran)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.where(g_mask, tl.max(lse, 1), 0.0)  # padded rows: 0, so their (unstored) sums stay finite
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    for s0 in range(0, ran, SPLITS_AT_ONCE):
+        for i in tl.static_range(SPLITS_AT_ONCE):
+            s = s0 + i
+            mask = g_mask & (tl.zeros([GROUP_PAD], tl.int32) + s < ran)  # a tensor, also in the interpreter
+            w = tl.exp2(tl.load(PartLse + first + s, mask=mask, other=float("-inf"), cache_modifier=".cg") - top)
+            o = tl.load(PartOut + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc += w[:, None] * o
+            den += w
+    store_heads(Out, b, heads, g_mask, acc / den[:, None], stride_ob, stride_oh, HEAD_DIM)
+
+
+@triton.jit
+def finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob, stride_oh,
+                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, COMBINE_IN_SPLIT: tl.constexpr):
+    """A split's result (`write_split`). With COMBINE_IN_SPLIT (several splits; module docstring)
+    the row's output comes from this launch: a row that its one split covers (``ran == 1``)
+    writes acc / l at once; otherwise the last of its ``ran`` splits to arrive at counter (b, kv
+    head) of ``Arrivals`` combines them (`combine_group`)."""
+    if COMBINE_IN_SPLIT:
+        if ran == 1:
+            store_heads(Out, b, heads, g_mask, acc / l[:, None], stride_ob, stride_oh, HEAD_DIM)
+        else:
+            write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
+                        NUM_HEADS, NUM_SPLITS)
+            if last_to_arrive(Arrivals, b * tl.num_programs(1) + kvh, ran):
+                combine_group(PartOut, PartLse, Out, b, heads, g_mask, ran, stride_ob, stride_oh, GROUP_PAD,
+                              HEAD_DIM, NUM_HEADS, NUM_SPLITS, SPLITS_PAD)
+    else:
+        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
+                    NUM_HEADS, NUM_SPLITS)
+
+
+@triton.jit
+def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, Arrivals, Sinks, qk_scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rb, stride_ob, stride_oh,
                   context, window,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   HAS_ROW_IDS: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  FIXED_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                  FIXED_CHUNK: tl.constexpr, SPLITS_PAD: tl.constexpr, COMBINE_IN_SPLIT: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     if USE_PDL:  # everything below reads the step's data (layers/kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len, start, end, _ = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW,
-                                          FIXED_CHUNK)
+    seq_len, start, end, ran = chunk_bounds(SeqLens, b, split, context, window, NUM_SPLITS, BLOCK, HAS_WINDOW,
+                                            FIXED_CHUNK)
+    slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
     if start < seq_len:
-        slot_row = sequence_slot_row(ReqToToken, RowIds, b, stride_rb, HAS_ROW_IDS)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + offs_g
@@ -184,8 +260,8 @@ def _split_kernel(Q, K, V, ReqToToken, RowIds, SeqLens, PartOut, PartLse, Out, S
         m, l, acc = attend_keys(q, K, V, slot_row, kvh, heads, g_mask, split, Sinks, start, end, qk_scale_log2,
                                 stride_ks, stride_kh, stride_vs, stride_vh, 0, 0, 0, GROUP_PAD, HEAD_DIM, BLOCK,
                                 DOT_PRECISION, HAS_SINKS, False)
-        write_split(PartOut, PartLse, Out, b, heads, g_mask, split, m, l, acc, stride_ob, stride_oh, HEAD_DIM,
-                    NUM_HEADS, NUM_SPLITS)
+        finish_split(PartOut, PartLse, Out, Arrivals, b, kvh, heads, g_mask, split, ran, m, l, acc, stride_ob,
+                     stride_oh, GROUP_PAD, HEAD_DIM, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, COMBINE_IN_SPLIT)
 
 
 @triton.jit
@@ -293,7 +369,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: Optional[int] = None,
                      row_ids: Optional[torch.Tensor] = None, block: Optional[int] = None,
                      keys_per_split: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, combine_in_split: Optional[bool] = None) -> torch.Tensor:
     """``out [B, H, D] = softmax(scale * q . K^T) @ V`` per (sequence, query head) over the first
     ``seq_lens[b]`` slots of row ``row_ids[b]`` of ``req_to_token [R, C]`` (``row_ids [B]``
     int32/int64; without it row b of ``req_to_token [B, C]``; see the module docstring). Reads
@@ -305,23 +381,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combine adds the splits one by one in order. ``sinks [H]`` (fp32 logits) join every head's
     softmax denominator as a key of value 0 (split 0 starts its sums with it); ``window`` W > 0
     keeps the last W keys only (the splits cut ``[max(n_b - W, 0), n_b)``):
-    layers/sink_attention.py's math. Requires 1 <= seq_lens[b] and 0 <= row_ids[b] < R (not
-    checked: that would sync); values of seq_lens above C are clamped to C."""
+    layers/sink_attention.py's math. ``combine_in_split``: with several splits, combine them in
+    the split launch (True) or in a launch of its own (False); None: as the group size chooses
+    (`combine_in_split_for`; module docstring). Requires 1 <=
+    seq_lens[b] and 0 <= row_ids[b] < R (not checked: that would sync); values of seq_lens above
+    C are clamped to C."""
     check_operands(q, k_cache, v_cache, req_to_token, seq_lens, row_ids)
     check_sinks(sinks, q.shape[1], q.device, window)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split, window)
+    plan = plan_splits(q, kv_heads, req_to_token.shape[1], num_splits, block, keys_per_split, window,
+                       combine_in_split)
     use_pdl = pdl.enabled()
     _split_kernel[(batch, kv_heads, plan.splits)](
         q, k_cache, v_cache, req_to_token, seq_lens if row_ids is None else row_ids, seq_lens, plan.part_out,
-        plan.part_lse, plan.out, seq_lens if sinks is None else sinks, scale * math.log2(math.e),
+        plan.part_lse, plan.out, plan.counters(), seq_lens if sinks is None else sinks, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), plan.out.stride(0), plan.out.stride(1), req_to_token.shape[1], window,
         GROUP=heads // kv_heads, GROUP_PAD=group_pad(heads // kv_heads), HEAD_DIM=dim, NUM_HEADS=heads,
         NUM_SPLITS=plan.splits, BLOCK=plan.block, DOT_PRECISION=dot_precision(q.dtype),
         HAS_ROW_IDS=row_ids is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=window > 0,
-        FIXED_CHUNK=keys_per_split or 0, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FIXED_CHUNK=keys_per_split or 0, SPLITS_PAD=triton.next_power_of_2(plan.splits),
+        COMBINE_IN_SPLIT=plan.arrivals is not None, USE_PDL=use_pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         launch_pdl=use_pdl,
     )
     return combine(plan, seq_lens, req_to_token.shape[1], window, keys_per_split)
@@ -330,20 +411,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class SplitPlan(NamedTuple):
     """A decode call's launch: ``splits`` per row of ``block`` keys, the output ``out [B, H, D]``
     and, with several splits, the fp32 partials ``part_out [B, H, splits, D]`` and ``part_lse
-    [B, H, splits]`` (both ``out`` itself, unused, with one split)."""
+    [B, H, splits]`` (both ``out`` itself, unused, with one split), and ``arrivals``, the
+    per-(sequence, kv head) counters of a combine in the split launch (None: the combine is a
+    launch of its own, or there is none)."""
 
     splits: int
     block: int
     out: torch.Tensor
     part_out: torch.Tensor
     part_lse: torch.Tensor
+    arrivals: Optional[torch.Tensor] = None
+
+    def counters(self) -> torch.Tensor:
+        """The kernel's ``Arrivals`` operand: the counters, or ``out`` standing in, unused."""
+        return self.out if self.arrivals is None else self.arrivals
 
 
 def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Optional[int], block: Optional[int],
-                keys_per_split: Optional[int], window: int = 0) -> SplitPlan:
+                keys_per_split: Optional[int], window: int = 0, combine_in_split: Optional[bool] = None) -> SplitPlan:
     """The split count and block (`decode_attention`'s overrides, or `choose_launch` over the keys
     a row can hold: the width ``context``, or the ``window`` where it is narrower) and the buffers
-    of a call with ``q [B, H, D]``; ValueError for a block or keys_per_split that does not fit."""
+    of a call with ``q [B, H, D]`` (the arrival counters too with several splits combined in the
+    split launch: ``combine_in_split``, None for `combine_in_split_for`); ValueError for a block or
+    keys_per_split that does not fit."""
     batch, heads, dim = q.shape
     if keys_per_split is not None:
         splits, block = -(-context // keys_per_split), block or BLOCK_N
@@ -360,8 +450,17 @@ def plan_splits(q: torch.Tensor, kv_heads: int, context: int, num_splits: Option
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if splits == 1:  # the split kernel writes out directly: no partials, no merge (out stands in, unused)
         return SplitPlan(splits, block, out, out, out)
+    if combine_in_split is None:
+        combine_in_split = combine_in_split_for(heads // kv_heads)
+    arrivals = ARRIVALS.get(q.device, batch * kv_heads) if combine_in_split else None
     return SplitPlan(splits, block, out, torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device),
-                     torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device))
+                     torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device), arrivals)
+
+
+def combine_in_split_for(group: int) -> bool:
+    """Whether several splits combine in the split launch by default: a kv head serving at least
+    COMBINE_IN_SPLIT_MIN_GROUP query heads (``group``)."""
+    return group >= COMBINE_IN_SPLIT_MIN_GROUP
 
 
 def group_pad(group: int) -> int:
@@ -375,8 +474,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def combine(plan: SplitPlan, seq_lens: torch.Tensor, context: int, window: int,
             keys_per_split: Optional[int] = None) -> torch.Tensor:
-    """The combine launch over ``plan``'s partials when it has several splits; returns ``plan.out``."""
-    if plan.splits > 1:
+    """The combine launch over ``plan``'s partials when it has several splits and the split
+    launch does not combine them itself; returns ``plan.out``."""
+    if plan.splits > 1 and plan.arrivals is None:
         out = plan.out
         batch, heads, dim = out.shape
         use_pdl = pdl.enabled()

@@ -41,15 +41,19 @@ def _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed: int) -> None:
     seq_lens.copy_(lens)
 
 
+def _buffers(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Empty ``q, k_cache, v_cache, req_to_token, seq_lens`` of a batch and table width on GPU 0
+    (`_refill` fills them)."""
+    dev = torch.device("cuda", 0)
+    k_cache = torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    return (torch.empty(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=dev), k_cache, torch.empty_like(k_cache),
+            torch.empty(batch, context, dtype=torch.int64, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("batch,context", [(1, 8192), (3, 300), (32, 4096), (128, 1024), (256, 512)])
 def test_graph_replay_matches_reference(batch, context):
-    dev = torch.device("cuda", 0)
-    q = torch.empty(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
-    k_cache = torch.empty(batch * context + 5, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
-    v_cache = torch.empty_like(k_cache)
-    req_to_token = torch.empty(batch, context, dtype=torch.int64, device=dev)
-    seq_lens = torch.empty(batch, dtype=torch.int64, device=dev)
+    q, k_cache, v_cache, req_to_token, seq_lens = _buffers(batch, context)
     _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed=0)
 
     stream = torch.cuda.Stream()
@@ -158,6 +162,31 @@ def test_repeated_replays_of_several_calls(batch, context, num_splits):
         for (q, k_cache, v_cache), out in zip(layers, first):
             expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
             torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch,context,num_splits,keys_per_split", [
+    (1, 8192, 64, None), (7, 300, 5, None), (256, 1024, None, None), (64, 4096, 64, None), (5, 1000, None, 64)])
+def test_the_split_launch_combines_as_the_combine_launch(batch, context, num_splits, keys_per_split):
+    """The combine of several splits in the split launch (``combine_in_split=True``: the last program of each
+    (sequence, kv head) to arrive combines its heads) against the combine launch, for rows of
+    1 to 64 splits that ran (several loads of SPLITS_AT_ONCE partials), many groups arriving at
+    once (256 rows), and batch-invariant mode's fixed keys per split: within bf16's tolerance
+    of each other and of the reference, and every arrival counter zero after each call."""
+    from arfusion.layers.kernels.triton_decode_attention import ARRIVALS
+
+    q, k_cache, v_cache, req_to_token, seq_lens = _buffers(batch, context)
+    rtol, atol = TOLERANCES[DTYPE]
+    for seed in (1, 2):
+        _refill(q, k_cache, v_cache, req_to_token, seq_lens, seed)
+        calls = {in_split: decode_attention(q, k_cache, v_cache, req_to_token, seq_lens, SCALE, num_splits=num_splits,
+                                            keys_per_split=keys_per_split, combine_in_split=in_split)
+                 for in_split in (True, False)}
+        expected = decode_attention_reference(q, k_cache, v_cache, req_to_token, seq_lens, SCALE)
+        torch.cuda.synchronize()
+        assert not ARRIVALS.get(q.device, 1).any(), "an arrival counter was left non-zero"
+        torch.testing.assert_close(calls[True].float(), expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(calls[True], calls[False], rtol=rtol, atol=atol)
 
 
 def _torch_decode(q, k_cache, v_cache, req_to_token, seq_lens, scale):
